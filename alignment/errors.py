@@ -1,0 +1,12 @@
+"""User-facing errors.
+
+A `UserError` is bad input (recipe, data, model path, verifier): the CLI prints its message as
+one paragraph on stderr and exits with code 2, without a traceback. Anything else is a bug and
+keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """Bad input from the user; the message names the culprit (file, key, row or column)."""
+
+    exit_code = 2
