@@ -1,0 +1,100 @@
+"""The one prompt-rendering convention shared by every stage.
+
+The text a policy is trained on in SFT is exactly the text it is prompted with in RL, what the
+reward model scores and what evaluation samples from. All of them go through these functions:
+
+- `render_prompt(tokenizer, prompt)`: the prompt as the model sees it, ending where the model's
+  answer begins (the chat template with `add_generation_prompt=True`, or the plain string when the
+  tokenizer has no chat template).
+- `render_completion(tokenizer, prompt, completion)`: the answer as the model must produce it,
+  including the end-of-turn token and nothing after it. Templates that add a newline after the
+  end-of-turn token (Qwen's ChatML does) would otherwise train a trailing newline that generation
+  never produces: we cut the rendered answer at the end-of-turn token.
+
+Rows hold a `prompt` (a string or a list of chat messages) and a `completion` (a string), or
+`messages` whose last assistant turn is the completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import UserError
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def as_messages(prompt: Any) -> list[dict]:
+    """A prompt as chat messages: a plain string becomes one user turn."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return list(prompt)
+
+
+def render_prompt(tokenizer, prompt: Any) -> str:
+    """Prompt text, ending exactly where the model's answer starts."""
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
+    if not isinstance(prompt, str):
+        raise UserError(
+            "The data holds chat messages but the tokenizer has no chat template, so they cannot be rendered. "
+            "Use a tokenizer with a chat template (an instruct/chat checkpoint) or plain-text prompts."
+        )
+    return prompt
+
+
+def end_of_turn(tokenizer) -> str:
+    """The token that ends an assistant turn: what the chat template closes a turn with, else EOS."""
+    if has_chat_template(tokenizer):
+        probe = render_completion(tokenizer, "x", "y")
+        for token in tokenizer.all_special_tokens:
+            if probe.endswith(token):
+                return token
+    return tokenizer.eos_token
+
+
+def render_completion(tokenizer, prompt: Any, completion: str) -> str:
+    """Completion text including the end-of-turn token, cut right after it (see module docstring)."""
+    if not has_chat_template(tokenizer):
+        return completion + tokenizer.eos_token
+    prompt_text = render_prompt(tokenizer, prompt)
+    full = tokenizer.apply_chat_template(
+        as_messages(prompt) + [{"role": "assistant", "content": completion}], tokenize=False
+    )
+    if not full.startswith(prompt_text):
+        raise UserError(
+            "The tokenizer's chat template renders a prompt differently alone and followed by an answer, so "
+            "training and generation would see different text. Use a template whose generation prompt is a "
+            "prefix of the full conversation."
+        )
+    tail = full[len(prompt_text):]
+    # The first special token after the answer closes the turn; anything after it is dropped.
+    answer_end = max(tail.find(completion), 0) + len(completion)
+    closing = [(tail.find(t, answer_end), t) for t in tokenizer.all_special_tokens if tail.find(t, answer_end) >= 0]
+    if closing:
+        at, token = min(closing)
+        return tail[: at + len(token)]
+    return tail.rstrip() + tokenizer.eos_token
+
+
+def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[dict], str]:
+    """Split a chat into (prompt messages, final assistant answer)."""
+    if not messages or messages[-1].get("role") != "assistant":
+        where = f" (row {row})" if row is not None else ""
+        raise UserError(f"A 'messages' conversation{where} must end with an assistant turn, which is the completion.")
+    return list(messages[:-1]), messages[-1]["content"]
+
+
+def prompt_and_completion(row: dict, index: int | None = None) -> tuple[Any, str]:
+    """(prompt, completion) of a row in either format, before rendering."""
+    if "messages" in row and row["messages"] is not None and "prompt" not in row:
+        return split_messages(row["messages"], index)
+    return row["prompt"], row["completion"]
+
+
+def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
+    """{'prompt': text, 'completion': text} for SFT, in the shared convention."""
+    prompt, completion = prompt_and_completion(row, index)
+    return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}

@@ -1,0 +1,85 @@
+"""The one batched sampling path, used by ppo, rsft, on-policy preference data and evaluation.
+
+`generate(model, tokenizer, prompts, settings)` renders nothing itself: prompts arrive already
+rendered by `formatting.render_prompt`. It sorts prompts by length so each batch pads little,
+left-pads (decoder-only models continue from the right edge), samples `n` completions per prompt,
+stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
+so RL code can score the exact tokens that were sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from .schema import Strict
+
+
+class SamplingSpec(Strict):
+    """Sampling settings; `temperature: 0` means greedy decoding."""
+
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    n: int = Field(1, gt=0, description="completions per prompt")
+    batch_size: int = Field(64, gt=0, description="sequences per generate call")
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    text: str  # completion text without special tokens
+    token_ids: list[int] = field(default_factory=list)  # sampled ids, through the stop token if one was sampled
+    finished: bool = False  # ended with the end-of-turn / EOS token
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    from .formatting import end_of_turn
+
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))}
+    return sorted(i for i in ids if i is not None)
+
+
+def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
+    """`settings.n` samples per prompt, ordered prompt by prompt (sample j of prompt i at i*n+j)."""
+    import torch
+
+    from .progress import track
+
+    stops = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    jobs = [(i, j) for i in range(len(prompts)) for j in range(settings.n)]
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    # Longest first: similar lengths share a batch, and an out-of-memory error shows up at once.
+    jobs.sort(key=lambda job: -len(encoded[job[0]]))
+    results: dict[tuple[int, int], Sample] = {}
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
+    with torch.no_grad():
+        for batch in track(batches, description=progress or "generating", disable=progress is None):
+            rows = [encoded[i] for i, _ in batch]
+            width = max(len(r) for r in rows)
+            input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+            output = model.generate(
+                input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
+                do_sample=settings.temperature > 0, temperature=settings.temperature or None,
+                top_p=settings.top_p if settings.temperature > 0 else None,
+                top_k=settings.top_k if settings.temperature > 0 else None,
+                eos_token_id=stops, pad_token_id=pad_id,
+            )
+            for (i, j), ids in zip(batch, output[:, width:].tolist()):
+                results[(i, j)] = _to_sample(i, ids, stops, tokenizer)
+    model.train(was_training)
+    return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+
+
+def _to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:
+    end = next((k for k, t in enumerate(ids) if t in stops), None)
+    kept = ids if end is None else ids[: end + 1]
+    text = tokenizer.decode(kept, skip_special_tokens=True)
+    return Sample(prompt_index=prompt_index, text=text, token_ids=kept, finished=end is not None)

@@ -1,0 +1,227 @@
+"""Load tokenizers, policies and reward models; LoRA; the offline tiny-model builder.
+
+How stage outputs store weights (see README "Checkpoints"): every policy stage writes *merged*
+weights (a plain Hugging Face checkpoint any tool can load) plus, with LoRA, the adapter it trained
+in `adapter/`. The next stage loads that checkpoint and trains a fresh adapter on top; its
+reference policy is the same model with the adapter disabled, so no second copy of the weights is
+held. `align merge` turns any adapter folder (ours or a peft one on a hub/local base) into a plain
+merged checkpoint.
+
+Security: `trust_remote_code` is off unless the recipe opts in, and weights load as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from .errors import UserError
+from .schema import Strict
+
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \n"
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class TinySpec(Strict):
+    """A small from-scratch causal LM with a character-level tokenizer (offline runs and tests)."""
+
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int | None = None
+    max_position_embeddings: int = 256
+
+
+class LoraSpec(Strict):
+    """peft LoRA settings; `target_modules: all-linear` adapts every linear layer but the output head."""
+
+    r: int = Field(16, gt=0)
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    use_rslora: bool = False
+
+
+def is_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_dtype():
+    """bf16 on a GPU that supports it, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_tokenizer():
+    """Character-level tokenizer with a chat template, pad and end-of-turn tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
+    """Write a deterministic random-init model + tokenizer to `path` (skipped when already there)."""
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    tokenizer = build_tokenizer()
+    config_class = Qwen2Config if spec.arch == "qwen2" else LlamaConfig
+    config = config_class(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path) / "adapter_config.json").exists()
+
+
+def check_model_source(name: str, where: str, trust_remote_code: bool = False) -> None:
+    """Fail early when a model path/hub id cannot be resolved (exists locally, or in the hub cache)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not ((path / "config.json").exists() or is_adapter_dir(path)):
+            raise UserError(f"{where}: '{name}' exists but is not a model folder (no config.json or adapter_config.json).")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise UserError(f"{where}: model path '{name}' does not exist.")
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise UserError(
+            f"{where}: model '{name}' is neither a local folder nor loadable from the Hugging Face Hub or its "
+            f"cache ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}). "
+            "Without network access, download it beforehand or give a local path."
+        ) from None
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    source = _adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _adapter_base(path: str | Path) -> str:
+    return json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
+    """A causal LM from a folder, hub id or adapter folder (adapter merged into its base)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or default_dtype()
+    if is_adapter_dir(name):
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(_adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
+        return PeftModel.from_pretrained(base, name).merge_and_unload()
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                    use_safetensors=True)
+    except OSError as error:
+        raise UserError(f"could not load model '{name}': {str(error).strip().splitlines()[0]}") from None
+
+
+def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
+    """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
+        raise UserError(
+            f"'{name}' is not a reward model: its architecture is {architectures or 'unknown'} with "
+            f"{config.num_labels} label(s); a reward model is a *ForSequenceClassification with one label "
+            "(the output of a `reward` stage)."
+        )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        name, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code, use_safetensors=True
+    )
+    model.eval().requires_grad_(False)
+    return model
+
+
+def peft_config(spec: LoraSpec, task_type: str = "CAUSAL_LM"):
+    """peft LoraConfig; `task_type="SEQ_CLS"` keeps a reward model's fresh score head trainable."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
+                      target_modules=spec.target_modules, use_rslora=spec.use_rslora, task_type=task_type)
+
+
+def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name: str = "default"):
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, peft_config(spec, task_type), adapter_name=adapter_name)
+    except ValueError as error:
+        raise UserError(f"lora: {str(error).strip().splitlines()[0]} (lora.target_modules = {spec.target_modules!r})") from None
+
+
+def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
+    """Save a policy as merged weights, with the LoRA adapter (if any) in `adapter/` beside them."""
+    from peft import PeftModel
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, PeftModel):
+        model.save_pretrained(out_dir / "adapter")
+        model = model.merge_and_unload()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def count_parameter_storage(*modules) -> int:
+    """Bytes of distinct parameter storage across modules (shared tensors counted once)."""
+    seen, total = set(), 0
+    for module in modules:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,26 @@
+"""Progress bars (rich) for long loops; silent on non-main processes and when disabled."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
+
+
+def track(items: Iterable[T], description: str, disable: bool = False, total: int | None = None) -> Iterable[T]:
+    """`items` with a progress bar on stderr (main process only)."""
+    if disable or not is_main_process() or os.environ.get("ALIGN_NO_PROGRESS"):
+        yield from items
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
+        yield from progress.track(items, total=total, description=description)

@@ -1,0 +1,179 @@
+"""Run a recipe's stages in order; `check_recipe` validates everything without training.
+
+Output layout under the recipe's `output_dir`:
+  base/             the tiny from-scratch model (offline recipes only)
+  <stage>/          finished stage: checkpoint + tokenizer + log_history.json + README.md + stage.json
+  .staging/<stage>/ a stage being written; moved to <stage>/ in one rename when complete
+  .work/<stage>/    trainer checkpoints for resume; removed when the stage finishes
+`stage.json` present = stage finished. Reruns skip finished stages (`force`, `only`, `start_from`).
+Every process runs every stage (distributed training); only the main process writes files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from .errors import UserError
+from .recipe import Recipe
+from .stages import stage_module
+from .stages.base import StageContext
+
+
+def distributed_state():
+    from accelerate import PartialState
+
+    return PartialState()
+
+
+def select_stages(recipe: Recipe, only: list[str] | None, start_from: str | None) -> list[str]:
+    order = list(recipe.stages)
+    for name in (only or []) + ([start_from] if start_from else []):
+        if name not in recipe.stages:
+            from .schema import did_you_mean
+
+            raise UserError(f"no stage '{name}'{did_you_mean(name, order)} in the recipe; stages: {', '.join(order)}.")
+    if only:
+        return [s for s in order if s in only]
+    if start_from:
+        return order[order.index(start_from):]
+    return order
+
+
+def is_finished(recipe: Recipe, stage_id: str) -> bool:
+    return (recipe.stage_dir(stage_id) / "stage.json").exists()
+
+
+def make_context(recipe: Recipe, stage_id: str, is_main: bool = True) -> StageContext:
+    out = recipe.out
+    return StageContext(
+        recipe=recipe, stage_id=stage_id, config=recipe.stages[stage_id],
+        start_model=recipe.start_model(stage_id), out_dir=out / ".staging" / stage_id,
+        work_dir=out / ".work" / stage_id, lora=recipe.lora_for(stage_id), is_main=is_main,
+    )
+
+
+def check_recipe(recipe: Recipe, log=print) -> None:
+    """Deep validation: models resolve, data loads with the right columns, TRL configs build, verifiers
+    resolve. Stages that start from an earlier stage's output are checked against the base model."""
+    from .models import check_model_source
+
+    recipe.ensure_base_model()
+    for stage_id, config in recipe.stages.items():
+        ctx = make_context(recipe, stage_id)
+        if not _is_stage_output(recipe, ctx.start_model):
+            check_model_source(ctx.start_model, f"stages.{stage_id}.{config.start_model_key()}", recipe.trust_remote_code)
+        else:
+            ctx.start_model = _checkable(recipe, ctx.start_model)
+        stage_module(config.kind).check(ctx)
+        log(f"  {stage_id} ({config.kind}): ok")
+    if recipe.evaluate is not None:
+        from .evaluate import check_evaluate_block
+
+        check_evaluate_block(recipe)
+        log("  evaluate: ok")
+
+
+def _is_stage_output(recipe: Recipe, model: str) -> bool:
+    return any(model == str(recipe.stage_dir(s)) for s in recipe.stages)
+
+
+def _checkable(recipe: Recipe, model: str) -> str:
+    """A stage output that does not exist yet is checked with the base model's tokenizer."""
+    return model if (Path(model) / "config.json").exists() else recipe.base_model()
+
+
+def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
+               evaluate: bool = True, log=print) -> dict[str, dict]:
+    state = distributed_state()
+    with state.main_process_first():
+        recipe.ensure_base_model()
+    results = {}
+    for stage_id in select_stages(recipe, only, start_from):
+        if is_finished(recipe, stage_id) and not force:
+            log(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
+            continue
+        results[stage_id] = run_stage(recipe, stage_id, state, log=log)
+    if evaluate and recipe.evaluate is not None:
+        from .evaluate import run_evaluate_block
+
+        run_evaluate_block(recipe, log=log)
+    return results
+
+
+def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
+    state = state or distributed_state()
+    ctx = make_context(recipe, stage_id, is_main=state.is_main_process)
+    if _is_stage_output(recipe, ctx.start_model) and not Path(ctx.start_model).exists():
+        raise UserError(f"stage '{stage_id}' starts from '{ctx.start_model}', which has not been produced; run "
+                        "the earlier stage first (drop --only/--from).")
+    if state.is_main_process:
+        shutil.rmtree(ctx.out_dir, ignore_errors=True)
+        ctx.out_dir.mkdir(parents=True)
+        ctx.work_dir.mkdir(parents=True, exist_ok=True)
+    state.wait_for_everyone()
+    log(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
+    started = time.time()
+    result = stage_module(ctx.config.kind).run(ctx) or {}
+    state.wait_for_everyone()
+    record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2)}
+    if state.is_main_process:
+        finalize(ctx, record, result.get("log_history"))
+    state.wait_for_everyone()
+    log(f"[{stage_id}] done in {record['wall_time_s']:.1f}s -> {recipe.stage_dir(stage_id)}")
+    return record
+
+
+def stage_record(ctx: StageContext, record: dict) -> dict:
+    from .redact import redact
+
+    return redact({
+        "stage": ctx.stage_id, "kind": ctx.config.kind, "recipe": ctx.recipe.name,
+        "start_model": ctx.start_model, "lora": ctx.lora.model_dump() if ctx.lora else None,
+        "seed": ctx.seed, "config": ctx.config.model_dump(mode="json"), **record,
+        "versions": package_versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+
+
+def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
+    """Write the stage's records into staging, then move staging into place in one rename.
+    `stage.json` is written last inside staging, so a finished folder always has complete weights."""
+    from .model_card import write_model_card
+
+    if log_history is not None:
+        _write_json(ctx.out_dir / "log_history.json", log_history)
+    data = stage_record(ctx, record)
+    write_model_card(ctx, data)
+    _write_json(ctx.out_dir / "stage.json", data)
+    final = ctx.recipe.stage_dir(ctx.stage_id)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(ctx.out_dir, final)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(ctx.work_dir, ignore_errors=True)
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def package_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    names = ["alignment-toolkit", "torch", "transformers", "trl", "peft", "accelerate", "datasets"]
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found

@@ -1,0 +1,63 @@
+"""Validation plumbing shared by the recipe, stage and data specs.
+
+Every user-facing spec derives from `Strict` (pydantic, unknown keys forbidden). `explain()` turns a
+pydantic `ValidationError` into one readable paragraph that names the dotted key and, for unknown
+keys, suggests the closest allowed one ("did you mean ...").
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Strict(BaseModel):
+    """Base for recipe specs: unknown keys are errors, values are type-checked."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, arbitrary_types_allowed=True)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def dotted(parts: Iterable[Any]) -> str:
+    return ".".join(str(p) for p in parts if p != "")
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (nested) pydantic model that owns the location `loc`."""
+    current: Any = model
+    for part in loc[:-1]:
+        fields = getattr(current, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        annotation = fields[part].annotation
+        current = next((a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")), None)
+        if current is None:
+            return []
+    return sorted(getattr(current, "model_fields", {}))
+
+
+def explain(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """One line per problem: '<prefix.key>: what is wrong (got X)'."""
+    lines = []
+    for item in error.errors():
+        loc = tuple(p for p in item["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        where = dotted([prefix, *loc]) or "(top level)"
+        if item["type"] == "extra_forbidden":
+            allowed = _allowed_keys(model, loc)
+            hint = did_you_mean(loc[-1], allowed)
+            known = f"; allowed keys: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"unknown key '{where}'{hint}{known}")
+        elif item["type"] == "missing":
+            lines.append(f"missing required key '{where}'")
+        else:
+            got = item.get("input")
+            shown = repr(got) if not isinstance(got, dict) else "a mapping"
+            lines.append(f"'{where}': {item['msg']} (got {shown})")
+    return "; ".join(lines)

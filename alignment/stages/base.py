@@ -1,0 +1,115 @@
+"""What every stage shares: its config base class and the context a stage runs in.
+
+A stage module (`stages/<kind>.py`) defines `Config` (a `StageConfig` subclass), `check(ctx)`
+(validation that needs data or models, run by `align check`) and `run(ctx) -> metrics`. The runner
+builds a `StageContext`, calls `run`, and writes `stage.json` last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from ..data import DataSpec
+from ..errors import UserError
+from ..models import LoraSpec
+from ..schema import Strict, did_you_mean
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+
+STAGE_REF_PREFIX = "${"
+
+
+def stage_ref(value: Any) -> str | None:
+    """The stage id in a whole-value reference '${sft}', else None."""
+    if isinstance(value, str) and value.startswith(STAGE_REF_PREFIX) and value.endswith("}"):
+        return value[2:-1]
+    return None
+
+
+class StageConfig(Strict):
+    """Keys every stage accepts. `model` is the starting policy: '${stage}', a local path or a hub id;
+    by default the previous policy stage's output (or the recipe's model for the first stage)."""
+
+    kind: str
+    model: str | None = None
+    data: DataSpec | None = None
+    eval_data: DataSpec | None = None
+    lora: LoraSpec | None = None
+    train: dict[str, Any] = Field(default_factory=dict)
+
+    def start_model_key(self) -> str:
+        """Name of the key holding the starting policy (PPO calls it `policy`)."""
+        return "model"
+
+
+@dataclass
+class StageContext:
+    """Everything a stage needs to run; paths are already resolved."""
+
+    recipe: "Recipe"
+    stage_id: str
+    config: StageConfig
+    start_model: str
+    out_dir: Path  # staging folder: the checkpoint goes here, the runner moves it into place
+    work_dir: Path  # survives crashes: trainer checkpoints for resume
+    lora: LoraSpec | None
+    is_main: bool = True
+
+    @property
+    def seed(self) -> int:
+        return self.recipe.seed
+
+    @property
+    def where(self) -> str:
+        return f"stages.{self.stage_id}"
+
+    def load_data(self, spec: DataSpec | None, key: str = "data"):
+        from ..data import load_rows
+
+        if spec is None:
+            raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
+        return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
+
+    def resolve_model(self, value: str) -> str:
+        return self.recipe.resolve_model(value)
+
+    def trl_args(self, config_class, **stage_defaults):
+        """The TRL config: device-aware defaults, then the stage's defaults, then the recipe's `train:`."""
+        return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train, self.work_dir,
+                                **stage_defaults)
+
+
+def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
+    """TRL defaults that suit the device: TRL's bf16=True and gradient checkpointing fail or crawl on CPU."""
+    from ..models import is_cuda
+
+    cuda = is_cuda()
+    import torch
+
+    return dict(
+        output_dir=str(work_dir / "trainer"), seed=recipe.seed, data_seed=recipe.seed,
+        bf16=cuda and torch.cuda.is_bf16_supported(), fp16=False, use_cpu=not cuda,
+        gradient_checkpointing=False, report_to=recipe.report_to, logging_steps=10,
+        save_strategy="steps", save_steps=200, save_total_limit=1, dataloader_pin_memory=cuda,
+    )
+
+
+def build_trl_config(config_class, recipe: "Recipe", stage_id: str, train: dict, work_dir: Path, **stage_defaults):
+    """Build `config_class` (e.g. trl.SFTConfig); unknown or rejected knobs become UserErrors."""
+    where = f"stages.{stage_id}.train"
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    for key in train:
+        if key not in fields:
+            raise UserError(f"{where}: unknown {config_class.__name__} option '{key}'{did_you_mean(key, fields)}.")
+    kwargs = {**device_defaults(recipe, work_dir), **stage_defaults, **train}
+    kwargs = {k: v for k, v in kwargs.items() if k in fields}
+    try:
+        return config_class(**kwargs)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"{where}: {config_class.__name__} rejected the settings: {error}") from None

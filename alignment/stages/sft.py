@@ -1,0 +1,86 @@
+"""`sft` stage: supervised fine-tuning with `trl.SFTTrainer`.
+
+Data: `prompt`/`completion` rows or chat `messages` (the last assistant turn is the completion).
+Both are rendered with the shared convention (`formatting.py`) into plain prompt/completion text,
+so the policy is trained on exactly the text it will be prompted with later. The loss is on the
+completion only by default (`train: {completion_only_loss: false}` trains on the prompt too).
+Recipe keys under `train:` go verbatim to `trl.SFTConfig`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from ..data import DataSpec
+from ..errors import UserError
+from .base import StageConfig, StageContext
+
+COLUMNS = [("prompt", "completion"), ("messages",)]
+
+
+class Config(StageConfig):
+    kind: Literal["sft"] = "sft"
+    data: DataSpec
+
+
+def trl_config(ctx: StageContext):
+    from trl import SFTConfig
+
+    return ctx.trl_args(SFTConfig, completion_only_loss=True, max_length=1024, learning_rate=2e-5)
+
+
+def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length: int | None):
+    """Rows rendered to {'prompt', 'completion'} text; rows whose prompt alone fills `max_length` are dropped."""
+    from ..data import check_columns, check_strings
+    from ..formatting import render_pair
+
+    dataset = ctx.load_data(spec, key)
+    columns = check_columns(dataset, COLUMNS, f"{ctx.where}.{key}", spec)
+    check_strings(dataset, columns, f"{ctx.where}.{key}")
+    rows = [render_pair(tokenizer, row, i) for i, row in enumerate(dataset)]
+    return drop_overlong(rows, tokenizer, max_length, f"{ctx.where}.{key}")
+
+
+def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: str) -> list[dict]:
+    """Drop rows whose prompt leaves no room for the completion; all dropped is an error."""
+    if not max_length:
+        return rows
+    kept = [r for r in rows if len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) < max_length]
+    if not kept:
+        raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
+                        "left to train on; raise train.max_length or shorten the prompts.")
+    if len(kept) < len(rows):
+        print(f"[{where}] dropped {len(rows) - len(kept)} of {len(rows)} rows whose prompt exceeds max_length={max_length}")
+    return kept
+
+
+def check(ctx: StageContext) -> None:
+    from ..models import load_tokenizer
+
+    args = trl_config(ctx)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
+
+
+def run(ctx: StageContext) -> dict:
+    import datasets
+    from trl import SFTTrainer
+
+    from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
+    from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
+
+    args = trl_config(ctx)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
+    train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
+    eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
+    trainer = SFTTrainer(
+        model=model, args=args, processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(train_rows),
+        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
+        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+    )
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+    if ctx.is_main:
+        save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
+    return final_metrics(trainer, rows=len(train_rows))
