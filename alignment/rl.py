@@ -1,0 +1,468 @@
+"""Pure tensor functions for our PPO loop (InstructGPT / Ziegler et al. 2019 formulation).
+
+What is here, all free of training-loop state so each can be unit-tested with hand-computed values
+(`python -m pytest tests/test_rl.py -q`):
+
+- log-probs and entropy of a causal LM's tokens without ever holding an fp32 [B, T, V] copy of the
+  logits (`selective_log_softmax`, `entropy_from_logits`, `sequence_logprobs`);
+- KL estimators k1/k2/k3 and the KL-penalised per-token reward (`kl_estimate`, `penalized_rewards`);
+- masked statistics (`masked_mean`, `masked_var`, `masked_whiten`), GAE (`gae_advantages`);
+- the clipped PPO policy and value losses, `explained_variance`;
+- fixed and adaptive KL-coefficient controllers with `state_dict()` for checkpoint resume.
+
+Conventions shared by every function (other code relies on them):
+- B = batch, T = completion length, V = vocab. Completions are right-padded; `mask` is [B, T] with
+  1 for real completion tokens (up to and including EOS) and 0 for padding after them.
+- Log-probs are natural-log, per token, fp32 whenever the logits were bf16/fp16.
+- Everything that returns [B, T] holds 0 at masked positions (KL, rewards, advantages, returns,
+  whitened values), so a forgotten mask cannot leak padding into a sum.
+- Losses are to be *minimised*; stats are detached 0-dim tensors (call `.item()` to log).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Tokens per chunk when a [B, T, V] tensor is reduced to [B, T]: one fp32 chunk of 512 x 152k vocab
+# is ~300 MB, small next to the model, and few enough chunks that Python overhead is negligible.
+DEFAULT_CHUNK_TOKENS = 512
+
+_KL_KINDS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Log-probs and entropy without an fp32 [B, T, V] copy
+# ---------------------------------------------------------------------------------------------------
+
+
+def _row_chunks(logits: torch.Tensor, chunk_size: int):
+    """Yield (b, slice, x): x = logits[b, slice] ([<=chunk_size, V]), upcast to fp32 if half.
+
+    Going row by row (then over T) never reshapes `logits`, so a non-contiguous slice such as
+    `logits[:, :-1]` is not copied either.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits of shape [B, T, V], got {tuple(logits.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    batch, length, _ = logits.shape
+    for b in range(batch):
+        for start in range(0, length, chunk_size):
+            sl = slice(start, min(start + chunk_size, length))
+            x = logits[b, sl]
+            yield b, sl, (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x)
+
+
+def _out_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for half logits (log-prob differences feed exp() in the PPO ratio), else unchanged."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    """Chunked `log_softmax(logits).gather(index)` whose backward recomputes the softmax per chunk.
+
+    Plain autograd would save every fp32 chunk for backward, i.e. the whole fp32 [B, T, V] copy we
+    avoid; here only the original `logits` (model dtype) and `index` are saved.
+    d logp_y / d x_j = 1[j = y] - softmax(x)_j.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index, chunk_size):
+        out = logits.new_empty(index.shape, dtype=_out_dtype(logits))
+        for b, sl, x in _row_chunks(logits, chunk_size):
+            picked = x.gather(-1, index[b, sl, None]).squeeze(-1)
+            out[b, sl] = picked - torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, index)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, index = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b, sl, x in _row_chunks(logits, ctx.chunk_size):
+            g = grad_out[b, sl, None].to(x.dtype)
+            d = torch.softmax(x, dim=-1).mul_(-g)
+            d.scatter_add_(-1, index[b, sl, None], g)
+            grad[b, sl] = d
+        return grad, None, None
+
+
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
+    """Log-probability of the chosen tokens: `log_softmax(logits, -1).gather(-1, index)`.
+
+    Shapes: logits [B, T, V], index [B, T] (int) -> [B, T]; dtype fp32 for bf16/fp16 logits,
+    otherwise the logits' dtype. Equation: logp_t = logits[t, y_t] - logsumexp_v logits[t, v].
+    Computed `chunk_size` tokens at a time (upcast per chunk), so neither the forward nor the
+    backward ever holds an fp32 [B, T, V] tensor. Differentiable once (no double backward).
+    """
+    if index.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must equal logits shape[:-1] {tuple(logits.shape[:-1])}"
+        )
+    return _SelectiveLogSoftmax.apply(logits, index.long(), chunk_size)
+
+
+class _Entropy(torch.autograd.Function):
+    """Chunked entropy with a recomputing backward (same memory argument as above).
+
+    H = -sum_j p_j log p_j, and dH/dx_j = -p_j (log p_j + H).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, chunk_size):
+        out = logits.new_empty(logits.shape[:-1], dtype=_out_dtype(logits))
+        for b, sl, x in _row_chunks(logits, chunk_size):
+            logp = torch.log_softmax(x, dim=-1)
+            out[b, sl] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, out)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, entropy = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for b, sl, x in _row_chunks(logits, ctx.chunk_size):
+            logp = torch.log_softmax(x, dim=-1)
+            h = entropy[b, sl, None].to(x.dtype)
+            g = grad_out[b, sl, None].to(x.dtype)
+            grad[b, sl] = -logp.exp() * (logp + h) * g
+        return grad, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Entropy of the categorical distribution at each position.
+
+    Shapes: logits [B, T, V] -> [B, T] (fp32 for half logits). Equation: H_t = -sum_v p_tv log p_tv,
+    p = softmax(logits). Chunked like `selective_log_softmax`; differentiable once, so it can back an
+    entropy bonus as well as logging.
+    """
+    return _Entropy.apply(logits, chunk_size)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_logits_to_keep: int,
+    temperature: float = 1.0,
+    batch_chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token log-probs of the last `num_logits_to_keep` tokens of `input_ids` under `model`.
+
+    Shapes: input_ids, attention_mask [B, L] (prompt left-padded, completion right-padded, the
+    completion = the last K = num_logits_to_keep columns) -> [B, K]; out[b, t] =
+    log softmax(logits[b, L-K-1+t] / temperature)[input_ids[b, L-K+t]] (logits shifted by one).
+    Padding columns get a value too: mask them with the completion mask.
+    `batch_chunk_size` rows per forward (None = all); `logits_to_keep=K+1` skips the lm_head on the
+    prompt, so at most a [chunk, K+1, V] tensor in the model's dtype exists at a time.
+    """
+    batch, length = input_ids.shape
+    k = int(num_logits_to_keep)
+    if not 1 <= k < length:
+        raise ValueError(
+            f"num_logits_to_keep must be in [1, {length - 1}] for sequences of length {length}, got {k}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    # Position ids as `generate` builds them (cumsum of the mask), so left padding does not shift
+    # positions and the log-probs match the distribution the tokens were sampled from.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    step = batch if batch_chunk_size is None else int(batch_chunk_size)
+    parts = []
+    for start in range(0, batch, step):
+        rows = slice(start, start + step)
+        out = model(
+            input_ids=input_ids[rows],
+            attention_mask=attention_mask[rows],
+            position_ids=position_ids[rows],
+            logits_to_keep=k + 1,
+            use_cache=False,
+        )
+        # Slice again in case a model ignores logits_to_keep; drop the last logit (it predicts
+        # the token after the sequence). Sampling divided the logits by the temperature, so the
+        # log-probs of those samples must too (as in TRL's GRPO and OpenRLHF).
+        logits = out.logits[:, -(k + 1) : -1]
+        del out
+        if temperature != 1.0:
+            logits = logits / temperature
+        parts.append(selective_log_softmax(logits, input_ids[rows, -k:]))
+    return torch.cat(parts, dim=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL estimators and KL-penalised rewards
+# ---------------------------------------------------------------------------------------------------
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from log-probs of tokens sampled from pi.
+
+    Shapes: [B, T], [B, T] -> [B, T]. With d = logp - logp_ref:
+      k1 = d                      (unbiased, high variance, can be negative)
+      k2 = 0.5 * d**2             (biased, low variance, >= 0)
+      k3 = exp(-d) - 1 + d        (unbiased, low variance, >= 0)
+    Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html.
+    Swapping the arguments estimates the other direction for samples from the second argument.
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {', '.join(_KL_KINDS)}")
+
+
+def last_token_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of the last position with mask != 0 in each row, and whether the row has one.
+
+    Shapes: mask [B, T] -> (index [B] long, has_token [B] bool); index is 0 for all-zero rows.
+    """
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    index = torch.where(mask != 0, positions, -1).amax(dim=-1)
+    return index.clamp(min=0), index >= 0
+
+
+def penalized_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kl_estimator: str = "k1",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of RLHF: a KL penalty on every token plus the sequence score at the end.
+
+    Shapes: scores [B], logprobs/ref_logprobs/mask [B, T] -> (rewards [B, T], kl [B, T]).
+    r_t = -kl_coef * KL_t + 1[t = last real token] * score  (Ziegler et al. 2019, eq. 2 and
+    Stiennon et al. 2020, eq. 1). kl and rewards are 0 at masked positions. A row whose mask is
+    all zero gets no score (its rewards stay 0) rather than an error. Pass detached tensors.
+    """
+    kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+    kl = torch.where(mask != 0, kl, torch.zeros_like(kl))
+    rewards = -kl_coef * kl
+    index, has_token = last_token_index(mask)
+    bonus = torch.where(has_token, scores.to(rewards.dtype), torch.zeros_like(rewards[:, 0]))
+    rewards = rewards.scatter_add(1, index[:, None], bonus[:, None])
+    return rewards, kl
+
+
+# ---------------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over entries where mask != 0 (mask may hold weights).
+
+    Shapes: x, mask same shape -> scalar (dim=None) or x reduced over `dim`.
+    Equation: sum(x * m) / sum(m). Masked entries never enter, even if they hold inf/NaN; a
+    reduction over an all-zero mask returns 0 instead of NaN (no NaN gradients from empty batches).
+    """
+    mask = mask.to(x.dtype) if x.is_floating_point() else mask.float()
+    masked = torch.where(mask != 0, x * mask, torch.zeros_like(mask))
+    if dim is None:
+        return masked.sum() / mask.sum().clamp(min=1e-8)
+    return masked.sum(dim) / mask.sum(dim).clamp(min=1e-8)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of x over entries where mask != 0 (scalar).
+
+    Equation: mean_m((x - mean_m(x))^2), times n / (n - 1) when `unbiased` (Bessel), n = sum(mask).
+    Raises ValueError when the mask is empty, or holds a single entry and `unbiased` is set.
+    """
+    count = mask.sum()
+    if count == 0 or (unbiased and count == 1):
+        need = "two" if unbiased else "one"
+        raise ValueError(f"masked_var needs {need} or more unmasked entries, got {count.item():g}")
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean).square(), mask)
+    if unbiased:
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise x to unit variance (and zero mean if `shift_mean`) using unmasked entries only.
+
+    Shapes: x, mask [B, T] -> [B, T]. Equation: (x - mu) / sqrt(var + 1e-8) (+ mu if not shift_mean),
+    mu and var (unbiased) over mask != 0. Masked entries are set to 0 in the output, so whitened
+    advantages at padding contribute nothing even where a caller forgets the mask.
+    """
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GAE and losses
+# ---------------------------------------------------------------------------------------------------
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a right-padded batch of completions.
+
+    Shapes: rewards, values, mask [B, T] -> (advantages [B, T], returns [B, T]).
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}
+    (Schulman et al. 2016, arXiv:1506.02438, eq. 11-16); returns R_t = A_t + V_t (value targets).
+    The episode ends at the last real token: V after it is 0 (no bootstrap), masked positions
+    contribute nothing, and advantages/returns are 0 there. `mask` must be ones then zeros per row.
+    """
+    rewards = torch.where(mask != 0, rewards, torch.zeros_like(rewards))
+    values = torch.where(mask != 0, values, torch.zeros_like(values))
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    advantages = torch.where(mask != 0, advantages, torch.zeros_like(advantages))
+    return advantages, advantages + values
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss (to minimise), token-level mean over the mask.
+
+    Shapes: [B, T] each -> (loss scalar, stats). r = exp(logp - logp_old);
+    loss = masked_mean(max(-A * r, -A * clip(r, 1 - eps, 1 + eps)))  (Schulman et al. 2017,
+    arXiv:1707.06347, eq. 7, negated). stats (detached): `clipfrac` = fraction of tokens where the
+    clipped term is strictly larger, i.e. the gradient is cut; `approx_kl` = masked mean of the k3
+    estimate of KL(old || new) (samples come from old), exp(d) - 1 - d with d = logp - logp_old.
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+            "approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs, "k3"), mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range_value: float | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value-function loss (to minimise), token-level mean over the mask.
+
+    Shapes: [B, T] each -> (loss scalar, stats). v_clip = old + clip(v - old, -eps, eps);
+    loss = 0.5 * masked_mean(max((v - R)^2, (v_clip - R)^2)), the PPO2 value clipping of OpenAI
+    baselines used by Ziegler et al.; `clip_range_value=None` disables clipping.
+    stats (detached): `vf_clipfrac` = fraction of tokens where the clipped error is strictly larger.
+    """
+    unclipped = (values - returns).square()
+    if clip_range_value is None:
+        clipped = unclipped
+    else:
+        v_clip = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+        clipped = (v_clip - returns).square()
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean((clipped > unclipped).float(), mask)}
+    return loss, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """How much of the returns' variance the value head explains (detached scalar).
+
+    Shapes: [B, T] each -> 0-dim tensor. ev = 1 - Var_m(R - V) / Var_m(R) (biased variances over
+    the mask): 1 is perfect, 0 is no better than a constant, < 0 is worse. NaN when Var_m(R) = 0.
+    """
+    with torch.no_grad():
+        var_returns = masked_var(returns, mask, unbiased=False)
+        var_residual = masked_var(returns - values, mask, unbiased=False)
+        if var_returns == 0:
+            return torch.full_like(var_returns, float("nan"))
+        return 1.0 - var_residual / var_returns
+
+
+# ---------------------------------------------------------------------------------------------------
+# KL coefficient controllers
+# ---------------------------------------------------------------------------------------------------
+
+
+class FixedKLController:
+    """Constant KL coefficient; `update` is a no-op so the loop can treat both controllers alike."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op (the coefficient is fixed)."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """KL coefficient that tracks a target KL (Ziegler et al. 2019, arXiv:1909.08593, eq. 2).
+
+    e = clip(KL_current / KL_target - 1, -0.2, 0.2);  beta <- beta * (1 + e * n_steps / horizon).
+    Above target the coefficient grows, below it shrinks, by at most 20% per `horizon` steps.
+    A NaN `current_kl` (a diverged step) leaves the coefficient unchanged.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(
+                f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}"
+            )
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Multiply the coefficient by 1 + e * n_steps / horizon (see the class docstring)."""
+        current_kl = float(current_kl)
+        if math.isnan(current_kl):
+            return
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+        self.target = float(state.get("target", self.target))
+        self.horizon = int(state.get("horizon", self.horizon))
+
+
+def make_kl_controller(
+    kl_coef: float, target: float | None = None, horizon: int = 10000
+) -> FixedKLController | AdaptiveKLController:
+    """Fixed controller when `target` is None, else adaptive starting at `kl_coef`."""
+    if target is None:
+        return FixedKLController(kl_coef)
+    return AdaptiveKLController(kl_coef, target, horizon)
