@@ -1,0 +1,121 @@
+"""Score a file of completions with a verifier: the engine of ``align verify``.
+
+    from alignment.verifiers.report import verify_file
+    report = verify_file("gsm8k", Path("samples.jsonl"))             # column "completion"
+    report["pass_rate"], report["examples"]["failed"]
+
+The file is JSON Lines (``.jsonl``; ``.json`` holding a list of objects or JSON Lines also works)
+or CSV with a header (values are strings). Each row's `column` is the completion; every other
+column is passed to the verifier as a keyword (e.g. ``answer``, ``tests``). The result is the
+`summarize` dict (n, pass_rate, mean_reward, unparseable_rate, error_rate) plus the verifier,
+file and column names and up to 3 example rows each of passed / failed / unparseable / error, each
+with its 1-based row number, reward, detail and the start of the completion.
+
+A missing file, an unsupported extension, an unreadable row or a missing column raises UserError
+naming the file (and row, or the columns that do exist).
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from alignment.errors import UserError
+from alignment.verifiers.base import VerifyResult, is_pass, summarize
+from alignment.verifiers.registry import resolve
+
+SUFFIXES = (".jsonl", ".json", ".csv")
+EXAMPLES_PER_KIND = 3
+_PREVIEW_CHARS = 300
+
+
+def _load_json(path: Path) -> list[Any]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}: not valid JSON ({exc}).") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise UserError(
+                f"{path}, line {number}: not valid JSON ({exc.msg}); each line must be one JSON object."
+            ) from None
+    return rows
+
+
+def load_rows(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL/JSON/CSV file as dicts; UserError for anything unreadable."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"File not found: {path}. Give the path of a .jsonl or .csv file of completions.")
+    if path.suffix.lower() not in SUFFIXES:
+        raise UserError(f"{path}: unsupported file type '{path.suffix}'. Use one of {', '.join(SUFFIXES)}.")
+    try:
+        if path.suffix.lower() == ".csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                rows: list[Any] = list(csv.DictReader(f))
+        else:
+            rows = _load_json(path)
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc}).") from None
+    if not isinstance(rows, list):
+        raise UserError(f"{path}: expected a list of objects, got {type(rows).__name__}.")
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise UserError(f"{path}, row {number}: expected a JSON object, got {type(row).__name__}.")
+    if not rows:
+        raise UserError(f"{path}: the file has no rows.")
+    return rows
+
+
+def _check_columns(path: Path, rows: list[dict], needed: Iterable[str]) -> None:
+    present = set().union(*(row.keys() for row in rows))
+    for column in needed:
+        missing = [i for i, row in enumerate(rows, start=1) if column not in row]
+        if missing:
+            close = difflib.get_close_matches(column, sorted(present), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            where = "any row" if len(missing) == len(rows) else f"row {missing[0]} (and {len(missing) - 1} more)"
+            raise UserError(
+                f"{path}: column '{column}' is missing from {where}.{hint} Columns in the file: "
+                f"{', '.join(sorted(present))}."
+            )
+
+
+def _example(number: int, completion: Any, result: VerifyResult) -> dict[str, Any]:
+    text = completion if isinstance(completion, str) else json.dumps(completion, default=str)
+    preview = text if len(text) <= _PREVIEW_CHARS else text[:_PREVIEW_CHARS] + "..."
+    return {"row": number, "reward": result.reward, "detail": result.detail, "completion": preview}
+
+
+def verify_file(
+    name: str,
+    path: Path,
+    column: str = "completion",
+    search_dirs: Iterable[str | Path] | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Score every row of `path` with verifier `name`; summary plus example rows per outcome."""
+    verifier = resolve(name, options=options, search_dirs=search_dirs)
+    path = Path(path)
+    rows = load_rows(path)
+    _check_columns(path, rows, [column, *verifier.required_columns])
+    completions = [row[column] for row in rows]
+    examples = [{k: v for k, v in row.items() if k != column} for row in rows]
+    results = verifier.score_batch(completions, examples)
+    buckets: dict[str, list[dict[str, Any]]] = {"passed": [], "failed": [], "unparseable": [], "error": []}
+    for number, (completion, result) in enumerate(zip(completions, results, strict=True), start=1):
+        kind = "passed" if is_pass(result) else "failed" if result.status == "ok" else result.status
+        if len(buckets[kind]) < EXAMPLES_PER_KIND:
+            buckets[kind].append(_example(number, completion, result))
+    return {"verifier": verifier.name, "file": str(path), "column": column, **summarize(results), "examples": buckets}
