@@ -24,9 +24,12 @@ from .stages.base import StageContext
 
 
 def distributed_state():
+    """The process group of this run. Without a GPU we ask for the CPU (gloo) backend: a plain
+    PartialState() under torchrun on CPU would quietly treat every worker as rank 0 of 1."""
+    import torch
     from accelerate import PartialState
 
-    return PartialState()
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def select_stages(recipe: Recipe, only: list[str] | None, start_from: str | None) -> list[str]:
@@ -89,6 +92,7 @@ def _checkable(recipe: Recipe, model: str) -> str:
 def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
                evaluate: bool = True, log=print) -> dict[str, dict]:
     state = distributed_state()
+    log = log if state.is_main_process else (lambda *_: None)
     with state.main_process_first():
         recipe.ensure_base_model()
     results = {}
@@ -106,6 +110,7 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
 
 def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
     state = state or distributed_state()
+    log = log if state.is_main_process else (lambda *_: None)
     ctx = make_context(recipe, stage_id, is_main=state.is_main_process)
     if _is_stage_output(recipe, ctx.start_model) and not Path(ctx.start_model).exists():
         raise UserError(f"stage '{stage_id}' starts from '{ctx.start_model}', which has not been produced; run "

@@ -4,21 +4,32 @@ loading a recipe does not import torch or TRL for stages it does not use."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from ..errors import UserError
 from ..schema import did_you_mean
 
 STAGES: dict[str, str] = {
     "sft": "alignment.stages.sft",
+    "reward": "alignment.stages.reward",
+    "dpo": "alignment.stages.dpo",
+    "ppo": "alignment.stages.ppo",
+    "rsft": "alignment.stages.rsft",
+    "rlvr": "alignment.stages.rlvr",
 }
 
 # Kinds whose output is a scoring model rather than a policy: never the implicit start of a later stage.
 NON_POLICY_KINDS = {"reward"}
 
 
+def available_kinds() -> list[str]:
+    """Kinds whose module is present in this installation."""
+    return [k for k, m in STAGES.items() if importlib.util.find_spec(m) is not None]
+
+
 def stage_module(kind: str, where: str = "stages"):
-    if kind not in STAGES:
+    if kind not in available_kinds():
         raise UserError(
-            f"{where}: unknown stage kind '{kind}'{did_you_mean(kind, STAGES)}; available kinds: {', '.join(STAGES)}."
+            f"{where}: unknown stage kind '{kind}'{did_you_mean(kind, STAGES)}; available kinds: {', '.join(available_kinds())}."
         )
     return importlib.import_module(STAGES[kind])

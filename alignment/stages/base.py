@@ -97,6 +97,7 @@ def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
         bf16=cuda and torch.cuda.is_bf16_supported(), fp16=False, use_cpu=not cuda,
         gradient_checkpointing=False, report_to=recipe.report_to, logging_steps=10,
         save_strategy="steps", save_steps=200, save_total_limit=1, dataloader_pin_memory=cuda,
+        ddp_find_unused_parameters=False,
     )
 
 

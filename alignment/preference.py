@@ -1,0 +1,347 @@
+"""Preference pairs for the `reward` and `dpo` stages, and reward-model scoring.
+
+Three jobs, shared by both preference stages (and by ppo / evaluate for scoring):
+
+- `normalize_pairs(dataset, where)`: rows in any usual preference format -> (prompt, chosen, rejected)
+  with the answers as plain strings. Formats: explicit `prompt` + `chosen`/`rejected` strings;
+  chat `chosen`/`rejected` message lists (the messages before the last assistant turn are the prompt,
+  as in HuggingFaceH4/ultrafeedback_binarized; with only the assistant turn, the `prompt` column is);
+  implicit prompt (`chosen`/`rejected` full texts, the prompt is their shared beginning cut at a
+  word boundary). Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
+  shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
+  a dataset where every row is dropped.
+- `on_policy_pairs(...)`: sample N completions per prompt from the policy (`generation.generate`),
+  grade them with a verifier, pair a verified-correct completion (chosen) with an incorrect or
+  unparseable one (rejected). Prompts without both kinds are dropped and counted.
+- `score_texts(reward_model, tokenizer, prompts, completions)`: the reward of each completion, read
+  by the scalar head at the last token of `render_prompt(p) + render_completion(p, c)` (the shared
+  convention of `formatting.py`, tokenized by `encode`, exactly as the reward stage trains on it).
+
+Every stage that renders pairs uses `render_pairs`, so DPO, the reward model and PPO see one text.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from .errors import UserError
+from .formatting import render_completion, render_prompt
+from .generation import SamplingSpec
+from .schema import Strict
+
+PAIR_COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
+PROMPT_COLUMNS = [("prompt",), ("messages",)]
+
+
+class OnPolicySpec(SamplingSpec):
+    """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
+
+    verifier: str = Field(description="verifier key or module:function that grades each sample")
+    verifier_options: dict[str, Any] = Field(default_factory=dict)
+    n: int = Field(8, gt=1, description="samples per prompt")
+    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Normalising dataset rows
+
+
+def _is_chat(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _answer(value: Any, column: str, index: int, where: str) -> tuple[list | None, str | None]:
+    """(prompt messages before the answer or None, answer text or None when empty) of a chosen/rejected value."""
+    if value is None or isinstance(value, str):
+        return None, (value if value and value.strip() else None)
+    if _is_chat(value):
+        if not value or value[-1].get("role") != "assistant":
+            raise UserError(f"{where}: row {index}, column '{column}' is a chat that does not end with an assistant "
+                            "turn; the last assistant message is the answer being compared.")
+        content = value[-1].get("content")
+        return list(value[:-1]), (content if isinstance(content, str) and content.strip() else None)
+    raise UserError(f"{where}: row {index}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
+                    "a string or a list of chat messages ({'role': ..., 'content': ...}).")
+
+
+def _shared_prefix(a: str, b: str) -> str:
+    """The shared beginning of two full texts, cut after the last whitespace so no word is split."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    cut = max(a.rfind(" ", 0, n), a.rfind("\n", 0, n))
+    return a[: cut + 1] if cut >= 0 else ""
+
+
+def normalize_row(row: dict, index: int, where: str) -> dict | str:
+    """{'prompt', 'chosen', 'rejected'} (answers as strings), or the reason the row is dropped."""
+    chosen_context, chosen = _answer(row.get("chosen"), "chosen", index, where)
+    rejected_context, rejected = _answer(row.get("rejected"), "rejected", index, where)
+    if chosen is None or rejected is None:
+        return "empty chosen or rejected"
+    prompt = row.get("prompt")
+    if chosen_context or rejected_context:  # chat pair that carries its own prompt
+        if chosen_context != rejected_context:
+            return "chosen and rejected chats differ before the last turn"
+        prompt = chosen_context
+    elif prompt is None:  # implicit prompt: the shared beginning of two full texts
+        if chosen_context is not None:
+            return "chat answers without a prompt"
+        prompt = _shared_prefix(chosen, rejected)
+        chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+        if not prompt.strip():
+            return "no shared prompt in the full texts"
+        if not chosen.strip() or not rejected.strip():
+            return "empty chosen or rejected"
+    elif not (isinstance(prompt, str) or _is_chat(prompt)):
+        raise UserError(f"{where}: row {index}, column 'prompt' is {type(prompt).__name__}; expected a string or "
+                        "a list of chat messages.")
+    if isinstance(prompt, str) and not prompt.strip() or (isinstance(prompt, list) and not prompt):
+        return "empty prompt"
+    if chosen.strip() == rejected.strip():
+        return "chosen identical to rejected"
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
+    """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
+    from .data import check_columns
+
+    check_columns(dataset, PAIR_COLUMNS, where, spec)
+    pairs, dropped = [], Counter()
+    for index, row in enumerate(dataset):
+        result = normalize_row(dict(row), index, where)
+        if isinstance(result, str):
+            dropped[result] += 1
+        else:
+            pairs.append(result)
+    report_drops(len(pairs), dropped, where, "rows")
+    return pairs, dropped
+
+
+def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:
+    """Log the drops; dropping everything is an error naming the reasons."""
+    reasons = ", ".join(f"{count} {reason}" for reason, count in dropped.most_common())
+    if kept == 0:
+        raise UserError(f"{where}: no usable preference pairs: all {sum(dropped.values())} {what} were dropped "
+                        f"({reasons or 'no rows'}).")
+    if dropped:
+        print(f"[{where}] dropped {sum(dropped.values())} of {kept + sum(dropped.values())} {what}: {reasons}")
+
+
+def render_pairs(tokenizer, pairs: list[dict]) -> list[dict]:
+    """{'prompt', 'chosen', 'rejected'} as the text the model sees (shared convention, plain strings)."""
+    rendered = []
+    for pair in pairs:
+        prompt = pair["prompt"]
+        rendered.append({
+            "prompt": render_prompt(tokenizer, prompt),
+            "chosen": render_completion(tokenizer, prompt, pair["chosen"]),
+            "rejected": render_completion(tokenizer, prompt, pair["rejected"]),
+        })
+    return rendered
+
+
+def split_eval(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) with `fraction` of the pairs (at least one) held out; fraction 0 holds none out."""
+    if fraction <= 0 or len(pairs) < 2:
+        return pairs, []
+    shuffled = list(pairs)
+    random.Random(seed).shuffle(shuffled)
+    n_eval = max(1, round(len(shuffled) * fraction))
+    return shuffled[n_eval:], shuffled[:n_eval]
+
+
+# ---------------------------------------------------------------------------------------------------
+# On-policy pairs graded by a verifier
+
+
+def prompt_of(row: dict) -> Any:
+    """The prompt of a prompt-data row: `prompt`, or `messages` without a final assistant turn."""
+    if row.get("prompt") is not None:
+        return row["prompt"]
+    messages = list(row["messages"])
+    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+
+
+def check_prompt_rows(dataset, verifier, where: str, spec=None) -> None:
+    """Prompt data for on-policy sampling: a prompt column and the columns the verifier needs."""
+    from .data import check_columns
+
+    check_columns(dataset, PROMPT_COLUMNS, where, spec)
+    missing = [c for c in verifier.required_columns if c not in dataset.column_names]
+    if missing:
+        raise UserError(f"{where}: verifier '{verifier.name}' needs column(s) {', '.join(map(repr, missing))}, which "
+                        f"the data lacks; columns: {', '.join(dataset.column_names)}.")
+
+
+def pair_samples(texts: list[str], results: list, finished: list[bool], limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` (correct, incorrect) text pairs from one prompt's graded samples.
+
+    Correct = the verifier passed it; incorrect = it parsed and failed, or could not be parsed.
+    Verifier errors are left out. Finished samples (that emitted the end-of-turn token) come first."""
+    from .verifiers import is_pass
+
+    good, bad = [], []
+    for text, result, done in sorted(zip(texts, results, finished), key=lambda t: not t[2]):
+        if not text.strip() or result.status == "error":
+            continue
+        target = good if is_pass(result) else bad
+        if text not in target:
+            target.append(text)
+    return [(good[k % len(good)], bad[k % len(bad)]) for k in range(min(limit, max(len(good), len(bad))))
+            ] if good and bad else []
+
+
+def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
+    """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats)."""
+    from .generation import generate
+
+    prompts = [prompt_of(r) for r in rows]
+    samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling")
+    results = verifier.score_batch([s.text for s in samples], [rows[s.prompt_index] for s in samples])
+    pairs, no_correct, no_incorrect = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        chunk = slice(i * spec.n, (i + 1) * spec.n)
+        texts, graded, done = [s.text for s in samples[chunk]], results[chunk], [s.finished for s in samples[chunk]]
+        built = pair_samples(texts, graded, done, spec.pairs_per_prompt)
+        pairs.extend({"prompt": prompt, "chosen": c, "rejected": r} for c, r in built)
+        if not built:
+            passed = sum(1 for t, g in zip(texts, graded) if t.strip() and g.status != "error" and _passed(g))
+            no_correct += passed == 0
+            no_incorrect += passed > 0
+    stats = {"pairs_built": len(pairs), "prompts_dropped": no_correct + no_incorrect, "prompts_sampled": len(prompts),
+             "prompts_without_correct": no_correct, "prompts_without_incorrect": no_incorrect,
+             "sample_pass_rate": sum(_passed(r) for r in results) / max(len(results), 1)}
+    print(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
+          f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
+          f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
+    if not pairs:
+        raise UserError(f"{where}.on_policy: no pairs could be built: {no_correct} prompts had no correct sample and "
+                        f"{no_incorrect} no incorrect one. Raise on_policy.n or temperature, or use easier/harder prompts.")
+    return pairs, stats
+
+
+def _passed(result) -> bool:
+    from .verifiers import is_pass
+
+    return is_pass(result)
+
+
+def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tuple[list[dict], dict]:
+    """On-policy pairs for a stage, built once on the main process and kept in the stage's work folder, so
+    every process trains on the same pairs and a resumed run does not resample."""
+    from accelerate import PartialState
+
+    from .verifiers import resolve
+
+    path = Path(ctx.work_dir) / "on_policy_pairs.jsonl"
+    state = PartialState()
+    with state.main_process_first():
+        if not path.exists():
+            verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
+            dataset = ctx.load_data(ctx.config.data, "data")
+            check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+            model = make_model().to(state.device)
+            pairs, stats = on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
+            tmp = path.with_suffix(".tmp")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("\n".join(json.dumps(r) for r in [stats, *pairs]) + "\n")
+            tmp.replace(path)
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
+
+
+def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
+    """The stage's training pairs (from `data`, or sampled `on_policy`) and counts for the metrics."""
+    spec = getattr(ctx.config, "on_policy", None)
+    if spec is not None:
+        return cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
+    pairs, dropped = normalize_pairs(ctx.load_data(ctx.config.data, "data"), f"{ctx.where}.data", ctx.config.data)
+    return pairs, {"pairs": len(pairs), "pairs_dropped": sum(dropped.values())}
+
+
+def check_stage_data(ctx) -> None:
+    """`align check` for a preference stage: data columns, pair validity or verifier and prompt columns."""
+    spec = getattr(ctx.config, "on_policy", None)
+    dataset = ctx.load_data(ctx.config.data, "data")
+    if spec is not None:
+        from .verifiers import resolve
+
+        verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
+        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+    else:
+        normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
+    if ctx.config.eval_data is not None:
+        normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data", ctx.config.eval_data)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reward-model scoring
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text. The rendered text already holds every special token the template adds,
+    so none is added here (the same choice as `generation.generate`)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
+    """{'chosen_ids', 'rejected_ids'}: prompt+answer token ids, the form `trl.RewardTrainer` trains on as is."""
+    return [{"chosen_ids": encode(tokenizer, r["prompt"] + r["chosen"]),
+             "rejected_ids": encode(tokenizer, r["prompt"] + r["rejected"])} for r in rendered]
+
+
+def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
+    """Scalar reward of already rendered texts (right-padded batches; the head reads the last real token)."""
+    import torch
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if getattr(reward_model.config, "pad_token_id", None) is None:
+        reward_model.config.pad_token_id = pad
+    device = next(reward_model.parameters()).device
+    encoded = [encode(tokenizer, t) for t in texts]
+    order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
+    scores = [0.0] * len(texts)
+    was_training = reward_model.training
+    reward_model.eval()
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            width = max(len(encoded[i]) for i in batch)
+            ids = torch.full((len(batch), width), reward_model.config.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
+                mask[row, : len(encoded[i])] = 1
+            logits = reward_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            for row, i in enumerate(batch):
+                scores[i] = float(logits[row, 0])
+    reward_model.train(was_training)
+    return scores
+
+
+def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16) -> list[float]:
+    """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
+    text (as `generation.Sample.text`). Rendered as `render_prompt(p) + render_completion(p, c)`."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    texts = [render_prompt(tokenizer, p) + render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    return score_rendered(reward_model, tokenizer, texts, batch_size)
+
+
+def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
+    """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
+    prompts = [p["prompt"] for p in pairs]
+    chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
+    rejected = score_texts(reward_model, tokenizer, prompts, [p["rejected"] for p in pairs], batch_size)
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins)}

@@ -1,0 +1,168 @@
+"""Verifiers as TRL reward functions, and the `verifiers:` list that RL stages share.
+
+TRL's GRPOTrainer / RLOOTrainer call each reward function as
+``f(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., log_metric=..., **columns)``
+where every dataset column arrives as a list (one value per completion). `VerifierReward` adapts a
+resolved `Verifier` to that call: it rebuilds one example dict per completion (the row's columns,
+with `prompt` set back to the prompt as written in the data, not the rendered text), scores each
+completion with `Verifier.score`, and returns floats. It never raises for a bad completion: a row
+the verifier raises on scores 0.0 (status "error") and is counted, so training goes on.
+
+What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by its ``__name__``):
+``unparseable/<name>`` and ``errors/<name>`` (share of completions, per logging step, through TRL's
+``log_metric`` hook) and, in the stage's final metrics, running totals from `counts`.
+
+    from alignment.rewards import VerifierSpec, build_rewards
+    rewards = build_rewards([VerifierSpec(name="arithmetic")], search_dirs=[recipe_dir])
+    GRPOTrainer(..., reward_funcs=rewards, args=GRPOConfig(reward_weights=[r.weight for r in rewards]))
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import Field, model_validator
+
+from .errors import UserError
+from .schema import Strict
+
+# The dataset column holding the prompt as written in the data; the `prompt` column TRL sees is rendered text.
+SOURCE_PROMPT = "source_prompt"
+# Keyword arguments TRL adds to every reward call that are not dataset columns.
+TRL_EXTRAS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
+
+
+class VerifierSpec(Strict):
+    """One entry of a stage's `verifiers:` list; a bare string is shorthand for `{name: ...}`."""
+
+    name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe)")
+    weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        return {"name": value} if isinstance(value, str) else value
+
+
+def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: str) -> list:
+    """Resolve each spec to a `Verifier`; errors name the entry (`stages.x.verifiers.1`)."""
+    from .verifiers import resolve
+
+    resolved = []
+    for index, spec in enumerate(specs):
+        try:
+            resolved.append(resolve(spec.name, options=spec.options, search_dirs=search_dirs))
+        except UserError as error:
+            raise UserError(f"{where}.verifiers.{index}: {error}") from None
+    return resolved
+
+
+def check_verifier_columns(verifiers: list, columns: Iterable[str], where: str) -> None:
+    """Fail before training when the data lacks a column a verifier needs (e.g. `answer`)."""
+    present = set(columns) | {"prompt"}
+    for index, verifier in enumerate(verifiers):
+        missing = [c for c in verifier.required_columns if c not in present]
+        if missing:
+            raise UserError(
+                f"{where}.data: verifier '{verifier.name}' (verifiers.{index}) needs column(s) "
+                f"{', '.join(map(repr, missing))}, which the data lacks; columns present: {', '.join(sorted(columns))}. "
+                "Use 'rename: {old: new}' in the data spec to map a column."
+            )
+
+
+class VerifierReward:
+    """A TRL reward function wrapping one `Verifier` (see module docstring)."""
+
+    def __init__(self, verifier, weight: float = 1.0, label: str | None = None):
+        self.verifier = verifier
+        self.weight = weight
+        # TRL logs `rewards/<__name__>/mean`; the recipe's name makes that line findable.
+        self.__name__ = label or verifier.name
+        self.counts: Counter = Counter()
+        self._warned = False
+
+    def __call__(self, prompts=None, completions=None, **kwargs) -> list[float]:
+        columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRAS}
+        completions = list(completions or [])
+        examples = [self._example(columns, i, prompts) for i in range(len(completions))]
+        results = self.score(completions, examples)
+        log_metric, n = kwargs.get("log_metric"), max(len(results), 1)
+        if callable(log_metric):
+            log_metric(f"unparseable/{self.__name__}", sum(r.status == "unparseable" for r in results) / n)
+            log_metric(f"errors/{self.__name__}", sum(r.status == "error" for r in results) / n)
+        return [float(r.reward) for r in results]
+
+    def score(self, completions: list, examples: list[dict]) -> list:
+        """VerifyResults for completions[i] against examples[i]; counted in `counts`; never raises for a row."""
+        try:
+            results = self.verifier.score_batch(completions, examples)  # threads for sandboxed verifiers
+        except UserError:
+            raise  # a data/recipe mistake (a missing column), not a bad completion
+        except Exception:  # noqa: BLE001 - fall back to row by row, so one bad row costs only itself
+            results = [self._score_one(c, e) for c, e in zip(completions, examples)]
+        for result in results:
+            self.counts[result.status] += 1
+        self.counts["total"] += len(results)
+        errors = [r for r in results if r.status == "error"]
+        if errors and not self._warned:
+            self._warned = True
+            print(f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
+                  f"({errors[0].detail}); further errors are counted in errors/{self.__name__}.")
+        return results
+
+    @staticmethod
+    def _example(columns: dict[str, list], index: int, prompts) -> dict:
+        example = {k: v[index] for k, v in columns.items()}
+        source = example.pop(SOURCE_PROMPT, None)
+        if source is not None:
+            example["prompt"] = source
+        elif prompts is not None:
+            example["prompt"] = prompts[index]
+        return example
+
+    def _score_one(self, completion, example):
+        from .verifiers import VerifyResult
+
+        # Verifier.score already turns an exception in the user's function into an "error" row; this
+        # second guard covers everything around it, so a verifier can never stop a training run.
+        try:
+            return self.verifier.score(completion, example)
+        except UserError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            return VerifyResult(0.0, "error", f"{type(error).__name__}: {error}"[:2000])
+
+    def totals(self) -> dict[str, float]:
+        """Running totals for the stage's metrics."""
+        total = self.counts["total"]
+        return {
+            f"verifier/{self.__name__}/scored": total,
+            f"verifier/{self.__name__}/errors": self.counts["error"],
+            f"verifier/{self.__name__}/unparseable": self.counts["unparseable"],
+            f"verifier/{self.__name__}/error_rate": self.counts["error"] / total if total else 0.0,
+        }
+
+
+def build_rewards(specs: list[VerifierSpec], search_dirs: list[Path], where: str = "stage") -> list[VerifierReward]:
+    """One `VerifierReward` per spec; duplicate names get a '#2' suffix so their logs stay apart."""
+    verifiers = resolve_all(specs, search_dirs, where)
+    seen: Counter = Counter()
+    rewards = []
+    for spec, verifier in zip(specs, verifiers):
+        seen[verifier.name] += 1
+        label = verifier.name if seen[verifier.name] == 1 else f"{verifier.name}#{seen[verifier.name]}"
+        rewards.append(VerifierReward(verifier, spec.weight, label))
+    return rewards
+
+
+def combined_scores(rewards: list[VerifierReward], completions: list[str], examples: list[dict]) -> list[tuple[float, bool]]:
+    """(weighted reward sum, every verifier parsed it) per completion: RSFT's filter score."""
+    per_reward = [reward.score(completions, examples) for reward in rewards]
+    return [
+        (sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),
+         all(results[i].status == "ok" for results in per_reward))
+        for i in range(len(completions))
+    ]

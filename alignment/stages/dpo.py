@@ -1,0 +1,135 @@
+"""`dpo` stage: direct preference optimisation with `trl.DPOTrainer`.
+
+Loss (Rafailov et al. 2023, eq. 7), per pair (x, y+, y-):
+    -log sigmoid(beta * ((log pi(y+|x) - log ref(y+|x)) - (log pi(y-|x) - log ref(y-|x))))
+The reference is the starting policy (the previous or named stage's output). With LoRA the policy is
+that model plus a fresh adapter and the reference is the same model with the adapter disabled, so no
+second copy of the weights exists; with full fine-tuning the reference is a frozen in-memory copy
+(`copy.deepcopy`), never a reload by hub id. With `precompute_ref_log_probs: true` the reference
+log-probs are computed once before training and full fine-tuning needs no copy at all.
+
+Pairs come from `data` in any usual preference format (`alignment/preference.py`) or, with
+`on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
+They are rendered with the shared convention into plain strings; TRL appends its EOS token to answers
+that do not end with it, so it is given a tokenizer whose EOS is the end-of-turn token our rendered
+answers already end with (no second end token, e.g. Qwen's `<|im_end|>` + `<|endoftext|>`).
+`beta`, `loss_type` and every other `trl.DPOConfig` knob go under `train:`.
+
+    stages:
+      dpo: {model: "${sft}", data: {task: arithmetic, n: 1000}, train: {beta: 0.1, learning_rate: 5.0e-5}}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..data import DataSpec
+from ..errors import UserError
+from ..preference import OnPolicySpec
+from .base import StageConfig, StageContext
+
+# The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
+LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
+
+
+class Config(StageConfig):
+    kind: Literal["dpo"] = "dpo"
+    data: DataSpec
+    on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
+    eval_fraction: float = Field(0.0, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
+
+
+def trl_config(ctx: StageContext):
+    from trl import DPOConfig
+
+    held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
+    args = ctx.trl_args(DPOConfig, max_length=1024, learning_rate=5e-6 if ctx.lora else 5e-7,
+                        per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no")
+    unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
+    if unknown:
+        from ..schema import did_you_mean
+
+        raise UserError(f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
+                        f"choose from {', '.join(sorted(LOSS_TYPES))}.")
+    return args
+
+
+def check(ctx: StageContext) -> None:
+    from ..models import load_tokenizer
+    from ..preference import check_stage_data
+
+    trl_config(ctx)
+    load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    check_stage_data(ctx)
+
+
+def eos_as_end_of_turn(tokenizer):
+    """A copy of the tokenizer whose EOS is the end-of-turn token (see module docstring)."""
+    import copy
+
+    from ..formatting import end_of_turn
+
+    token = end_of_turn(tokenizer)
+    if token == tokenizer.eos_token:
+        return tokenizer
+    trl_tokenizer = copy.deepcopy(tokenizer)
+    trl_tokenizer.eos_token = token
+    return trl_tokenizer
+
+
+def reference_for(ctx: StageContext, policy, args):
+    """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs)."""
+    import copy
+
+    if ctx.lora or args.precompute_ref_log_probs:
+        return None
+    reference = copy.deepcopy(policy).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def build_trainer(ctx: StageContext):
+    """(DPOTrainer ready to train, the tokenizer to save with the policy, pair counts)."""
+    import datasets
+    from trl import DPOTrainer
+
+    from ..models import load_policy, load_tokenizer, peft_config
+    from ..preference import normalize_pairs, render_pairs, split_eval, stage_pairs
+    from ..trainer_utils import trainer_callbacks
+
+    args = trl_config(ctx)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
+    pairs, stats = stage_pairs(ctx, tokenizer, lambda: policy)
+    if ctx.config.eval_data is not None:
+        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
+                                      ctx.config.eval_data)
+    else:
+        pairs, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
+    if not held_out:
+        args.eval_strategy = "no"
+
+    def rendered(rows):
+        return datasets.Dataset.from_list(render_pairs(tokenizer, rows))
+
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference_for(ctx, policy, args), args=args,
+        processing_class=eos_as_end_of_turn(tokenizer),
+        train_dataset=rendered(pairs), eval_dataset=rendered(held_out) if held_out else None,
+        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+    )
+    return trainer, tokenizer, {**stats, "pairs_train": len(pairs), "pairs_eval": len(held_out)}
+
+
+def run(ctx: StageContext) -> dict:
+    from ..models import save_checkpoint
+    from ..trainer_utils import final_metrics, resume_checkpoint
+
+    trainer, tokenizer, counts = build_trainer(ctx)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
+    if ctx.is_main:
+        save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
+    return final_metrics(trainer, **counts)

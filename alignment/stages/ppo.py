@@ -1,0 +1,624 @@
+"""`ppo` stage: RLHF with PPO and a per-token KL penalty, our own loop on `accelerate` (TRL 1.16 has none).
+
+One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155):
+  1. rollout: `rollout.batch_size` prompts per process, sampled through `generation.generate`
+     (temperature, top-p, stop at the end-of-turn token);
+  2. score: the reward model on `render_prompt + render_completion` (the shared formatting), plus
+     weighted verifier rewards, minus `missing_eos_penalty` for completions that never stopped;
+     optional normalisation/clipping (`train.reward_norm`, `train.reward_clip`);
+  3. log-probs of the policy, of the reference (the starting policy: LoRA adapters disabled) and the
+     critic's values; r_t = -kl_coef * KL_t + score at the last token; GAE advantages and returns;
+  4. `train.ppo_epochs` passes over shuffled minibatches (`train.mini_batch_size` rows per optimizer
+     step, split into `gradient_accumulation_steps` micro-batches): clipped policy loss +
+     `vf_coef` * clipped value loss, gradient clipping, one AdamW step (policy and critic groups);
+  5. the KL controller updates `kl_coef` (adaptive when `kl_target` is set).
+The math is in `alignment/rl.py`, the models in `alignment/ppo_models.py` (with LoRA ONE copy of the
+base weights serves policy, reference and critic).
+
+Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
+path/hub id), `verifiers: [{name, weight, options}]`, `data` (a `prompt` or `messages` column, plus
+the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estimator`, `rollout`,
+`missing_eos_penalty` and `train` (see `TrainSpec`; unknown keys are errors with a "did you mean").
+
+Runs: `align run RECIPE` (one process) or `accelerate launch -m alignment run RECIPE` (DDP: each
+process samples its own prompt shard, gradients are all-reduced, only rank 0 writes files; batch
+sizes are per process). Tested: one process and DDP (CPU gloo and GPU). Not supported yet: FSDP and
+DeepSpeed ZeRO. Both shard what this loop reads directly: generation and the reference pass call the
+unwrapped model outside the wrapper's forward (FSDP would need its parameters gathered there), and
+checkpoints save rank 0's optimizer state (ZeRO shards it; use `accelerator.save_state` instead).
+For models too big for DDP, use LoRA: one base copy plus small adapters.
+
+Checkpoints: every `train.save_every` updates into `.work/<stage>/checkpoint-N` (trainable tensors,
+optimizer, scheduler, KL controller, reward statistics, log history), written to a temporary folder
+and renamed; a rerun resumes from the newest. Randomness is reseeded from (seed, update, rank) at
+every update, so a resumed run samples what an uninterrupted one would. The final policy is saved
+with `models.save_checkpoint` (merged weights + `adapter/`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ..data import DataSpec
+from ..errors import UserError
+from ..schema import Strict
+from .base import StageConfig, StageContext, stage_ref
+
+PROMPT_COLUMNS = [("prompt",), ("messages",)]
+DEBUG_CHECKSUM_ENV = "ALIGN_DEBUG_PARAM_CHECKSUM_DIR"  # tests: each rank writes a checksum of its weights
+
+
+class RolloutSpec(Strict):
+    batch_size: int = Field(64, gt=0, description="prompts per update on each process")
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
+
+
+class VerifierWeight(Strict):
+    name: str
+    weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainSpec(Strict):
+    """Optimisation settings of our PPO loop (not a TRL config). Sizes are per process."""
+
+    learning_rate: float = Field(1.0e-5, gt=0)
+    critic_learning_rate: float | None = Field(None, gt=0, description="default: learning_rate")
+    weight_decay: float = Field(0.0, ge=0)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    ppo_epochs: int = Field(4, gt=0)
+    mini_batch_size: int = Field(16, gt=0, description="rows per optimizer step")
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_value: float | None = Field(0.2, gt=0)
+    vf_coef: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    reward_norm: Literal["none", "batch", "running"] = "none"
+    reward_clip: float | None = Field(None, gt=0, description="clip (normalised) scores to [-c, c]")
+    total_updates: int | None = Field(None, gt=0)
+    total_episodes: int | None = Field(None, gt=0, description="default: one pass over the prompts")
+    save_every: int = Field(50, gt=0)
+    logging_steps: int = Field(1, gt=0)
+
+
+class Config(StageConfig):
+    kind: Literal["ppo"] = "ppo"
+    policy: str | None = None
+    reward_model: str | None = None
+    verifiers: list[VerifierWeight] = Field(default_factory=list)
+    data: DataSpec
+    kl_coef: float = Field(0.05, ge=0)
+    kl_target: float | None = Field(None, gt=0, description="adaptive KL controller target (nats per sequence)")
+    kl_horizon: int = Field(10000, gt=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    missing_eos_penalty: float | None = Field(None, description="subtracted from the score of unfinished completions")
+    train: TrainSpec = Field(default_factory=TrainSpec)
+
+    def start_model_key(self) -> str:
+        return "policy"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        t = self.train
+        if self.model is not None:
+            raise ValueError("a ppo stage names its start policy with 'policy', not 'model'")
+        if self.reward_model is None and not self.verifiers:
+            raise ValueError("give a 'reward_model' or 'verifiers' (or both): PPO needs a reward")
+        if self.rollout.batch_size % t.mini_batch_size:
+            raise ValueError(f"rollout.batch_size ({self.rollout.batch_size}) must be a multiple of "
+                             f"train.mini_batch_size ({t.mini_batch_size})")
+        if t.mini_batch_size % t.gradient_accumulation_steps:
+            raise ValueError(f"train.mini_batch_size ({t.mini_batch_size}) must be a multiple of "
+                             f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps})")
+        if t.total_updates is not None and t.total_episodes is not None:
+            raise ValueError("give train.total_updates or train.total_episodes, not both")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data, reward
+# ---------------------------------------------------------------------------------------------------
+
+
+def prompt_of(row: dict):
+    """The prompt of a row: `prompt`, or `messages` without a final assistant turn."""
+    if row.get("prompt") is not None:
+        return row["prompt"]
+    messages = list(row["messages"])
+    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+
+
+def resolve_verifiers(ctx: StageContext) -> list:
+    from ..verifiers import resolve
+
+    return [(resolve(v.name, options=v.options, search_dirs=[ctx.recipe.base_dir]), v.weight)
+            for v in ctx.config.verifiers]
+
+
+def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
+    """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
+    from ..data import check_columns, check_strings
+    from ..formatting import render_prompt
+
+    cfg, where = ctx.config, f"{ctx.where}.data"
+    dataset = ctx.load_data(cfg.data, "data")
+    check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, cfg.data), where)
+    for i, (verifier, _) in enumerate(verifiers):
+        missing = [c for c in verifier.required_columns if c not in dataset.column_names]
+        if missing:
+            raise UserError(f"{ctx.where}.verifiers.{i}: verifier '{verifier.name}' needs column(s) "
+                            f"{', '.join(map(repr, missing))}, which {cfg.data.describe()} lacks; columns: "
+                            f"{', '.join(dataset.column_names)}.")
+    rows = [dict(r) for r in dataset]
+    prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
+    limit = cfg.rollout.max_prompt_length
+    if limit:
+        keep = [i for i, p in enumerate(prompts) if len(tokenizer(p, add_special_tokens=False)["input_ids"]) <= limit]
+        if not keep:
+            raise UserError(f"{where}: every prompt is longer than rollout.max_prompt_length={limit} tokens.")
+        rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
+    return rows, prompts
+
+
+class Scorer:
+    """Sequence scores: reward model + weighted verifiers - missing-EOS penalty."""
+
+    def __init__(self, ctx: StageContext, verifiers: list, device):
+        from ..models import load_reward_model, load_tokenizer
+
+        cfg, trust = ctx.config, ctx.recipe.trust_remote_code
+        self.model = self.tokenizer = None
+        if cfg.reward_model is not None:
+            path = ctx.resolve_model(cfg.reward_model)
+            self.model = load_reward_model(path, trust).to(device)
+            self.tokenizer = load_tokenizer(path, trust)
+        self.verifiers, self.penalty, self.device = verifiers, cfg.missing_eos_penalty, device
+
+    def __call__(self, rows: list[dict], samples: list, batch_size: int):
+        import torch
+
+        scores, parts = torch.zeros(len(samples)), {}
+        if self.model is not None:
+            rm = self.reward_model_scores(rows, samples, batch_size)
+            scores, parts["rm_score"] = scores + rm, rm.mean().item()
+        for verifier, weight in self.verifiers:
+            results = verifier.score_batch([s.text for s in samples], rows)
+            rewards = torch.tensor([r.reward for r in results])
+            scores, parts[f"verifier/{verifier.name}"] = scores + weight * rewards, rewards.mean().item()
+        if self.penalty is not None:
+            finished = torch.tensor([s.finished for s in samples])
+            scores = torch.where(finished, scores, scores - self.penalty)
+        return scores, parts
+
+    def reward_model_scores(self, rows: list[dict], samples: list, batch_size: int):
+        """The reward model scores what it was trained on: rendered prompt + rendered answer (with its
+        end-of-turn token); an unfinished answer is scored as the raw text, without one."""
+        import torch
+
+        from ..formatting import render_completion, render_prompt
+
+        texts = []
+        for row, sample in zip(rows, samples):
+            prompt = prompt_of(row)
+            answer = render_completion(self.tokenizer, prompt, sample.text) if sample.finished else sample.text
+            texts.append(render_prompt(self.tokenizer, prompt) + answer)
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(texts), batch_size):
+                enc = self.tokenizer(texts[start:start + batch_size], padding=True, return_tensors="pt").to(self.device)
+                out.append(self.model(**enc).logits[:, 0].float().cpu())
+        return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------
+
+
+class PPOLoop:
+    """State of one PPO run; `run()` does the updates. Plain composition, one method per phase."""
+
+    def __init__(self, ctx: StageContext):
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+        from transformers import get_scheduler
+
+        from ..models import load_tokenizer
+        from ..ppo_models import build_models
+        from ..rl import make_kl_controller
+
+        self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
+        trackers = [r for r in ([ctx.recipe.report_to] if isinstance(ctx.recipe.report_to, str) else ctx.recipe.report_to)
+                    if r != "none"]
+        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.work_dir))
+        set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
+        self.tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+        verifiers = resolve_verifiers(ctx)
+        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, verifiers)
+        self.scorer = Scorer(ctx, verifiers, self.acc.device)
+        self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
+        if self.models.reference is not None:
+            self.models.reference.to(self.acc.device)
+        self.ac = self.models.actor_critic.eval()  # eval: no dropout in rollouts or in the PPO ratio
+        groups = self.ac.param_groups(self.t.learning_rate, self.t.critic_learning_rate or self.t.learning_rate,
+                                      self.t.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=self.t.learning_rate)
+        self.total = self.total_updates()
+        self.steps_per_update = self.t.ppo_epochs * (self.cfg.rollout.batch_size // self.t.mini_batch_size)
+        # Not passed to `prepare`: accelerate's scheduler wrapper steps once per process.
+        self.scheduler = get_scheduler(self.t.lr_scheduler_type, optimizer, num_warmup_steps=self.t.warmup_steps,
+                                       num_training_steps=self.total * self.steps_per_update)
+        self.model, self.optimizer = self.acc.prepare(self.ac, optimizer)
+        self.kl_ctl = make_kl_controller(self.cfg.kl_coef, self.cfg.kl_target, self.cfg.kl_horizon)
+        self.update, self.history, self.reward_stats = 0, [], {"count": 0.0, "mean": 0.0, "m2": 0.0}
+        self._orders: dict[int, list[int]] = {}
+
+    def total_updates(self) -> int:
+        if self.t.total_updates:
+            return self.t.total_updates
+        episodes = self.t.total_episodes or len(self.rows)
+        return max(1, math.ceil(episodes / (self.cfg.rollout.batch_size * self.acc.num_processes)))
+
+    def log(self, message: str) -> None:
+        if self.acc.is_main_process:
+            print(f"[{self.ctx.stage_id}] {message}", flush=True)
+
+    # -- rollout ------------------------------------------------------------------------------------
+
+    def prompt_indices(self) -> list[int]:
+        """This process's prompts for the current update: consecutive slices of seeded permutations,
+        one permutation per pass over the data, so any update's prompts follow from its number."""
+        n, per = len(self.rows), self.cfg.rollout.batch_size
+        start = (self.update * self.acc.num_processes + self.acc.process_index) * per
+        picked = []
+        for pos in range(start, start + per):
+            epoch = pos // n
+            if epoch not in self._orders:
+                self._orders = {epoch: random.Random(f"{self.ctx.seed}-{epoch}").sample(range(n), n)}
+            picked.append(self._orders[epoch][pos % n])
+        return picked
+
+    def rollout(self) -> dict:
+        """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
+        import torch
+
+        from ..generation import SamplingSpec, generate
+
+        r, started = self.cfg.rollout, time.time()
+        indices = self.prompt_indices()
+        rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
+        spec = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            top_k=r.top_k, n=1, batch_size=r.batch_size)
+        samples = generate(self.ac.policy, self.tokenizer, prompts, spec)
+        rollout_time = time.time() - started
+        batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                             [s.token_ids for s in samples])
+        scores, parts = self.scorer(rows, samples, self.micro_batch_size)
+        batch.update(raw_scores=scores.to(self.acc.device), parts=parts, rollout_time=rollout_time,
+                     finished=torch.tensor([s.finished for s in samples], dtype=torch.float))
+        k, chunk = batch["mask"].shape[1], self.micro_batch_size
+        with torch.no_grad():
+            outs = [self.ac(batch["input_ids"][s:s + chunk], batch["attention_mask"][s:s + chunk], k,
+                            r.temperature, with_entropy=True) for s in range(0, len(samples), chunk)]
+            batch["logprobs"], batch["values"], batch["entropy"] = (torch.cat(x) for x in zip(*outs))
+            batch["ref_logprobs"] = self.models.reference_logprobs(batch["input_ids"], batch["attention_mask"], k,
+                                                                   r.temperature, chunk)
+        return batch
+
+    def collate(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
+        """[B, P + K] ids: prompts left-padded (as generated), completions right-padded; mask [B, K]."""
+        import torch
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        width, k = max(map(len, prompt_ids)), max(map(len, completion_ids))
+        ids, attention, mask = [], [], []
+        for p, c in zip(prompt_ids, completion_ids):
+            ids.append([pad] * (width - len(p)) + p + c + [pad] * (k - len(c)))
+            attention.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c)))
+            mask.append([1] * len(c) + [0] * (k - len(c)))
+        device = self.acc.device
+        return {"input_ids": torch.tensor(ids, device=device), "attention_mask": torch.tensor(attention, device=device),
+                "mask": torch.tensor(mask, device=device, dtype=torch.float)}
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.t.mini_batch_size // self.t.gradient_accumulation_steps
+
+    # -- rewards and advantages ---------------------------------------------------------------------
+
+    def normalise(self, scores):
+        """Scores as the reward: raw, or standardised by this batch's (all processes) or running
+        statistics (Welford), then clipped to [-reward_clip, reward_clip] if set."""
+        import torch
+
+        norm = self.t.reward_norm
+        if norm != "none":
+            gathered = self.acc.gather(scores).float()
+            if norm == "batch":
+                mean, std = gathered.mean(), gathered.std() if len(gathered) > 1 else torch.tensor(1.0)
+            else:
+                s = self.reward_stats
+                for value in gathered.tolist():
+                    s["count"] += 1
+                    delta = value - s["mean"]
+                    s["mean"] += delta / s["count"]
+                    s["m2"] += delta * (value - s["mean"])
+                mean = torch.tensor(s["mean"])
+                std = torch.tensor(math.sqrt(s["m2"] / max(s["count"] - 1, 1)))
+            scores = (scores - mean.to(scores.device)) / (std.to(scores.device) + 1e-8)
+        if self.t.reward_clip is not None:
+            scores = scores.clamp(-self.t.reward_clip, self.t.reward_clip)
+        return scores
+
+    def advantages(self, batch: dict) -> None:
+        from ..rl import explained_variance, gae_advantages, masked_mean, masked_whiten, penalized_rewards
+
+        mask = batch["mask"]
+        rewards, kl = penalized_rewards(self.normalise(batch["raw_scores"]), batch["logprobs"], batch["ref_logprobs"],
+                                        mask, self.kl_ctl.value, self.cfg.kl_estimator)
+        advantages, returns = gae_advantages(rewards, batch["values"], mask, self.t.gamma, self.t.lam)
+        if self.t.whiten_advantages and mask.sum() > 1:
+            advantages = masked_whiten(advantages, mask)
+        batch.update(advantages=advantages, returns=returns, kl=kl)
+        batch["stats"] = {
+            "kl": kl.sum(1).mean().item(), "non_score_reward": (-self.kl_ctl.value * kl).sum(1).mean().item(),
+            "entropy": masked_mean(batch["entropy"], mask).item(),
+            "explained_variance": explained_variance(batch["values"], returns, mask).item() if mask.sum() > 1 else 0.0,
+            "value_mean": masked_mean(batch["values"], mask).item(),
+        }
+
+    # -- optimisation -------------------------------------------------------------------------------
+
+    def train_on(self, batch: dict) -> dict:
+        """`ppo_epochs` passes of shuffled minibatches; returns the mean loss statistics."""
+        import torch
+
+        size, mini, accum = len(batch["mask"]), self.t.mini_batch_size, self.t.gradient_accumulation_steps
+        totals: dict[str, float] = {}
+        count, tokens = 0, 0
+        for _ in range(self.t.ppo_epochs):
+            order = torch.randperm(size)
+            for start in range(0, size, mini):
+                rows = order[start:start + mini]
+                local_loss = 0.0
+                for j in range(accum):
+                    micro = rows[j * self.micro_batch_size:(j + 1) * self.micro_batch_size]
+                    context = self.acc.no_sync(self.model) if j < accum - 1 else _null()
+                    with context:
+                        loss, stats, n_tokens = self.micro_loss(batch, micro.to(batch["mask"].device))
+                        self.acc.backward(loss / accum)
+                    local_loss += loss.item() / accum
+                    tokens += n_tokens
+                    for key, value in stats.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                    count += 1
+                grad_norm = self.step(local_loss)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm * accum
+        stats = {key: value / count for key, value in totals.items()}
+        stats["train_tokens"] = tokens
+        return stats
+
+    def micro_loss(self, batch: dict, rows):
+        from ..rl import policy_loss, value_loss
+
+        mask = batch["mask"][rows]
+        k = max(int(mask.sum(1).max().item()), 1)  # trailing padding changes no causal output: cut it
+        width = batch["input_ids"].shape[1] - batch["mask"].shape[1] + k
+        mask = mask[:, :k]
+        logprobs, values, _ = self.model(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width], k,
+                                         self.cfg.rollout.temperature)
+        pg, pg_stats = policy_loss(logprobs, batch["logprobs"][rows, :k], batch["advantages"][rows, :k], mask,
+                                   self.t.cliprange)
+        vf, vf_stats = value_loss(values, batch["values"][rows, :k], batch["returns"][rows, :k], mask,
+                                  self.t.cliprange_value)
+        stats = {"policy_loss": pg.item(), "value_loss": vf.item(), **{n: v.item() for n, v in {**pg_stats, **vf_stats}.items()}}
+        return pg + self.t.vf_coef * vf, stats, int(batch["attention_mask"][rows, :width].sum().item())
+
+    def step(self, local_loss: float) -> float:
+        """Clip, check, step. A non-finite loss or gradient on any process stops every process before
+        the optimizer step, so the weights and the last checkpoint stay intact."""
+        import torch
+
+        from ..trainer_utils import NonFiniteError
+
+        norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
+        norm = float(norm)
+        bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.acc.device)
+        if self.acc.reduce(bad, reduction="sum").item() > 0:
+            raise NonFiniteError(
+                f"stage '{self.ctx.stage_id}': non-finite loss ({local_loss}) or gradient norm ({norm}) at update "
+                f"{self.update + 1}; stopped before the optimizer step. The last checkpoint in {self.ctx.work_dir} is "
+                "intact; lower train.learning_rate, check the reward scores (train.reward_norm / reward_clip), or "
+                "use fp32/bf16 instead of fp16."
+            )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    # -- one update, metrics ------------------------------------------------------------------------
+
+    def one_update(self) -> dict:
+        from accelerate.utils import set_seed
+
+        set_seed((self.ctx.seed * 1_000_003 + self.update * 1_009 + self.acc.process_index) % 2**32)
+        batch = self.rollout()
+        self.advantages(batch)
+        started = time.time()
+        train_stats = self.train_on(batch)
+        train_time = time.time() - started
+        entry = self.metrics(batch, train_stats, train_time)
+        self.kl_ctl.update(entry["kl"], self.cfg.rollout.batch_size * self.acc.num_processes)
+        return entry
+
+    def metrics(self, batch: dict, train: dict, train_time: float) -> dict:
+        """Per-update metrics averaged over processes (scores over the gathered batch)."""
+        import torch
+
+        scores = self.acc.gather(batch["raw_scores"].float())
+        lengths = batch["mask"].sum(1)
+        local = {**batch["parts"], **batch["stats"], **{k: v for k, v in train.items() if k != "train_tokens"},
+                 "response_length": lengths.mean().item(), "eos_fraction": batch["finished"].mean().item()}
+        names = sorted(local)
+        means = self.acc.reduce(torch.tensor([float(local[n]) for n in names], device=self.acc.device), "mean")
+        sums = self.acc.reduce(torch.tensor([lengths.sum().item(), float(train["train_tokens"])],
+                                            device=self.acc.device), "sum")
+        entry = {"update": self.update + 1, "episodes": (self.update + 1) * len(scores),
+                 "score": scores.mean().item(), "score_std": scores.std().item() if len(scores) > 1 else 0.0,
+                 **{n: v for n, v in zip(names, means.tolist())}, "kl_coef": self.kl_ctl.value,
+                 "learning_rate": self.scheduler.get_last_lr()[0],
+                 "rollout_tokens_per_s": sums[0].item() / max(batch["rollout_time"], 1e-9),
+                 "train_tokens_per_s": sums[1].item() / max(train_time, 1e-9)}
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}
+
+    def run(self) -> dict:
+        from ..progress import track
+
+        self.resume()
+        if self.acc.trackers:
+            self.acc.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
+        for _ in track(range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)",
+                       total=self.total - self.update):
+            entry = self.one_update()
+            self.history.append(entry)
+            self.update += 1
+            self.acc.log(entry, step=self.update)
+            if self.update % self.t.logging_steps == 0 or self.update == self.total:
+                self.log(" ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry) + f" ({self.update}/{self.total})")
+            if self.update % self.t.save_every == 0 and self.update < self.total:
+                self.save_state()
+        self.acc.end_training()
+        write_debug_checksum(self.ac, self.acc.process_index)
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            from ..models import save_checkpoint
+            from ..ppo_models import policy_for_saving
+
+            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir)
+        metrics = dict(self.history[-1]) if self.history else {}
+        metrics.update(updates=self.update, prompts=len(self.rows), start_score=self.history[0]["score"] if self.history else None)
+        return {"metrics": metrics, "log_history": self.history}
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def save_state(self) -> None:
+        import torch
+
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            work = Path(self.ctx.work_dir)
+            tmp, final = work / f"checkpoint-{self.update}.tmp", work / f"checkpoint-{self.update}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            torch.save(self.ac.trainable_state(), tmp / "model.pt")
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            state = {"update": self.update, "kl_controller": self.kl_ctl.state_dict(),
+                     "reward_stats": self.reward_stats, "log_history": self.history}
+            (tmp / "state.json").write_text(json.dumps(state))
+            os.replace(tmp, final)
+            for old in checkpoints(work):
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.acc.wait_for_everyone()
+
+    def resume(self) -> None:
+        import torch
+
+        found = checkpoints(Path(self.ctx.work_dir))
+        if not found:
+            return
+        path = found[-1]
+        state = json.loads((path / "state.json").read_text())
+        self.ac.load_trainable_state(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
+        self.log(f"resuming from update {self.update} ({path})")
+
+
+LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
+            "explained_variance", "response_length", "eos_fraction"]
+
+
+def checkpoints(work_dir: Path) -> list[Path]:
+    """Complete checkpoints (`checkpoint-N`, never a `.tmp`), oldest first."""
+    if not work_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in work_dir.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    return [p for _, p in sorted(found) if (p / "state.json").exists()]
+
+
+def write_debug_checksum(module, rank: int) -> None:
+    """Tests of the distributed path: each rank writes a digest of its trainable weights."""
+    folder = os.environ.get(DEBUG_CHECKSUM_ENV)
+    if not folder:
+        return
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.trainable_state().items()):
+        digest.update(name.encode())
+        digest.update(tensor.float().numpy().tobytes())
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"rank{rank}.txt").write_text(digest.hexdigest())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stage entry points
+# ---------------------------------------------------------------------------------------------------
+
+
+def check(ctx: StageContext) -> None:
+    from ..models import check_model_source, load_tokenizer
+
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    prompt_rows(ctx, tokenizer, resolve_verifiers(ctx))
+    ref = ctx.config.reward_model
+    if ref is None:
+        return
+    path = ctx.resolve_model(ref)
+    if stage_ref(ref) and not (Path(path) / "config.json").exists():
+        return  # produced by an earlier stage that has not run yet
+    check_model_source(path, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=ctx.recipe.trust_remote_code)
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
+        raise UserError(f"{ctx.where}.reward_model: '{ref}' is not a reward model (architecture "
+                        f"{architectures or 'unknown'}, {config.num_labels} label(s)); give the output of a `reward` "
+                        "stage or a *ForSequenceClassification checkpoint with one label.")
+
+
+def run(ctx: StageContext) -> dict:
+    return PPOLoop(ctx).run()

@@ -1,0 +1,138 @@
+"""`reward` stage: a Bradley-Terry reward model trained with `trl.RewardTrainer`.
+
+The model is the start policy loaded as a one-label sequence classifier (a fresh scalar `score`
+head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
+(Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
+`alignment/preference.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
+samples graded by a verifier. Pairs are rendered with the shared convention and tokenized by us, so
+the model learns on exactly the text `preference.score_texts` scores later (ppo, evaluation).
+
+With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in
+full (modules_to_save); a frozen random head would make the reward meaningless. Pairwise accuracy
+and mean margin are measured on `eval_data`, or on `eval_fraction` of the pairs held out. The output
+is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`.
+
+    stages:
+      rm: {kind: reward, model: "${sft}", data: {task: arithmetic, n: 2000}, train: {learning_rate: 1.0e-3}}
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..data import DataSpec
+from ..errors import UserError
+from ..preference import OnPolicySpec
+from .base import StageConfig, StageContext
+
+
+class Config(StageConfig):
+    kind: Literal["reward"] = "reward"
+    data: DataSpec
+    on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
+
+
+def trl_config(ctx: StageContext):
+    from trl import RewardConfig
+
+    held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
+    return ctx.trl_args(RewardConfig, max_length=1024, learning_rate=1e-4 if ctx.lora else 1e-5,
+                        per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no")
+
+
+def check(ctx: StageContext) -> None:
+    from ..models import load_tokenizer
+    from ..preference import check_stage_data
+
+    trl_config(ctx)
+    load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    check_stage_data(ctx)
+
+
+def load_classifier(ctx: StageContext, tokenizer):
+    """The start model with a one-label head (fresh for a policy, kept for a reward model)."""
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+    from trl.trainer.reward_trainer import suppress_seqcls_warning
+
+    from ..models import default_dtype, is_adapter_dir
+
+    if is_adapter_dir(ctx.start_model):
+        raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
+                        "(`align merge`) and start the reward model from the merged checkpoint.")
+    transformers.set_seed(ctx.seed)  # the fresh head's initialisation
+    with suppress_seqcls_warning():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            ctx.start_model, num_labels=1, dtype=default_dtype(), trust_remote_code=ctx.recipe.trust_remote_code,
+            use_safetensors=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], dict]:
+    """(train pairs, held-out pairs, counts): raw {'prompt', 'chosen', 'rejected'} rows."""
+    from ..models import load_policy
+    from ..preference import normalize_pairs, split_eval, stage_pairs
+
+    pairs, stats = stage_pairs(ctx, tokenizer, lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
+    if ctx.config.eval_data is not None:
+        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
+                                      ctx.config.eval_data)
+        return pairs, held_out, stats
+    train, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
+    return train, held_out, stats
+
+
+def build_trainer(ctx: StageContext):
+    """The RewardTrainer, ready to train, and the pair counts."""
+    import datasets
+    from trl import RewardTrainer
+
+    from ..models import load_tokenizer, peft_config
+    from ..preference import pair_token_ids, render_pairs
+    from ..trainer_utils import trainer_callbacks
+
+    args = trl_config(ctx)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    train, held_out, stats = datasets_for(ctx, tokenizer)
+
+    def tokenized(pairs):
+        return datasets.Dataset.from_list(pair_token_ids(tokenizer, render_pairs(tokenizer, pairs)))
+
+    if not held_out:
+        args.eval_strategy = "no"
+    trainer = RewardTrainer(
+        model=load_classifier(ctx, tokenizer), args=args, processing_class=tokenizer,
+        train_dataset=tokenized(train), eval_dataset=tokenized(held_out) if held_out else None,
+        peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
+        callbacks=trainer_callbacks(ctx),
+    )
+    return trainer, {**stats, "pairs_train": len(train), "pairs_eval": len(held_out)}
+
+
+def save_reward_model(model, tokenizer, out_dir) -> None:
+    """Merged weights with one label and the pad token set (the head pools at the last non-pad token)."""
+    from ..models import save_checkpoint
+
+    model.config.num_labels = 1
+    model.config.pad_token_id = tokenizer.pad_token_id
+    save_checkpoint(model, tokenizer, out_dir)
+
+
+def run(ctx: StageContext) -> dict:
+    from ..trainer_utils import final_metrics, resume_checkpoint
+
+    trainer, counts = build_trainer(ctx)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
+    held_out = {}
+    if trainer.eval_dataset is not None:
+        scores = trainer.evaluate()
+        held_out = {"eval_accuracy": scores.get("eval_accuracy"), "eval_margin": scores.get("eval_margin")}
+        print(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
+              f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
+    if ctx.is_main:
+        save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)
+    return final_metrics(trainer, **counts, **held_out)

@@ -1,0 +1,164 @@
+"""`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
+
+For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
+them (`alignment/rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
+the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024, eq. 3, DeepSeekMath);
+`algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
+penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
+`train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
+
+Data: prompts (`prompt` or chat `messages`; a final assistant turn is dropped) plus the columns the
+verifiers read (e.g. `answer`). Prompts are rendered with `formatting.render_prompt` and given to TRL
+as plain strings, so TRL applies no chat template of its own, and generation stops at the template's
+end-of-turn token. Recipe keys under `train:` go verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`;
+`per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
+steps_per_generation` must be a multiple of `num_generations`.
+
+    stages:
+      rlvr:
+        model: ${sft}
+        data: {task: arithmetic, split: train, n: 2000}
+        verifiers: [arithmetic]           # or [{name: my_verifiers:brevity, weight: 0.2, options: {...}}]
+        train: {max_steps: 200, num_generations: 8, learning_rate: 1.0e-6, max_completion_length: 256}
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field
+
+from ..data import DataSpec
+from ..errors import UserError
+from ..rewards import SOURCE_PROMPT, VerifierSpec
+from .base import StageConfig, StageContext
+
+DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
+
+
+class Config(StageConfig):
+    kind: Literal["rlvr"] = "rlvr"
+    data: DataSpec
+    algorithm: Literal["grpo", "rloo"] = "grpo"
+    verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers")
+
+
+def trainer_classes(algorithm: str):
+    if algorithm == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        return RLOOConfig, RLOOTrainer
+    from trl import GRPOConfig, GRPOTrainer
+
+    return GRPOConfig, GRPOTrainer
+
+
+def stage_defaults(config: Config) -> dict:
+    return dict(beta=DEFAULT_BETA, num_generations=8, per_device_train_batch_size=8, max_completion_length=256,
+                disable_dropout=True, reward_weights=[v.weight for v in config.verifiers])
+
+
+def check_group_size(ctx: StageContext) -> None:
+    """TRL's own check says 'generation_batch_size must be divisible by num_generations'; this names the
+    recipe keys behind that number and suggests a fix."""
+    knobs = {**stage_defaults(ctx.config), **ctx.config.train}
+    n = knobs.get("num_generations") or 0
+    per_device = knobs.get("per_device_train_batch_size", 8)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = knobs.get("steps_per_generation") or knobs.get("gradient_accumulation_steps", 1)
+    if not isinstance(n, int) or n < 2:
+        raise UserError(f"{ctx.where}.train.num_generations is {n!r}: GRPO/RLOO compare completions of the same "
+                        "prompt, so it needs at least 2 per prompt (8 is usual).")
+    if knobs.get("generation_batch_size") or not all(isinstance(v, int) for v in (per_device, steps)):
+        return  # TRL checks the explicit generation_batch_size itself
+    completions = per_device * processes * steps
+    if completions % n:
+        good = next(b for b in range(per_device, per_device + n + 1) if (b * processes * steps) % n == 0)
+        raise UserError(
+            f"{ctx.where}.train: a generation batch must hold whole groups of num_generations={n} completions per "
+            f"prompt, but it holds {completions} (per_device_train_batch_size={per_device} x {processes} "
+            f"process(es) x steps_per_generation={steps}). Set per_device_train_batch_size to {good} (or another "
+            f"value making the product a multiple of {n}), or change num_generations."
+        )
+
+
+def trl_config(ctx: StageContext):
+    check_group_size(ctx)
+    config_class, _ = trainer_classes(ctx.config.algorithm)
+    return ctx.trl_args(config_class, **stage_defaults(ctx.config))
+
+
+def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
+    """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
+    from ..data import check_columns, check_strings
+    from ..formatting import render_prompt, split_messages
+    from ..rewards import check_verifier_columns
+
+    where = f"{ctx.where}.{key}"
+    dataset = ctx.load_data(spec, key)
+    columns = check_columns(dataset, [("prompt",), ("messages",)], where, spec)
+    check_strings(dataset, columns, where)
+    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
+    rows = []
+    for index, row in enumerate(dataset):
+        row = dict(row)
+        source = row["prompt"] if "prompt" in columns else row["messages"]
+        if "prompt" not in columns and source and source[-1].get("role") == "assistant":
+            source = split_messages(source, index)[0]  # a reference answer is not part of the prompt
+        rows.append({**row, "prompt": render_prompt(tokenizer, source), SOURCE_PROMPT: source})
+    return rows
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); add the chat
+    template's end-of-turn token, which differs from EOS for base models (Qwen2.5: <|im_end|> vs <|endoftext|>)."""
+    from ..generation import stop_token_ids
+
+    config = model.generation_config
+    current = config.eos_token_id
+    current = [] if current is None else [current] if isinstance(current, int) else list(current)
+    config.eos_token_id = sorted(set(current) | set(stop_token_ids(tokenizer)))
+    if config.pad_token_id is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+
+def check(ctx: StageContext) -> None:
+    from ..models import load_tokenizer
+    from ..rewards import resolve_all
+
+    trl_config(ctx)
+    verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
+    if ctx.config.eval_data:
+        prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+
+
+def run(ctx: StageContext) -> dict:
+    import datasets
+
+    from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
+    from ..rewards import build_rewards
+    from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
+
+    args = trl_config(ctx)
+    _, trainer_class = trainer_classes(ctx.config.algorithm)
+    rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+    verifiers = [r.verifier for r in rewards]
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
+    stop_at_end_of_turn(model, tokenizer)
+    train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
+    eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers) if ctx.config.eval_data else None
+    trainer = trainer_class(
+        model=model, reward_funcs=rewards, args=args, processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(train_rows),
+        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
+        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+    )
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+    if ctx.is_main:
+        save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
+    totals = {k: v for r in rewards for k, v in r.totals().items()}
+    return final_metrics(trainer, rows=len(train_rows), **totals)
