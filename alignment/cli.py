@@ -85,9 +85,90 @@ def merge(
     print(f"merged checkpoint written to {out}")
 
 
-def main() -> None:
+@app.command("eval")
+def eval_checkpoints(
+    checkpoints: List[str] = typer.Argument(..., help="checkpoint folders (stage outputs, adapter folders) or hub ids"),
+    suite: List[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy), a YAML "
+                                    "file listing suites, or a data file scored with --verifier (repeatable)"),
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="verifier for suites that name none (data files)"),
+    reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model: rm_score and win_rate"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", help="checkpoint the others' win rate is against"),
+    reference: Optional[str] = typer.Option(None, "--reference", help="checkpoint KL is measured to"),
+    out: Path = typer.Option(Path("eval"), "--out", help="folder for metrics.json, samples.jsonl, report.md, plots"),
+    n: Optional[int] = typer.Option(None, "--n", help="samples per prompt for pass@k"),
+    k: Optional[List[int]] = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="prompts per suite"),
+    seed: int = typer.Option(42, "--seed", help="data and sampling seed"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code shipped with a model"),
+):
+    """Compare checkpoints: pass@1/pass@k, sycophancy, reward-model score, win rate, KL, length."""
+    from rich.console import Console
+
+    from .evaluate import cli_suites, evaluate_checkpoints, rich_table
+    from .models import check_model_source
+
+    _quiet_libraries()
+    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit)
+    for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
+                                                                     ("--baseline", baseline), ("--reference", reference)]:
+        if value is not None:
+            check_model_source(value, name, trust_remote_code)
+    paths = {c: c for c in checkpoints}
+    if baseline is not None and baseline not in paths:
+        paths = {baseline: baseline, **paths}
+    metrics = evaluate_checkpoints(paths, suites, out, reward_model=reward_model, baseline=baseline,
+                                   reference=reference, seed=seed, base_dir=base_dir,
+                                   trust_remote_code=trust_remote_code, log=print)
+    Console().print(rich_table(metrics))
+    print(f"report: {out / 'report.md'}")
+
+
+@app.command()
+def verify(
+    verifier: str = typer.Option(..., "--verifier", help="built-in key or module:function"),
+    data: Path = typer.Option(..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"),
+    column: str = typer.Option("completion", "--column", help="column holding the completion"),
+    option: Optional[List[str]] = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
+):
+    """Score a file with a verifier: pass rate, unparseable rate and examples, to test it before training."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .verifiers.report import verify_file
+
+    options = dict(_parse_option(o) for o in option or [])
+    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options)
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+        return
+    console = Console()
+    console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows, column '{column}')")
+    summary = Table("pass rate", "mean reward", "unparseable", "errors")
+    summary.add_row(*(f"{report[k]:.1%}" if k != "mean_reward" else f"{report[k]:.3f}"
+                      for k in ("pass_rate", "mean_reward", "unparseable_rate", "error_rate")))
+    console.print(summary)
+    for kind, rows in report["examples"].items():
+        for row in rows:
+            detail = f" ({row['detail']})" if row.get("detail") else ""
+            console.print(f"[{kind}] row {row['row']}: reward {row['reward']}{detail}: {row['completion']!r}",
+                          markup=False)
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    import yaml
+
+    if "=" not in text:
+        raise UserError(f"bad --option '{text}': expected key=value.")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
-        app(standalone_mode=False)
+        app(args=argv, standalone_mode=False)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)

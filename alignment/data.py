@@ -48,7 +48,10 @@ class DataSpec(Strict):
         if self.task is not None:
             from .tasks import get_task
 
-            params_model = get_task(self.task).Params
+            try:
+                params_model = get_task(self.task).Params
+            except UserError as error:
+                raise ValueError(str(error)) from None
             try:
                 params_model.model_validate(extra)
             except ValidationError as error:
@@ -122,6 +125,8 @@ def _load_local(path: Path, where: str):
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in LOCAL_FORMATS) if path.is_dir() else [path]
     if not files:
         raise UserError(f"{where}.dataset: folder '{path}' holds no {'/'.join(LOCAL_FORMATS)} files.")
+    if all(p.stat().st_size == 0 for p in files):
+        raise UserError(f"{where}.dataset: '{path}' is empty (no rows).")
     kinds = {LOCAL_FORMATS.get(p.suffix.lower()) for p in files}
     if None in kinds or len(kinds) > 1:
         raise UserError(

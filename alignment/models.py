@@ -100,6 +100,9 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a 1 MB model is noise
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -108,6 +111,7 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, path)
+    hf_logging.enable_progress_bar()
     return path
 
 
@@ -201,6 +205,22 @@ def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name
         return get_peft_model(model, peft_config(spec, task_type), adapter_name=adapter_name)
     except ValueError as error:
         raise UserError(f"lora: {str(error).strip().splitlines()[0]} (lora.target_modules = {spec.target_modules!r})") from None
+
+
+def check_lora_targets(model_name: str, spec: LoraSpec, where: str, trust_remote_code: bool = False) -> None:
+    """Apply the LoRA config to a weightless (meta-device) copy of the model, so that target modules
+    that do not exist fail at `align check` rather than after the data is loaded."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = _adapter_base(model_name) if is_adapter_dir(model_name) else model_name
+    config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        apply_lora(skeleton, spec)
+    except UserError as error:
+        raise UserError(f"{where}: {str(error).removeprefix('lora: ')}") from None
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError
 
 from .errors import UserError
 from .models import LoraSpec, TinySpec
@@ -44,7 +44,11 @@ class Recipe(Strict):
     evaluate: dict[str, Any] | None = None
 
     # Set by load_recipe, not by the YAML.
-    path: Path | None = Field(None, exclude=True)
+    _path: Path | None = PrivateAttr(None)
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
 
     @property
     def base_dir(self) -> Path:
@@ -103,7 +107,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         recipe = Recipe.model_validate({**resolved, "stages": resolved.get("stages") or {}})
     except ValidationError as error:
         raise UserError(f"{path}: {explain(error, Recipe)}") from None
-    recipe.path = path
+    recipe._path = path
     recipe.stages = {sid: _validate_stage(sid, cfg, path) for sid, cfg in recipe.stages.items()}
     _check_references(recipe, path)
     if recipe.evaluate is not None:

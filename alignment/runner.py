@@ -11,6 +11,8 @@ Every process runs every stage (distributed training); only the main process wri
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -59,11 +61,24 @@ def make_context(recipe: Recipe, stage_id: str, is_main: bool = True) -> StageCo
     )
 
 
+def ensure_writable(folder: Path) -> None:
+    """Fail before any work when the output folder cannot be created or written."""
+    probe = folder / f".write-test-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(f"output_dir '{folder}' is not writable ({error.strerror}); choose another output_dir "
+                        "or fix its permissions.") from None
+
+
 def check_recipe(recipe: Recipe, log=print) -> None:
     """Deep validation: models resolve, data loads with the right columns, TRL configs build, verifiers
-    resolve. Stages that start from an earlier stage's output are checked against the base model."""
-    from .models import check_model_source
+    resolve, LoRA targets exist. Stages that start from a stage not yet run are checked against the base."""
+    from .models import check_lora_targets, check_model_source
 
+    ensure_writable(recipe.out)
     recipe.ensure_base_model()
     for stage_id, config in recipe.stages.items():
         ctx = make_context(recipe, stage_id)
@@ -71,6 +86,8 @@ def check_recipe(recipe: Recipe, log=print) -> None:
             check_model_source(ctx.start_model, f"stages.{stage_id}.{config.start_model_key()}", recipe.trust_remote_code)
         else:
             ctx.start_model = _checkable(recipe, ctx.start_model)
+        if ctx.lora is not None:
+            check_lora_targets(ctx.start_model, ctx.lora, f"stages.{stage_id}.lora", recipe.trust_remote_code)
         stage_module(config.kind).check(ctx)
         log(f"  {stage_id} ({config.kind}): ok")
     if recipe.evaluate is not None:
@@ -93,6 +110,8 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
                evaluate: bool = True, log=print) -> dict[str, dict]:
     state = distributed_state()
     log = log if state.is_main_process else (lambda *_: None)
+    if state.is_main_process:
+        ensure_writable(recipe.out)
     with state.main_process_first():
         recipe.ensure_base_model()
     results = {}
@@ -122,14 +141,31 @@ def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
     state.wait_for_everyone()
     log(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
     started = time.time()
-    result = stage_module(ctx.config.kind).run(ctx) or {}
-    state.wait_for_everyone()
-    record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2)}
-    if state.is_main_process:
-        finalize(ctx, record, result.get("log_history"))
+    with disk_errors_explained(ctx):
+        result = stage_module(ctx.config.kind).run(ctx) or {}
+        state.wait_for_everyone()
+        record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2)}
+        if state.is_main_process:
+            finalize(ctx, record, result.get("log_history"))
     state.wait_for_everyone()
     log(f"[{stage_id}] done in {record['wall_time_s']:.1f}s -> {recipe.stage_dir(stage_id)}")
     return record
+
+
+@contextlib.contextmanager
+def disk_errors_explained(ctx: StageContext):
+    """Turn a full disk or a permission error while writing into a clear error; the stage stays
+    unfinished (its staging folder is never moved into place) and earlier stages are untouched."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EACCES, errno.EROFS, errno.EDQUOT):
+            raise
+        raise UserError(
+            f"stage '{ctx.stage_id}': could not write {error.filename or ctx.out_dir} ({error.strerror}). The stage "
+            "is not marked finished and earlier stages are intact; free space or fix permissions, then rerun the "
+            "recipe (it resumes from the last checkpoint)."
+        ) from None
 
 
 def stage_record(ctx: StageContext, record: dict) -> dict:
@@ -161,6 +197,9 @@ def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
     os.replace(ctx.out_dir, final)
     shutil.rmtree(old, ignore_errors=True)
     shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    for parent in (ctx.out_dir.parent, ctx.work_dir.parent):  # .staging/ and .work/ once empty
+        if parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
 
 
 def _write_json(path: Path, data) -> None:

@@ -56,8 +56,10 @@ def explain(error: ValidationError, model: type[BaseModel], prefix: str = "") ->
             lines.append(f"unknown key '{where}'{hint}{known}")
         elif item["type"] == "missing":
             lines.append(f"missing required key '{where}'")
+        elif item["type"] == "value_error":  # our own validators already phrase the whole problem
+            lines.append(f"'{where}': {item['msg'].removeprefix('Value error, ')}")
         else:
             got = item.get("input")
-            shown = repr(got) if not isinstance(got, dict) else "a mapping"
-            lines.append(f"'{where}': {item['msg']} (got {shown})")
+            shown = f" (got {got!r})" if not isinstance(got, dict) else ""
+            lines.append(f"'{where}': {item['msg']}{shown}")
     return "; ".join(lines)

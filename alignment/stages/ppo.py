@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 import os
 import random
 import re
@@ -395,7 +396,7 @@ class PPOLoop:
 
         size, mini, accum = len(batch["mask"]), self.t.mini_batch_size, self.t.gradient_accumulation_steps
         totals: dict[str, float] = {}
-        count, tokens = 0, 0
+        count, tokens, norms = 0, 0, []
         for _ in range(self.t.ppo_epochs):
             order = torch.randperm(size)
             for start in range(0, size, mini):
@@ -403,7 +404,7 @@ class PPOLoop:
                 local_loss = 0.0
                 for j in range(accum):
                     micro = rows[j * self.micro_batch_size:(j + 1) * self.micro_batch_size]
-                    context = self.acc.no_sync(self.model) if j < accum - 1 else _null()
+                    context = self.acc.no_sync(self.model) if j < accum - 1 else nullcontext()
                     with context:
                         loss, stats, n_tokens = self.micro_loss(batch, micro.to(batch["mask"].device))
                         self.acc.backward(loss / accum)
@@ -412,10 +413,9 @@ class PPOLoop:
                     for key, value in stats.items():
                         totals[key] = totals.get(key, 0.0) + value
                     count += 1
-                grad_norm = self.step(local_loss)
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm * accum
+                norms.append(self.step(local_loss))
         stats = {key: value / count for key, value in totals.items()}
-        stats["train_tokens"] = tokens
+        stats.update(grad_norm=sum(norms) / len(norms), train_tokens=tokens)
         return stats
 
     def micro_loss(self, batch: dict, rows):
@@ -583,14 +583,6 @@ def write_debug_checksum(module, rank: int) -> None:
         digest.update(tensor.float().numpy().tobytes())
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / f"rank{rank}.txt").write_text(digest.hexdigest())
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------

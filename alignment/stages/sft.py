@@ -37,8 +37,25 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
     dataset = ctx.load_data(spec, key)
     columns = check_columns(dataset, COLUMNS, f"{ctx.where}.{key}", spec)
     check_strings(dataset, columns, f"{ctx.where}.{key}")
-    rows = [render_pair(tokenizer, row, i) for i, row in enumerate(dataset)]
+    try:
+        rows = [render_pair(tokenizer, row, i) for i, row in enumerate(dataset) if not _empty_answer(row)]
+    except UserError as error:
+        raise UserError(f"{ctx.where}.{key} ({spec.describe()}): {error}") from None
+    if not rows:
+        raise UserError(f"{ctx.where}.{key}: all {len(dataset)} rows were filtered out because their completion "
+                        "is empty; check the data or its column mapping (rename).")
+    if len(rows) < len(dataset):
+        print(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with an empty completion")
     return drop_overlong(rows, tokenizer, max_length, f"{ctx.where}.{key}")
+
+
+def _empty_answer(row: dict) -> bool:
+    from ..formatting import prompt_and_completion
+
+    try:
+        return not prompt_and_completion(row)[1].strip()
+    except UserError:
+        return False  # a malformed conversation is reported by render_pair with its row number
 
 
 def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: str) -> list[dict]:

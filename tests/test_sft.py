@@ -1,0 +1,134 @@
+"""SFT stage end to end, the runner's skip/force behaviour, LoRA chaining and the distributed path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from alignment.recipe import load_recipe
+from alignment.runner import run_recipe
+from conftest import REPO, heldout_accuracy, write_recipe
+
+TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
+QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
+
+
+def sft_recipe(tmp_path, **extra) -> dict:
+    return {"name": "sft-test", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+            "stages": {"sft": {"data": {"task": "arithmetic", "n": 600}, "train": QUICK_TRAIN}}, **extra}
+
+
+def params(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path):
+    path = write_recipe(tmp_path, sft_recipe(tmp_path))
+    recipe = load_recipe(path)
+    run_recipe(recipe, log=lambda *_: None)
+    out = recipe.stage_dir("sft")
+    record = json.loads((out / "stage.json").read_text())
+    assert record["kind"] == "sft" and record["metrics"]["train_loss"] > 0
+    assert {"torch", "transformers", "trl"} <= set(record["versions"])
+    assert (out / "tokenizer.json").exists() and (out / "README.md").exists()
+    before, base = params(out), params(recipe.out / "base")
+    assert any(not torch.equal(before[k], base[k]) for k in before), "SFT did not change any weight"
+
+    messages = []
+    run_recipe(load_recipe(path), log=messages.append)
+    assert any("skipping" in m for m in messages)
+    assert (out / "stage.json").stat().st_mtime == pytest.approx((out / "stage.json").stat().st_mtime)
+    stamp = record["finished_at"]
+    run_recipe(load_recipe(path), force=True, log=lambda *_: None)
+    assert json.loads((out / "stage.json").read_text())["finished_at"] >= stamp
+    assert not (recipe.out / ".staging" / "sft").exists() and not (recipe.out / "sft.old").exists()
+
+
+def test_sft_on_chat_messages_with_lora_keeps_adapter(tmp_path):
+    recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
+    recipe["stages"]["sft"]["data"]["format"] = "messages"
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    run_recipe(loaded, log=lambda *_: None)
+    out = loaded.stage_dir("sft")
+    assert (out / "adapter" / "adapter_config.json").exists()
+    assert (out / "config.json").exists(), "merged weights are saved beside the adapter"
+
+
+def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
+    trained = heldout_accuracy(sft_checkpoint)
+    scratch = heldout_accuracy(sft_checkpoint.parent / "base")
+    print(f"held-out greedy accuracy: from scratch {scratch:.3f}, after SFT {trained:.3f}")
+    assert scratch < 0.05 and trained > scratch + 0.3
+
+
+def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
+    """sft -> sft2 with LoRA: sft2's reference (its adapter disabled) is exactly the sft policy."""
+    from alignment.models import apply_lora, load_policy, LoraSpec
+
+    recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
+    recipe["stages"]["sft2"] = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 200},
+                                "train": QUICK_TRAIN}
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    run_recipe(loaded, log=lambda *_: None)
+    first = load_policy(str(loaded.stage_dir("sft"))).eval()
+    second = apply_lora(load_policy(str(loaded.stage_dir("sft"))), LoraSpec(r=4, lora_alpha=8))
+    # Give the fresh adapter non-zero weights so that "disabled" is a real difference.
+    for name, p in second.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    ids = torch.tensor([[4, 30, 40, 50, 2, 5]])
+    with torch.no_grad():
+        expected = first(ids).logits
+        with second.disable_adapter():
+            reference = second(ids).logits
+        adapted = second(ids).logits
+    assert torch.allclose(reference, expected, atol=1e-5)
+    assert not torch.allclose(adapted, expected, atol=1e-3)
+
+
+def test_prompt_rendering_is_one_convention(tiny_model):
+    """SFT text, RL prompts and reward-model text share the same rendering; no trailing newline."""
+    from alignment.formatting import end_of_turn, render_completion, render_pair, render_prompt
+    from alignment.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    pair = render_pair(tokenizer, {"prompt": "What is 1+2?", "completion": "3"})
+    assert pair["prompt"] == render_prompt(tokenizer, "What is 1+2?") == "<|user|>What is 1+2?<|end|><|assistant|>"
+    assert pair["completion"] == "3<|end|>" == render_completion(tokenizer, "What is 1+2?", "3")
+    chat = render_pair(tokenizer, {"messages": [{"role": "user", "content": "What is 1+2?"},
+                                                {"role": "assistant", "content": "3"}]})
+    assert chat == pair
+    assert end_of_turn(tokenizer) == "<|end|>"
+
+
+def test_render_completion_cuts_trailing_newline_after_end_of_turn(tiny_model):
+    from alignment.formatting import render_completion
+    from alignment.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|end|>{% endfor %}", "<|end|>\n{% endfor %}")
+    assert render_completion(tokenizer, "q", "42") == "42<|end|>"
+
+
+@pytest.mark.slow
+def test_sft_under_accelerate_two_cpu_processes_only_rank0_writes(tmp_path):
+    path = write_recipe(tmp_path, sft_recipe(tmp_path))
+    env = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29533",
+         str(REPO / "scripts/run_recipe.py"), str(path)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "sft" / "stage.json").exists()
+    assert result.stdout.count("[sft] done") == 1, "only rank 0 logs"
+    assert sorted(p.name for p in out.iterdir()) == ["base", "sft"]
