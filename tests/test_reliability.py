@@ -1,0 +1,142 @@
+"""Reliability: resume after a crash, the non-finite guard, atomic outputs and secret hygiene."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import alignment.stages.sft as sft_stage
+from alignment.errors import UserError
+from alignment.recipe import load_recipe
+from alignment.runner import run_recipe
+from alignment.trainer_utils import NonFiniteError
+from conftest import write_recipe
+
+TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
+TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
+         "save_steps": 5, "logging_steps": 1}
+
+
+def sft_recipe(tmp_path, name="rel", **extra):
+    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+            "stages": {"sft": {"data": {"task": "arithmetic", "n": 200}, "train": TRAIN}}, **extra}
+
+
+class CrashAt(TrainerCallback):
+    """Simulates a kill: raises once training reaches `step` (after the checkpoint before it)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt(f"simulated crash at step {self.step}")
+
+
+class StepRecorder(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(state.global_step)
+
+
+class PoisonGradients(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.step:
+            next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+
+def with_extra_callback(monkeypatch, callback):
+    """Run `callback` before the stage's own callbacks (the guard) in every TRL stage."""
+    import alignment.trainer_utils as utils
+
+    real = utils.trainer_callbacks
+    monkeypatch.setattr(utils, "trainer_callbacks", lambda ctx: [callback, *real(ctx)])
+
+
+def final_weights(recipe) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(recipe.stage_dir("sft") / "model.safetensors"))
+
+
+def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
+    straight = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "straight"), "a.yaml"))
+    run_recipe(straight, log=lambda *_: None)
+
+    resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed"), "b.yaml"))
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, CrashAt(8))
+        with pytest.raises(KeyboardInterrupt):
+            run_recipe(resumed, log=lambda *_: None)
+    assert not resumed.stage_dir("sft").exists(), "a crashed stage must not look finished"
+    checkpoints = sorted((resumed.out / ".work" / "sft" / "trainer").glob("checkpoint-*"))
+    assert [c.name for c in checkpoints] == ["checkpoint-5"]
+    steps = StepRecorder()
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, steps)
+        run_recipe(resumed, log=lambda *_: None)
+    assert steps.seen[0] == 6, f"resumed from step 5, not from zero (first step run: {steps.seen[0]})"
+    a, b = final_weights(straight), final_weights(resumed)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def test_nonfinite_gradient_stops_before_the_optimizer_step(tmp_path, monkeypatch):
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    with_extra_callback(monkeypatch, PoisonGradients(7))
+    with pytest.raises(NonFiniteError, match=r"stage 'sft': non-finite gradient norm \(nan\) at step 7"):
+        run_recipe(recipe, log=lambda *_: None)
+    assert not recipe.stage_dir("sft").exists()
+    checkpoint = recipe.out / ".work" / "sft" / "trainer" / "checkpoint-5"
+    assert (checkpoint / "model.safetensors").exists(), "the last good checkpoint is intact"
+    from safetensors.torch import load_file
+
+    assert all(torch.isfinite(t).all() for t in load_file(str(checkpoint / "model.safetensors")).values())
+
+
+def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_path, monkeypatch):
+    import errno
+
+    spec = sft_recipe(tmp_path)
+    spec["stages"]["sft2"] = {"kind": "sft", "data": {"task": "arithmetic", "n": 50}, "train": TRAIN}
+    recipe = load_recipe(write_recipe(tmp_path, spec))
+    run_recipe(recipe, only=["sft"], log=lambda *_: None)
+    before = (recipe.stage_dir("sft") / "model.safetensors").read_bytes()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
+
+    monkeypatch.setattr(sft_stage, "save_checkpoint", full_disk, raising=False)
+    import alignment.models as models
+
+    monkeypatch.setattr(models, "save_checkpoint", full_disk)
+    with pytest.raises(UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"):
+        run_recipe(recipe, only=["sft2"], log=lambda *_: None)
+    assert not recipe.stage_dir("sft2").exists()
+    assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
+
+
+def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
+    secret = "hf_plantedSECRETvalue1234567"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-planted-secret-0987654321")
+    spec = sft_recipe(tmp_path)
+    spec["stages"]["sft"]["train"] = {**TRAIN, "hub_token": secret, "run_name": f"run-{secret}"}
+    recipe = load_recipe(write_recipe(tmp_path, spec))
+    run_recipe(recipe, log=lambda *_: None)
+    for name in ("stage.json", "README.md", "log_history.json"):
+        text = (recipe.stage_dir("sft") / name).read_text()
+        assert secret not in text and "wandb-planted-secret" not in text, name
+    assert "***" in (recipe.stage_dir("sft") / "stage.json").read_text()
+
+
+def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    assert recipe.trust_remote_code is False
+    opted = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, trust_remote_code=True), "t.yaml"))
+    assert opted.trust_remote_code is True
