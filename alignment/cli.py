@@ -3,7 +3,7 @@
   align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval]
   align check RECIPE [key=value ...]
   align merge SOURCE OUT
-  align eval CHECKPOINT ... --task arithmetic --verifier arithmetic
+  align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
   align verify --verifier NAME --data FILE [--column completion]
 
 User errors (bad recipe, data, paths, verifiers) print one paragraph on stderr and exit 2, without a
@@ -104,8 +104,9 @@ def eval_checkpoints(
     """Compare checkpoints: pass@1/pass@k, sycophancy, reward-model score, win rate, KL, length."""
     from rich.console import Console
 
-    from .evaluate import cli_suites, evaluate_checkpoints, rich_table
+    from .evaluate import cli_suites, evaluate_checkpoints
     from .models import check_model_source
+    from .plots import rich_table
 
     _quiet_libraries()
     suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit)

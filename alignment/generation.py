@@ -71,6 +71,9 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 top_p=settings.top_p if settings.temperature > 0 else None,
                 top_k=settings.top_k if settings.temperature > 0 else None,
                 eos_token_id=stops, pad_token_id=pad_id,
+                # Plain samples: a checkpoint's own generation_config (e.g. a repetition penalty) must not
+                # reshape the distribution that KL and PPO log-probs assume we sampled from.
+                repetition_penalty=1.0, no_repeat_ngram_size=0,
             )
             for (i, j), ids in zip(batch, output[:, width:].tolist()):
                 results[(i, j)] = _to_sample(i, ids, stops, tokenizer)

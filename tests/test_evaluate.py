@@ -1,0 +1,291 @@
+"""Evaluation: pass@k estimator, win rate, KL, reward hacking, `align eval` and the recipe's evaluate block."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+from conftest import run_cli, write_recipe
+
+from alignment.errors import UserError
+from alignment.evaluate import (
+    SuiteSpec,
+    agrees_with_stated,
+    evaluate_checkpoints,
+    pass_at_k,
+    reward_hacking,
+    sequence_kl,
+    win_rate,
+)
+
+TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads per process
+    spin against other jobs (measured 3x slower); restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_suite(name="arith", n=24, pass_k=None, **task) -> SuiteSpec:
+    return SuiteSpec(name=name, data={"task": "arithmetic", "split": "test", "n": n, **task}, verifier="arithmetic",
+                     sampling={"temperature": 0, "max_new_tokens": 6}, pass_k=pass_k)
+
+
+@pytest.fixture(scope="module")
+def reward_model(tiny_model, tmp_path_factory):
+    """A one-label sequence classifier on the tiny model's body (random head): a stand-in reward model."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignment.models import load_tokenizer
+
+    path = tmp_path_factory.mktemp("rm") / "rm"
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    model.save_pretrained(path)
+    load_tokenizer(str(tiny_model)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tiny_model, tmp_path_factory):
+    """A bare peft adapter folder (adapter_config.json + weights, no tokenizer) on the tiny model, with
+    non-zero LoRA B so that it changes the model."""
+    from alignment.models import LoraSpec, apply_lora, load_policy
+
+    path = tmp_path_factory.mktemp("adapter") / "adapter"
+    model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(path)
+    assert not (path / "tokenizer_config.json").exists() and (path / "adapter_config.json").exists()
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure metric functions
+
+
+def test_pass_at_k_hand_values():
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2) = 0.7
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(5, 3, 3) == 1.0  # n - c = 2 < k: every 3-subset holds a pass
+    assert pass_at_k(5, 5, 1) == 1.0
+    for n in range(1, 11):  # the product form equals the binomial ratio everywhere
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    assert 0 < pass_at_k(1000, 1, 500) < 1  # no overflow with large n
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_win_rate_counts_ties_half():
+    assert win_rate([1.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == 0.5
+    assert win_rate([1.0, 2.0, 3.0], [0.0, 2.0, 4.0]) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert win_rate([3.0, 3.0], [1.0, 1.0]) == 1.0
+    # identical texts are ties even when batching changed the last bits of the score
+    assert win_rate([1.0001], [1.0], texts=["42"], baseline_texts=["42"]) == 0.5
+    assert win_rate([1.0001], [1.0], texts=["42"], baseline_texts=["41"]) == 1.0
+
+
+def test_reward_hacking_and_sycophancy_helpers():
+    assert reward_hacking(rm_gain=0.5, pass1_gain=-0.10)
+    assert not reward_hacking(rm_gain=0.5, pass1_gain=-0.01)  # within the margin
+    assert not reward_hacking(rm_gain=-0.1, pass1_gain=-0.30)  # the RM did not rise: just worse
+    assert not reward_hacking(rm_gain=0.5, pass1_gain=0.10)
+    assert agrees_with_stated("I agree, it is 84", "84") and agrees_with_stated("84", 84)
+    assert not agrees_with_stated("85", "84") and not agrees_with_stated("no idea", "84")
+
+
+def test_pass_k_spec_validation():
+    assert small_suite(pass_k={"n": 8}).pass_k.k == [1, 2, 4, 8]
+    assert small_suite(pass_k={"n": 6}).pass_k.k == [1, 2, 4, 6]
+    suite = SuiteSpec(name="x", data={"task": "arithmetic"}, verifier="arithmetic", sampling={"max_new_tokens": 5},
+                      pass_k={"n": 4, "k": [1, 4]})
+    assert suite.pass_k.max_new_tokens == 5 and suite.pass_k.temperature == 1.0
+    with pytest.raises(ValueError, match="between 1 and n"):
+        SuiteSpec(name="x", data={"task": "arithmetic"}, pass_k={"n": 4, "k": [8]})
+
+
+# --------------------------------------------------------------------------------------------------
+# KL and win rate on models
+
+
+def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model, adapter_folder):
+    from alignment.formatting import render_prompt
+    from alignment.generation import SamplingSpec, generate
+    from alignment.models import load_policy, load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    policy, other = load_policy(str(tiny_model)), load_policy(str(adapter_folder))
+    prompts = [render_prompt(tokenizer, f"What is {a}+{a + 3}?") for a in range(10, 42)]
+    torch.manual_seed(0)
+    samples = generate(policy, tokenizer, prompts, SamplingSpec(temperature=1.0, max_new_tokens=6, n=2))
+    same = sequence_kl(policy, policy, tokenizer, prompts, samples, batch_size=16)
+    different = sequence_kl(policy, other, tokenizer, prompts, samples, batch_size=16)
+    print(f"KL to itself {sum(same) / len(same):.2e}, to the adapter model {sum(different) / len(different):.3f}")
+    assert max(abs(v) for v in same) < 1e-4
+    assert sum(different) / len(different) > 0.05
+
+
+def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, tmp_path):
+    suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
+    started = time.time()
+    metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tiny_model)}, suites, tmp_path / "eval",
+                                   reward_model=str(reward_model), baseline="a", reference=str(tiny_model),
+                                   log=lambda *_: None)
+    print(f"2 checkpoints x 2 suites in {time.time() - started:.1f}s: {metrics['b']}")
+    for suite in ("arith", "syc"):
+        assert metrics["b"][f"{suite}/win_rate"] == 0.5 and metrics["a"][f"{suite}/win_rate"] == 0.5
+        assert abs(metrics["b"][f"{suite}/kl"]) < 1e-4
+        assert metrics["b"][f"{suite}/reward_hacking"] == 0.0
+        assert metrics["a"][f"{suite}/rm_score"] == pytest.approx(metrics["b"][f"{suite}/rm_score"], abs=1e-5)
+    assert {"arith/pass@1", "arith/pass@2", "arith/pass@4", "arith/unparseable_rate", "arith/mean_length",
+            "arith/eos_rate", "syc/sycophancy"} <= set(metrics["a"])
+    assert "arith/sycophancy" not in metrics["a"]  # plain prompts state no answer
+    saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert saved["checkpoints"] == metrics
+    rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"main", "pass_k", "kl"}
+    assert sum(r["mode"] == "main" for r in rows) == 2 * 2 * 24 and sum(r["mode"] == "pass_k" for r in rows) == 2 * 24 * 4
+
+
+def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path, monkeypatch):
+    """A 'policy' that always repeats the user's stated answer: sycophancy 1, pass@1 0."""
+    from alignment import generation
+    from alignment.generation import Sample
+
+    def parrot(model, tokenizer, prompts, settings, progress=None):
+        stated = [p.split("I think ")[1].split(" is ")[1].split(".")[0] for p in prompts]
+        return [Sample(i, stated[i], [1], True) for i in range(len(prompts)) for _ in range(settings.n)]
+
+    monkeypatch.setattr(generation, "generate", parrot)
+    metrics = evaluate_checkpoints({"parrot": str(tiny_model)}, [small_suite("syc", style="sycophancy")],
+                                   tmp_path / "eval", log=lambda *_: None)
+    assert metrics["parrot"]["syc/sycophancy"] == 1.0 and metrics["parrot"]["syc/pass@1"] == 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# align eval and the recipe's evaluate block
+
+
+def test_align_eval_on_an_adapter_folder_and_a_plain_checkpoint(tiny_model, adapter_folder, reward_model, tmp_path):
+    out = tmp_path / "eval"
+    started = time.time()
+    result = run_cli("eval", adapter_folder, tiny_model, "--suite", "arithmetic", "--suite", "arithmetic-sycophancy",
+                     "--limit", "12", "--n", "4", "--k", "2", "--reward-model", reward_model,
+                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out, env=ONE_THREAD)
+    print(f"align eval: {time.time() - started:.1f}s")
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((out / "metrics.json").read_text())["checkpoints"]
+    assert list(metrics) == [str(adapter_folder), str(tiny_model)]
+    adapter = metrics[str(adapter_folder)]
+    assert {"arithmetic/pass@1", "arithmetic/pass@2", "arithmetic/kl", "arithmetic/win_rate", "arithmetic/rm_score",
+            "arithmetic-sycophancy/sycophancy", "arithmetic/reward_hacking"} <= set(adapter)
+    assert adapter["arithmetic/kl"] > 0.05 and abs(metrics[str(tiny_model)]["arithmetic/kl"]) < 1e-4
+    assert all(isinstance(v, float) for m in metrics.values() for v in m.values())
+    report = (out / "report.md").read_text()
+    assert "| arithmetic/win_rate |" in report and "**win_rate**" in report and "![metrics](metrics.png)" in report
+    assert (out / "metrics.png").stat().st_size > 1000
+    assert "arithmetic/pass@1" in result.stdout  # the rich table
+
+
+def test_align_eval_user_errors(tiny_model, tmp_path):
+    result = run_cli("eval", tiny_model, "--suite", "arithmetc", "--out", tmp_path)
+    assert result.returncode == 2 and "did you mean 'arithmetic'" in result.stderr
+    result = run_cli("eval", tmp_path / "missing", "--suite", "arithmetic", "--out", tmp_path)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def eval_recipe(tmp_path, evaluate: dict) -> dict:
+    quick = {"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 3.0e-3, "max_length": 32,
+             "logging_steps": 1}
+    return {"name": "eval-test", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+            "stages": {"sft": {"data": {"task": "arithmetic", "n": 64}, "train": quick},
+                       "rm": {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 64},
+                              "train": {**quick, "max_steps": 2}}},
+            "evaluate": evaluate}
+
+
+EVALUATE_BLOCK = {
+    "include_base": True,
+    "suites": [{"name": "arithmetic", "data": {"task": "arithmetic", "split": "test", "n": 30},
+                "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 6}, "pass_k": {"n": 4}},
+               {"name": "sycophancy", "data": {"task": "arithmetic", "split": "test", "n": 30, "style": "sycophancy"},
+                "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 6}}],
+    "reward_model": "${rm}", "baseline": "sft", "reference": "sft",
+}
+
+
+def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
+    from alignment.recipe import load_recipe
+    from alignment.runner import check_recipe, run_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, EVALUATE_BLOCK)))
+    check_recipe(recipe, log=lambda *_: None)
+    started = time.time()
+    run_recipe(recipe, log=lambda *_: None)
+    print(f"2 stages + evaluation: {time.time() - started:.1f}s")
+    folder = recipe.out / "eval"
+    metrics = json.loads((folder / "metrics.json").read_text())["checkpoints"]
+    assert list(metrics) == ["base", "sft"]  # the rm stage is a scorer, not a policy
+    assert metrics["sft"]["arithmetic/win_rate"] == 0.5 and abs(metrics["sft"]["arithmetic/kl"]) < 1e-4
+    assert {"arithmetic/pass@2", "arithmetic/pass@4", "sycophancy/sycophancy", "arithmetic/rm_score",
+            "arithmetic/reward_hacking"} <= set(metrics["base"])
+    assert {"metrics.json", "samples.jsonl", "report.md", "metrics.png", "curves_sft.png", "curves_rm.png"} <= {
+        p.name for p in folder.iterdir()}
+    assert "Baseline for win rate and reward hacking: `sft`" in (folder / "report.md").read_text()
+
+
+@pytest.mark.parametrize("evaluate, message", [
+    ({**EVALUATE_BLOCK, "refrence": "sft"}, "did you mean 'reference'"),
+    ({**EVALUATE_BLOCK, "baseline": "${sfft}"}, "did you mean 'sft'"),
+    ({**EVALUATE_BLOCK, "reward_model": "${sft}"}, "must be a reward stage"),
+    ({**EVALUATE_BLOCK, "reference": "rm"}, "must be a policy stage"),
+    ({**EVALUATE_BLOCK, "after": ["sft", "rm"]}, "'rm', a reward model"),
+    ({**EVALUATE_BLOCK, "suites": ["arithmetic", "arithmetic-sycophantic"]}, "did you mean 'arithmetic-sycophancy'"),
+    ({**EVALUATE_BLOCK, "suites": [{**EVALUATE_BLOCK["suites"][0], "pass_k": {"n": 2, "k": [4]}}]}, "between 1 and n"),
+])
+def test_evaluate_block_errors_name_the_key(tmp_path, evaluate, message):
+    from alignment.recipe import load_recipe
+
+    with pytest.raises(UserError, match=message):
+        load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, evaluate)))
+
+
+def test_builtin_suite_names_in_a_recipe(tmp_path):
+    from alignment.recipe import load_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, {"suites": ["arithmetic", "arithmetic-sycophancy"]})))
+    assert [s.name for s in recipe.evaluate.suites] == ["arithmetic", "arithmetic-sycophancy"]
+    assert recipe.evaluate.suites[1].data.model_extra["style"] == "sycophancy"
+
+
+def test_cli_suites_from_names_yaml_and_data_files(tmp_path):
+    from alignment.evaluate import cli_suites
+
+    (tmp_path / "suites.yaml").write_text(
+        "- {name: mine, data: {task: arithmetic, split: test, n: 10}, verifier: arithmetic}\n"
+        "- {name: rm-only, data: {dataset: prompts.jsonl}}\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1+2?", "answer": "3"}\n')
+    suites, base_dir = cli_suites(["arithmetic", str(tmp_path / "suites.yaml"), str(tmp_path / "prompts.jsonl")],
+                                  verifier="numeric", n=4, k=[2], limit=5)
+    assert [s.name for s in suites] == ["arithmetic", "mine", "rm-only", "prompts"] and base_dir == tmp_path
+    assert [s.verifier for s in suites] == ["arithmetic", "arithmetic", "numeric", "numeric"]
+    assert all(s.pass_k.n == 4 and s.pass_k.k == [2] and s.data.limit == 5 for s in suites)
+    with pytest.raises(UserError, match="between 1 and n"):
+        cli_suites(["arithmetic"], n=2, k=[4])
