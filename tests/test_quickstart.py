@@ -1,0 +1,45 @@
+"""Every shipped recipe validates, and the quickstart runs end to end with every stage beating SFT."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from alignment.recipe import load_recipe
+from conftest import REPO, run_cli
+
+RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[str(p.relative_to(REPO / "recipes")) for p in RECIPES])
+def test_shipped_recipe_loads_and_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.stages, path
+
+
+def test_quickstart_passes_align_check(tmp_path):
+    result = run_cli("check", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path / 'qs'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_quickstart_runs_and_every_stage_beats_sft(tmp_path):
+    started = time.time()
+    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path / 'qs'}", timeout=1800)
+    elapsed = time.time() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "qs"
+    metrics = json.loads((out / "eval" / "metrics.json").read_text())["checkpoints"]
+    print(result.stdout[-3000:])
+    print(f"quickstart wall time: {elapsed:.0f} s")
+    assert (out / "eval" / "report.md").exists() and list((out / "eval").glob("*.png"))
+    sft = metrics["sft"]["arithmetic/pass@1"]
+    assert metrics["base"]["arithmetic/pass@1"] < sft
+    for stage in ("dpo", "ppo", "rsft", "rlvr"):
+        assert metrics[stage]["arithmetic/pass@1"] > sft, (stage, metrics[stage]["arithmetic/pass@1"], sft)
+        assert metrics[stage]["arithmetic/kl"] >= 0
+    for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):
+        assert (out / stage_dir / "stage.json").exists() and (out / stage_dir / "README.md").exists()
