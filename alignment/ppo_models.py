@@ -138,9 +138,12 @@ class PPOModels:
         if self.reference is not None:
             return sequence_logprobs(self.reference, input_ids, attention_mask, num_logits_to_keep, temperature,
                                      batch_chunk_size)
-        with self.policy.disable_adapter():
-            return sequence_logprobs(self.policy, input_ids, attention_mask, num_logits_to_keep, temperature,
-                                     batch_chunk_size)
+        try:
+            with self.policy.disable_adapter():
+                return sequence_logprobs(self.policy, input_ids, attention_mask, num_logits_to_keep, temperature,
+                                         batch_chunk_size)
+        finally:  # leaving `disable_adapter` re-activates the policy adapter and freezes the critic's
+            self.actor_critic.use_adapter(POLICY_ADAPTER)
 
 
 def value_head_for(hidden_size: int, reward_model: nn.Module | None) -> nn.Linear:
@@ -164,7 +167,6 @@ def build_models(policy_path: str, lora, reward_model: nn.Module | None = None, 
     from .models import apply_lora, load_policy, peft_config
 
     base = load_policy(policy_path, trust_remote_code)
-    base.config.use_cache = True  # rollouts decode with a KV cache; training passes use_cache=False
     hidden = base.config.get_text_config().hidden_size
     head = value_head_for(hidden, reward_model)
     if lora is None:

@@ -186,19 +186,24 @@ def check_prompt_rows(dataset, verifier, where: str, spec=None) -> None:
 def pair_samples(texts: list[str], results: list, finished: list[bool], limit: int) -> list[tuple[str, str]]:
     """Up to `limit` (correct, incorrect) text pairs from one prompt's graded samples.
 
-    Correct = the verifier passed it; incorrect = it parsed and failed, or could not be parsed.
-    Verifier errors are left out. Finished samples (that emitted the end-of-turn token) come first."""
+    Correct = the verifier passed it; incorrect = it parsed and failed, or could not be parsed; verifier
+    errors are left out. Distinct texts are ranked finished first (ended with the end-of-turn token),
+    then most frequent: the most frequent wrong answer is the policy's most confident mistake, the
+    one most worth pushing down."""
     from .verifiers import is_pass
 
-    good, bad = [], []
-    for text, result, done in sorted(zip(texts, results, finished), key=lambda t: not t[2]):
+    count, done, kind = Counter(), {}, {}
+    for text, result, end in zip(texts, results, finished):
         if not text.strip() or result.status == "error":
             continue
-        target = good if is_pass(result) else bad
-        if text not in target:
-            target.append(text)
-    return [(good[k % len(good)], bad[k % len(bad)]) for k in range(min(limit, max(len(good), len(bad))))
-            ] if good and bad else []
+        count[text] += 1
+        done[text] = done.get(text, False) or end
+        kind[text] = is_pass(result)
+    ranked = sorted(count, key=lambda t: (not done[t], -count[t]))  # stable: first seen wins ties
+    good, bad = [t for t in ranked if kind[t]], [t for t in ranked if not kind[t]]
+    if not good or not bad:
+        return []
+    return [(good[k % len(good)], bad[k % len(bad)]) for k in range(min(limit, max(len(good), len(bad))))]
 
 
 def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
@@ -250,7 +255,10 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
             verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
             dataset = ctx.load_data(ctx.config.data, "data")
             check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+            import torch
+
             model = make_model().to(state.device)
+            torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
             pairs, stats = on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
             tmp = path.with_suffix(".tmp")
             tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,9 @@ What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by i
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -68,8 +69,8 @@ def check_verifier_columns(verifiers: list, columns: Iterable[str], where: str) 
         if missing:
             raise UserError(
                 f"{where}.data: verifier '{verifier.name}' (verifiers.{index}) needs column(s) "
-                f"{', '.join(map(repr, missing))}, which the data lacks; columns present: {', '.join(sorted(columns))}. "
-                "Use 'rename: {old: new}' in the data spec to map a column."
+                f"{', '.join(map(repr, missing))}, which the data lacks; columns present: "
+                f"{', '.join(sorted(columns))}. Use 'rename: {{old: new}}' in the data spec to map a column."
             )
 
 
@@ -158,11 +159,15 @@ def build_rewards(specs: list[VerifierSpec], search_dirs: list[Path], where: str
     return rewards
 
 
-def combined_scores(rewards: list[VerifierReward], completions: list[str], examples: list[dict]) -> list[tuple[float, bool]]:
-    """(weighted reward sum, every verifier parsed it) per completion: RSFT's filter score."""
+def combined_scores(rewards: list[VerifierReward], completions: list[str], examples: list[dict]) -> list[dict]:
+    """Per completion: `score` (weighted reward sum), `parsed` (no verifier found it unparseable or failed)
+    and `passed` (every verifier passed it). RSFT's filter reads these."""
+    from .verifiers import is_pass
+
     per_reward = [reward.score(completions, examples) for reward in rewards]
     return [
-        (sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),
-         all(results[i].status == "ok" for results in per_reward))
+        {"score": sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),
+         "parsed": all(results[i].status == "ok" for results in per_reward),
+         "passed": all(is_pass(results[i]) for results in per_reward)}
         for i in range(len(completions))
     ]

@@ -22,36 +22,40 @@ the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estim
 
 Runs: `align run RECIPE` (one process) or `accelerate launch -m alignment run RECIPE` (DDP: each
 process samples its own prompt shard, gradients are all-reduced, only rank 0 writes files; batch
-sizes are per process). Tested: one process and DDP (CPU gloo and GPU). Not supported yet: FSDP and
-DeepSpeed ZeRO. Both shard what this loop reads directly: generation and the reference pass call the
-unwrapped model outside the wrapper's forward (FSDP would need its parameters gathered there), and
-checkpoints save rank 0's optimizer state (ZeRO shards it; use `accelerator.save_state` instead).
-For models too big for DDP, use LoRA: one base copy plus small adapters.
+sizes are per process). Tested: one process, and 2-process DDP on CPU (gloo) in tests/test_ppo.py;
+on GPUs the same code runs with NCCL (not exercised by the CPU test suite). Not supported yet: FSDP
+and DeepSpeed ZeRO, which shard what this loop reads directly: generation and the reference pass call
+the unwrapped model outside the wrapper's forward (FSDP would have to gather its parameters there),
+and checkpoints save rank 0's optimizer state (ZeRO shards it; `accelerator.save_state` would be
+needed). For a model too big for DDP, use LoRA: one base copy plus small adapters per process.
 
 Checkpoints: every `train.save_every` updates into `.work/<stage>/checkpoint-N` (trainable tensors,
 optimizer, scheduler, KL controller, reward statistics, log history), written to a temporary folder
-and renamed; a rerun resumes from the newest. Randomness is reseeded from (seed, update, rank) at
-every update, so a resumed run samples what an uninterrupted one would. The final policy is saved
-with `models.save_checkpoint` (merged weights + `adapter/`).
+and renamed; a rerun resumes from the newest. Instead of saving RNG states, randomness is reseeded
+from (seed, update, rank) at every update, so a resumed run samples and trains exactly as an
+uninterrupted one (the test checks the final weights are bit-identical). The final policy is saved
+with `models.save_checkpoint` (merged weights + `adapter/`); the critic is not kept.
+`missing_eos_penalty` is subtracted from the score, as in TRL.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from contextlib import nullcontext
 import os
 import random
 import re
 import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..errors import UserError
+from ..rewards import VerifierSpec
 from ..schema import Strict
 from .base import StageConfig, StageContext, stage_ref
 
@@ -66,12 +70,6 @@ class RolloutSpec(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
-
-
-class VerifierWeight(Strict):
-    name: str
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
 
 
 class TrainSpec(Strict):
@@ -104,7 +102,7 @@ class Config(StageConfig):
     kind: Literal["ppo"] = "ppo"
     policy: str | None = None
     reward_model: str | None = None
-    verifiers: list[VerifierWeight] = Field(default_factory=list)
+    verifiers: list[VerifierSpec] = Field(default_factory=list)
     data: DataSpec
     kl_coef: float = Field(0.05, ge=0)
     kl_target: float | None = Field(None, gt=0, description="adaptive KL controller target (nats per sequence)")
@@ -122,6 +120,8 @@ class Config(StageConfig):
         t = self.train
         if self.model is not None:
             raise ValueError("a ppo stage names its start policy with 'policy', not 'model'")
+        if self.eval_data is not None:
+            raise ValueError("'eval_data' is not used by ppo; evaluate the result with the recipe's evaluate block")
         if self.reward_model is None and not self.verifiers:
             raise ValueError("give a 'reward_model' or 'verifiers' (or both): PPO needs a reward")
         if self.rollout.batch_size % t.mini_batch_size:
@@ -140,35 +140,17 @@ class Config(StageConfig):
 # ---------------------------------------------------------------------------------------------------
 
 
-def prompt_of(row: dict):
-    """The prompt of a row: `prompt`, or `messages` without a final assistant turn."""
-    if row.get("prompt") is not None:
-        return row["prompt"]
-    messages = list(row["messages"])
-    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
-
-
-def resolve_verifiers(ctx: StageContext) -> list:
-    from ..verifiers import resolve
-
-    return [(resolve(v.name, options=v.options, search_dirs=[ctx.recipe.base_dir]), v.weight)
-            for v in ctx.config.verifiers]
-
-
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
     from ..data import check_columns, check_strings
     from ..formatting import render_prompt
+    from ..preference import prompt_of
+    from ..rewards import check_verifier_columns
 
     cfg, where = ctx.config, f"{ctx.where}.data"
     dataset = ctx.load_data(cfg.data, "data")
     check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, cfg.data), where)
-    for i, (verifier, _) in enumerate(verifiers):
-        missing = [c for c in verifier.required_columns if c not in dataset.column_names]
-        if missing:
-            raise UserError(f"{ctx.where}.verifiers.{i}: verifier '{verifier.name}' needs column(s) "
-                            f"{', '.join(map(repr, missing))}, which {cfg.data.describe()} lacks; columns: "
-                            f"{', '.join(dataset.column_names)}.")
+    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
     rows = [dict(r) for r in dataset]
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
     limit = cfg.rollout.max_prompt_length
@@ -176,6 +158,8 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dic
         keep = [i for i, p in enumerate(prompts) if len(tokenizer(p, add_special_tokens=False)["input_ids"]) <= limit]
         if not keep:
             raise UserError(f"{where}: every prompt is longer than rollout.max_prompt_length={limit} tokens.")
+        if len(keep) < len(rows):
+            print(f"[{where}] dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {limit} tokens")
         rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
     return rows, prompts
 
@@ -183,8 +167,9 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dic
 class Scorer:
     """Sequence scores: reward model + weighted verifiers - missing-EOS penalty."""
 
-    def __init__(self, ctx: StageContext, verifiers: list, device):
+    def __init__(self, ctx: StageContext, device):
         from ..models import load_reward_model, load_tokenizer
+        from ..rewards import build_rewards
 
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
         self.model = self.tokenizer = None
@@ -192,42 +177,28 @@ class Scorer:
             path = ctx.resolve_model(cfg.reward_model)
             self.model = load_reward_model(path, trust).to(device)
             self.tokenizer = load_tokenizer(path, trust)
-        self.verifiers, self.penalty, self.device = verifiers, cfg.missing_eos_penalty, device
+        self.rewards = build_rewards(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)
+        self.penalty = cfg.missing_eos_penalty
 
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
+        """(scores [B], {part: batch mean}). The reward model scores `render_prompt + render_completion`
+        through `preference.score_texts`, exactly the text the reward stage trained on."""
         import torch
 
+        from ..preference import prompt_of, score_texts
+
+        texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
         if self.model is not None:
-            rm = self.reward_model_scores(rows, samples, batch_size)
+            rm = torch.tensor(score_texts(self.model, self.tokenizer, [prompt_of(r) for r in rows], texts, batch_size))
             scores, parts["rm_score"] = scores + rm, rm.mean().item()
-        for verifier, weight in self.verifiers:
-            results = verifier.score_batch([s.text for s in samples], rows)
-            rewards = torch.tensor([r.reward for r in results])
-            scores, parts[f"verifier/{verifier.name}"] = scores + weight * rewards, rewards.mean().item()
+        for reward in self.rewards:
+            values = torch.tensor([r.reward for r in reward.score(texts, rows)])
+            scores, parts[f"verifier/{reward.__name__}"] = scores + reward.weight * values, values.mean().item()
         if self.penalty is not None:
             finished = torch.tensor([s.finished for s in samples])
             scores = torch.where(finished, scores, scores - self.penalty)
         return scores, parts
-
-    def reward_model_scores(self, rows: list[dict], samples: list, batch_size: int):
-        """The reward model scores what it was trained on: rendered prompt + rendered answer (with its
-        end-of-turn token); an unfinished answer is scored as the raw text, without one."""
-        import torch
-
-        from ..formatting import render_completion, render_prompt
-
-        texts = []
-        for row, sample in zip(rows, samples):
-            prompt = prompt_of(row)
-            answer = render_completion(self.tokenizer, prompt, sample.text) if sample.finished else sample.text
-            texts.append(render_prompt(self.tokenizer, prompt) + answer)
-        out = []
-        with torch.no_grad():
-            for start in range(0, len(texts), batch_size):
-                enc = self.tokenizer(texts[start:start + batch_size], padding=True, return_tensors="pt").to(self.device)
-                out.append(self.model(**enc).logits[:, 0].float().cpu())
-        return torch.cat(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -251,12 +222,11 @@ class PPOLoop:
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
         trackers = [r for r in ([ctx.recipe.report_to] if isinstance(ctx.recipe.report_to, str) else ctx.recipe.report_to)
                     if r != "none"]
-        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.work_dir))
+        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"))
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
-        verifiers = resolve_verifiers(ctx)
-        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, verifiers)
-        self.scorer = Scorer(ctx, verifiers, self.acc.device)
+        self.scorer = Scorer(ctx, self.acc.device)
+        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards])
         self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
         if self.models.reference is not None:
             self.models.reference.to(self.acc.device)
@@ -507,7 +477,8 @@ class PPOLoop:
                 self.log(" ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry) + f" ({self.update}/{self.total})")
             if self.update % self.t.save_every == 0 and self.update < self.total:
                 self.save_state()
-        self.acc.end_training()
+        for tracker in self.acc.trackers:  # not `end_training()`: it destroys the process group the runner still uses
+            tracker.finish()
         write_debug_checksum(self.ac, self.acc.process_index)
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
@@ -593,8 +564,10 @@ def write_debug_checksum(module, rank: int) -> None:
 def check(ctx: StageContext) -> None:
     from ..models import check_model_source, load_tokenizer
 
+    from ..rewards import resolve_all
+
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
-    prompt_rows(ctx, tokenizer, resolve_verifiers(ctx))
+    prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
     ref = ctx.config.reward_model
     if ref is None:
         return

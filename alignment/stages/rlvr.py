@@ -55,8 +55,8 @@ def trainer_classes(algorithm: str):
 
 
 def stage_defaults(config: Config) -> dict:
-    return dict(beta=DEFAULT_BETA, num_generations=8, per_device_train_batch_size=8, max_completion_length=256,
-                disable_dropout=True, reward_weights=[v.weight for v in config.verifiers])
+    return {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8, "max_completion_length": 256,
+            "disable_dropout": True, "reward_weights": [v.weight for v in config.verifiers]}
 
 
 def check_group_size(ctx: StageContext) -> None:
@@ -150,7 +150,9 @@ def run(ctx: StageContext) -> dict:
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     stop_at_end_of_turn(model, tokenizer)
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
-    eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers) if ctx.config.eval_data else None
+    eval_rows = None
+    if ctx.config.eval_data:
+        eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
     trainer = trainer_class(
         model=model, reward_funcs=rewards, args=args, processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(train_rows),

@@ -1,0 +1,336 @@
+"""`rsft` stage: rejection-sampling fine-tuning (best-of-N filtering, then SFT), for several rounds.
+
+Each round: sample `sampling.n` completions per prompt from the current policy (`generation.generate`),
+score them with `verifiers:` (weighted sum) or a `reward_model:` (`preference.score_texts`), keep the
+selected ones and fine-tune on them with `trl.SFTTrainer` (prompt and completion rendered with the
+shared convention). The next round samples from the policy just trained (expert iteration; Anthony et
+al. 2017, "RAFT" Dong et al. 2023, ReST-EM Singh et al. 2023).
+
+Selection (`select:`), per prompt, after dropping empty, unfinished (no end-of-turn token; they would
+teach the model to stop mid-answer) and duplicate completions:
+  - `best_of_n` (default): the best completion; `top_k`: the `k` best; `threshold`: every one left.
+  - With verifiers, a completion must pass every verifier unless `threshold` is set, in which case it
+    must parse and score (weighted sum) at least `threshold`. With a reward model, `threshold` (if set)
+    is the minimum score.
+
+Rounds and LoRA: every round loads the policy the previous round produced (merged weights), trains a
+fresh adapter (with LoRA) or all weights, and saves merged weights. The stage output is the last
+round's policy; its `adapter/` is kept only with one round (with more, the adapter's base is an
+intermediate round that is not kept). The selected data of round k is `selected_round<k>.jsonl` in
+the output (prompt, completion, score), ready to reuse as SFT data.
+
+Resume: each finished round leaves `round<k>/round.json` in the stage's work folder with its policy;
+a rerun continues with the next round. A round that crashed after sampling reuses its samples and
+resumes its trainer checkpoint.
+
+    stages:
+      rsft:
+        model: ${sft}
+        data: {task: arithmetic, split: train, n: 1000}
+        verifiers: [arithmetic]            # or reward_model: ${rm}
+        rounds: 2
+        sampling: {n: 8, temperature: 1.0, max_new_tokens: 16}
+        select: best_of_n
+        train: {learning_rate: 1.0e-4, num_train_epochs: 1}    # -> trl.SFTConfig
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ..data import DataSpec
+from ..generation import SamplingSpec
+from ..rewards import VerifierSpec
+from .base import StageConfig, StageContext, build_trl_config, stage_ref
+
+
+class RsftSampling(SamplingSpec):
+    n: int = Field(8, gt=0, description="completions sampled per prompt")
+    max_new_tokens: int = Field(256, gt=0)
+
+
+class Config(StageConfig):
+    kind: Literal["rsft"] = "rsft"
+    data: DataSpec
+    verifiers: list[VerifierSpec] = Field(default_factory=list)
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id")
+    rounds: int = Field(1, gt=0)
+    prompts_per_round: int | None = Field(None, gt=0, description="default: every prompt, every round")
+    sampling: RsftSampling = Field(default_factory=RsftSampling)
+    select: Literal["best_of_n", "top_k", "threshold"] = "best_of_n"
+    k: int = Field(1, gt=0, description="completions kept per prompt with select: top_k")
+    threshold: float | None = None
+    rm_batch_size: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _one_scorer(self):
+        if bool(self.verifiers) == (self.reward_model is not None):
+            raise ValueError("give exactly one of 'verifiers' (programmatic checks) or 'reward_model' to score samples")
+        if self.select == "threshold" and self.threshold is None and self.reward_model is not None:
+            raise ValueError("select: threshold with a reward model needs 'threshold' (the minimum score)")
+        if "k" in self.model_fields_set and self.select != "top_k":
+            raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
+        return self
+
+
+def sft_args(ctx: StageContext, folder: Path):
+    from trl import SFTConfig
+
+    return build_trl_config(SFTConfig, ctx.recipe, ctx.stage_id, ctx.config.train, folder,
+                            completion_only_loss=True, max_length=1024, learning_rate=2e-5, num_train_epochs=1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Selection (pure)
+
+
+def select_samples(candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool) -> list[dict]:
+    """The kept candidates of ONE prompt. A candidate: {'completion', 'score', 'parsed', 'passed', 'finished'}."""
+    eligible, seen = [], set()
+    for c in sorted(candidates, key=lambda c: -c["score"]):  # stable: ties keep sampling order
+        text = c["completion"].strip()
+        if not text or not c["finished"] or text in seen:
+            continue
+        if threshold is None and by_verifier and not c["passed"]:
+            continue
+        if threshold is not None and (c["score"] < threshold or not c["parsed"]):
+            continue
+        seen.add(text)
+        eligible.append(c)
+    return {"best_of_n": eligible[:1], "top_k": eligible[:k], "threshold": eligible}[mode]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data, scoring, sampling
+
+
+def prompt_rows(ctx: StageContext, verifiers) -> list[dict]:
+    from ..data import check_columns, check_strings
+    from ..rewards import check_verifier_columns
+
+    where = f"{ctx.where}.data"
+    dataset = ctx.load_data(ctx.config.data, "data")
+    columns = check_columns(dataset, [("prompt",), ("messages",)], where, ctx.config.data)
+    check_strings(dataset, columns, where)
+    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
+    return [dict(row) for row in dataset]
+
+
+def make_scorer(ctx: StageContext):
+    """(score(rows, prompts, completions) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
+    from ..rewards import build_rewards, combined_scores
+
+    if ctx.config.verifiers:
+        rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+
+        def score_by_verifiers(rows, prompts, texts):
+            return combined_scores(rewards, texts, [{**row, "prompt": p} for row, p in zip(rows, prompts)])
+
+        return score_by_verifiers, rewards
+    from ..models import load_reward_model, load_tokenizer
+    from ..preference import score_texts
+
+    path = ctx.resolve_model(ctx.config.reward_model)
+    model = load_reward_model(path, ctx.recipe.trust_remote_code).to(_device())
+    tokenizer = load_tokenizer(path, ctx.recipe.trust_remote_code)
+
+    def score(rows, prompts, texts):
+        values = score_texts(model, tokenizer, prompts, texts, batch_size=ctx.config.rm_batch_size)
+        return [{"score": v, "parsed": True, "passed": True} for v in values]
+
+    return score, []
+
+
+def _device():
+    from accelerate import PartialState
+
+    return PartialState().device
+
+
+def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> list[dict]:
+    """All rows, or the round's slice of `per_round` rows (wrapping around the data)."""
+    if not per_round or per_round >= len(rows):
+        return rows
+    start = (round_index - 1) * per_round
+    return [rows[(start + i) % len(rows)] for i in range(per_round)]
+
+
+def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer):
+    """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats)."""
+    from transformers import set_seed
+
+    from ..formatting import render_prompt
+    from ..generation import generate
+    from ..models import load_policy
+    from ..preference import prompt_of
+
+    cfg = ctx.config
+    set_seed(ctx.seed + round_index)
+    batch = round_prompts(rows, round_index, cfg.prompts_per_round)
+    prompts = [prompt_of(r) for r in batch]
+    model = load_policy(policy, ctx.recipe.trust_remote_code).to(_device())
+    samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
+                       progress=f"{ctx.where} round {round_index} sampling")
+    del model
+    scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples],
+                    [s.text for s in samples])
+    selected, covered = [], 0
+    for i, prompt in enumerate(prompts):
+        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j]}
+                 for j, s in enumerate(samples[i * cfg.sampling.n:(i + 1) * cfg.sampling.n])]
+        kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers))
+        covered += bool(kept)
+        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"]}
+                     for c in kept]
+    n = max(len(samples), 1)
+    stats = {
+        "round": round_index, "prompts": len(prompts), "samples": len(samples), "selected": len(selected),
+        "acceptance_rate": len(selected) / n, "prompt_coverage": covered / max(len(prompts), 1),
+        "mean_score": sum(s["score"] for s in scored) / n,
+        "selected_mean_score": sum(s["score"] for s in selected) / len(selected) if selected else 0.0,
+        "unfinished_rate": sum(not s.finished for s in samples) / n,
+    }
+    if cfg.verifiers:
+        stats["pass_rate"] = sum(s["passed"] for s in scored) / n
+    print(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
+          f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
+          f"mean score {stats['mean_score']:.3f})")
+    return selected, stats
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rounds
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple[list[dict], dict]:
+    """The round's selection, sampled once (on the main process first) and kept in the work folder, so
+    every process trains on the same data and a crash during training does not resample."""
+    from accelerate import PartialState
+
+    path = ctx.work_dir / f"round{round_index}" / "selected.jsonl"
+    with PartialState().main_process_first():
+        if not path.exists():
+            selected, stats = sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer)
+            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in [stats, *selected]))
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
+
+
+def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]) -> tuple[str, list]:
+    """SFT the policy on the selected pairs; returns (new policy folder, trainer log history)."""
+    import datasets
+    from trl import SFTTrainer
+
+    from ..formatting import render_pair
+    from ..models import load_policy, peft_config, save_checkpoint
+    from ..trainer_utils import resume_checkpoint, trainer_callbacks
+    from .sft import drop_overlong
+
+    folder = ctx.work_dir / f"round{round_index}"
+    args = sft_args(ctx, folder)
+    rows = drop_overlong([render_pair(tokenizer, r) for r in selected], tokenizer, args.max_length, ctx.where)
+    trainer = SFTTrainer(
+        model=load_policy(policy, ctx.recipe.trust_remote_code), args=args, processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(rows),
+        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+    )
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+    if ctx.is_main:
+        save_checkpoint(trainer.model, tokenizer, folder / "policy")
+    trainer.accelerator.wait_for_everyone()
+    return str(folder / "policy"), trainer.state.log_history
+
+
+def finished_rounds(ctx: StageContext) -> list[dict]:
+    """Records of the rounds a previous run finished, in order."""
+    records = []
+    for k in range(1, ctx.config.rounds + 1):
+        path = ctx.work_dir / f"round{k}" / "round.json"
+        if not path.exists():
+            break
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+def check(ctx: StageContext) -> None:
+    from ..formatting import render_prompt
+    from ..models import check_model_source, load_tokenizer
+    from ..preference import prompt_of
+    from ..rewards import resolve_all
+
+    sft_args(ctx, ctx.work_dir)
+    rows = prompt_rows(ctx, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
+    if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
+        check_model_source(ctx.config.reward_model, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    render_prompt(tokenizer, prompt_of(rows[0]))  # chat prompts need a chat template
+
+
+def run(ctx: StageContext) -> dict:
+    from ..models import load_policy, load_tokenizer, save_checkpoint
+
+    cfg = ctx.config
+    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    scorer, rewards = make_scorer(ctx)
+    rows = prompt_rows(ctx, [r.verifier for r in rewards])
+    records = finished_rounds(ctx)
+    policy = records[-1]["policy"] if records else ctx.start_model
+    if records:
+        print(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
+    for k in range(len(records) + 1, cfg.rounds + 1):
+        selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer)
+        history = []
+        if selected:
+            policy, history = train_round(ctx, k, policy, tokenizer, selected)
+        else:
+            print(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
+        record = {"round": k, "policy": policy, "stats": stats, "log_history": [{**h, "round": k} for h in history]}
+        if ctx.is_main:
+            _write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))
+        records.append(record)
+    if ctx.is_main:
+        write_output(ctx, policy, records, load_policy, save_checkpoint, tokenizer)
+    return stage_result(records, rewards)
+
+
+def write_output(ctx, policy: str, records: list[dict], load_policy, save_checkpoint, tokenizer) -> None:
+    """The last policy (merged weights) and every round's selected data into the stage output."""
+    if Path(policy).is_relative_to(ctx.work_dir):
+        shutil.copytree(policy, ctx.out_dir, dirs_exist_ok=True)
+        if len(records) > 1:  # its base is an intermediate round that is not kept (see module docstring)
+            shutil.rmtree(ctx.out_dir / "adapter", ignore_errors=True)
+    else:  # no round selected anything: the output is the starting policy
+        save_checkpoint(load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, ctx.out_dir)
+    for record in records:
+        k = record["round"]
+        source = ctx.work_dir / f"round{k}" / "selected.jsonl"
+        lines = source.read_text().splitlines()[1:] if source.exists() else []
+        (ctx.out_dir / f"selected_round{k}.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def stage_result(records: list[dict], rewards) -> dict:
+    metrics, history = {}, []
+    for record in records:
+        k, stats = record["round"], record["stats"]
+        history += record["log_history"]
+        history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
+        metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
+                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage")})
+    for entry in records[-1]["log_history"] if records else []:
+        metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
+    metrics["rounds"] = len(records)
+    for reward in rewards:
+        metrics.update(reward.totals())
+    return {"metrics": metrics, "log_history": history}

