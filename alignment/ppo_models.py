@@ -162,7 +162,8 @@ def value_head_for(hidden_size: int, reward_model: nn.Module | None) -> nn.Linea
     return head
 
 
-def build_models(policy_path: str, lora, reward_model: nn.Module | None = None, trust_remote_code: bool = False) -> PPOModels:
+def build_models(policy_path: str, lora, reward_model: nn.Module | None = None,
+                 trust_remote_code: bool = False) -> PPOModels:
     """Policy, reference and critic for `policy_path` (a merged checkpoint or adapter folder)."""
     from .models import apply_lora, load_policy, peft_config
 

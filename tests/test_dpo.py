@@ -158,3 +158,23 @@ def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
         args = stage_module(config.kind).trl_config(make_context(recipe, stage_id))
         print(f"\n{stage_id}: {type(args).__name__} lr={args.learning_rate} max_length={args.max_length}")
     assert args.beta == pytest.approx(0.1) and args.loss_type == ["sigmoid"]
+
+
+def run_dpo(tmp_path, start, stage: dict, lora: dict | None = None) -> tuple[Path, dict]:
+    from alignment.runner import run_recipe
+
+    recipe = {"name": "dpo-run", "model": str(start), "output_dir": str(tmp_path / "out"), "seed": 1,
+              "lora": lora or {"r": 16, "lora_alpha": 32}, "stages": {"dpo": stage}}
+    results = run_recipe(load_recipe(write_recipe(tmp_path, recipe)), log=print)
+    return tmp_path / "out" / "dpo", results["dpo"]["metrics"]
+
+
+def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, sft_checkpoint):
+    stage = {"data": {"task": "arithmetic", "split": "train", "n": 24},
+             "on_policy": {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6},
+             "train": {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1}}
+    out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
+    print(f"\non-policy metrics: { {k: v for k, v in metrics.items() if 'pairs' in k or 'prompts' in k} }")
+    assert metrics["pairs_built"] > 0 and metrics["pairs_built"] + metrics["prompts_dropped"] == 24
+    assert metrics["pairs_train"] == metrics["pairs_built"] and metrics["global_step"] == 2
+    assert (out / "stage.json").exists() and (out / "adapter").is_dir()

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, heldout_accuracy, run_cli, write_recipe
 
 from alignment.errors import UserError
@@ -225,7 +224,8 @@ def exact_kl(checkpoint, reference, rows: list[dict]) -> float:
     with torch.no_grad():
         for row in rows:
             prompt = render_prompt(tokenizer, row["prompt"])
-            answer = tokenizer(render_completion(tokenizer, row["prompt"], row["answer"]), add_special_tokens=False)["input_ids"]
+            answer = render_completion(tokenizer, row["prompt"], row["answer"])
+            answer = tokenizer(answer, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"] + answer])
             k = len(answer)
             logp = torch.log_softmax(policy(ids).logits[0, -k - 1:-1], -1)
@@ -237,24 +237,25 @@ def exact_kl(checkpoint, reference, rows: list[dict]) -> float:
 
 @pytest.mark.slow
 def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmetic_reward_model):
-    """PPO from the SFT fixture against a reward model trained on arithmetic pairs plus the arithmetic
-    verifier, on a small prompt set: the reward model's score and the accuracy on those prompts rise,
-    the adaptive controller steers KL towards its target; with kl_coef 100 the policy stays put.
+    """PPO from the SFT fixture on a small prompt set, three runs:
+    - reward model alone, adaptive KL: the reward model's score rises, KL is steered towards the target;
+    - reward model + arithmetic verifier: the accuracy on the trained prompts rises;
+    - reward model with kl_coef 100: the policy stays where it started (KL ~ 0).
 
-    Held-out greedy accuracy is printed, not asserted: with this tiny model a reward model reaches ~0.6
-    pairwise accuracy in a test's budget, PPO on it alone over-optimises it (held-out accuracy falls),
-    and even a perfect verifier reward does not raise held-out greedy accuracy within a few thousand
-    episodes; what PPO does reliably here is optimise its reward on the prompts it trains on."""
+    Held-out greedy accuracy is printed, not asserted: a reward model trained in a test's budget on this
+    tiny model reaches only ~0.6 pairwise accuracy, PPO on it alone over-optimises it (accuracy falls
+    while its score rises), and even a perfect verifier reward does not raise held-out greedy accuracy
+    within a few thousand episodes; what PPO does reliably here is optimise its reward where it trains."""
     from alignment.data import DataSpec, load_rows
 
     reward_model, pairwise = arithmetic_reward_model
     data = {"task": "arithmetic", "split": "train", "n": 16}
     rows = [dict(r) for r in load_rows(DataSpec(**data), seed=1)]
     heldout = [dict(r) for r in load_rows(DataSpec(task="arithmetic", split="test", n=100), seed=42)]
+    target = 1.0
 
     def ppo_run(name: str, updates: int, **settings) -> tuple[Path, list[dict]]:
         stage = {"policy": str(sft_checkpoint), "reward_model": str(reward_model), "data": data,
-                 "verifiers": [{"name": "arithmetic", "weight": 3.0}],
                  "rollout": {"batch_size": 64, "max_new_tokens": 6, "temperature": 1.0},
                  "train": {"total_updates": updates, "mini_batch_size": 16, "ppo_epochs": 2, "learning_rate": 5.0e-4,
                            "critic_learning_rate": 1.0e-3, "logging_steps": 5}, **settings}
@@ -266,33 +267,38 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
         print(f"{name}: {updates} updates in {time.time() - started:.1f}s")
         return out, json.loads((out / "log_history.json").read_text())
 
-    target = 1.0
-    adaptive, history = ppo_run("adaptive", 20, kl_coef=0.1, kl_target=target, kl_horizon=320)
-    frozen, _ = ppo_run("frozen", 12, kl_coef=100.0)
-    start, after = probe(sft_checkpoint, reward_model, rows), probe(adaptive, reward_model, rows)
-    frozen_probe = probe(frozen, reward_model, rows)
+    adaptive = {"kl_coef": 0.1, "kl_target": target, "kl_horizon": 320}
+    rm_only, history = ppo_run("rm", 20, **adaptive)
+    anchored, _ = ppo_run("rm+verifier", 20, verifiers=[{"name": "arithmetic", "weight": 2.0}], **adaptive)
+    frozen, _ = ppo_run("kl100", 12, kl_coef=100.0)
+    probes = {name: probe(path, reward_model, rows) for name, path in
+              [("sft", sft_checkpoint), ("rm", rm_only), ("rm+verifier", anchored), ("kl100", frozen)]}
     late_kl = sum(e["kl"] for e in history[-5:]) / 5
-    kl_moved, kl_still = exact_kl(adaptive, sft_checkpoint, heldout), exact_kl(frozen, sft_checkpoint, heldout)
+    moved = {"rm": exact_kl(rm_only, sft_checkpoint, heldout),
+             "rm+verifier": exact_kl(anchored, sft_checkpoint, heldout)}
+    kl_still = exact_kl(frozen, sft_checkpoint, heldout)
     accuracy = {name: heldout_accuracy(path) for name, path in
-                [("sft", sft_checkpoint), ("adaptive", adaptive), ("frozen", frozen)]}
+                [("sft", sft_checkpoint), ("rm", rm_only), ("rm+verifier", anchored), ("kl100", frozen)]}
     print(f"\nreward model pairwise accuracy {pairwise:.3f}")
-    print(f"trained prompts, SFT -> PPO: rm score {start['rm_score']:.3f} -> {after['rm_score']:.3f}, sampled accuracy "
-          f"{start['sampled_accuracy']:.3f} -> {after['sampled_accuracy']:.3f} (kl_coef=100: {frozen_probe})")
+    for name, figures in probes.items():
+        print(f"trained prompts, {name}: rm score {figures['rm_score']:.3f}, sampled accuracy "
+              f"{figures['sampled_accuracy']:.3f}")
     print(f"adaptive KL: sampled KL of the last 5 updates {late_kl:.3f} (target {target}), kl_coef "
-          f"{history[0]['kl_coef']:.4f} -> {history[-1]['kl_coef']:.4f}; exact KL per token to SFT: adaptive "
-          f"{kl_moved:.4f}, kl_coef=100 {kl_still:.5f}")
+          f"{history[0]['kl_coef']:.4f} -> {history[-1]['kl_coef']:.4f}; exact KL per token to SFT: "
+          f"{ {k: round(v, 4) for k, v in moved.items()} }, kl_coef=100 {kl_still:.5f}")
     print(f"held-out greedy accuracy: {accuracy}")
 
+    start = probes["sft"]
     assert pairwise > 0.55  # the reward model prefers right answers more often than not
-    assert after["rm_score"] > start["rm_score"]
-    assert after["sampled_accuracy"] >= start["sampled_accuracy"] + 0.1
+    assert probes["rm"]["rm_score"] >= start["rm_score"] + 0.1
+    assert probes["rm+verifier"]["sampled_accuracy"] >= start["sampled_accuracy"] + 0.08
     assert target / 3 <= late_kl <= 3 * target
     mean_kl = sum(e["kl"] for e in history) / len(history)
     assert (history[-1]["kl_coef"] < 0.1) == (mean_kl < target)  # the controller moved towards the target
     # kl_coef = 100: the first update (KL still 0) moves the policy a little, the penalty pulls it back.
-    assert kl_still < 0.1 * kl_moved and kl_still < 0.03
-    assert abs(frozen_probe["sampled_accuracy"] - start["sampled_accuracy"]) < 0.05
-    assert abs(frozen_probe["rm_score"] - start["rm_score"]) < 0.2
+    assert kl_still < 0.1 * max(moved.values()) and kl_still < 0.03
+    assert abs(probes["kl100"]["sampled_accuracy"] - start["sampled_accuracy"]) < 0.05
+    assert abs(probes["kl100"]["rm_score"] - start["rm_score"]) < 0.1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -308,7 +314,7 @@ def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model):
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "-m", "alignment", "run", str(path)]
     started = time.time()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     digests = {p.name: p.read_text() for p in sums.glob("rank*.txt")}
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())

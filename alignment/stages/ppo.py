@@ -220,8 +220,8 @@ class PPOLoop:
         from ..rl import make_kl_controller
 
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
-        trackers = [r for r in ([ctx.recipe.report_to] if isinstance(ctx.recipe.report_to, str) else ctx.recipe.report_to)
-                    if r != "none"]
+        report_to = ctx.recipe.report_to
+        trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
         self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"))
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
@@ -342,7 +342,13 @@ class PPOLoop:
         return scores
 
     def advantages(self, batch: dict) -> None:
-        from ..rl import explained_variance, gae_advantages, masked_mean, masked_whiten, penalized_rewards
+        from ..rl import (
+            explained_variance,
+            gae_advantages,
+            masked_mean,
+            masked_whiten,
+            penalized_rewards,
+        )
 
         mask = batch["mask"]
         rewards, kl = penalized_rewards(self.normalise(batch["raw_scores"]), batch["logprobs"], batch["ref_logprobs"],
@@ -401,7 +407,8 @@ class PPOLoop:
                                    self.t.cliprange)
         vf, vf_stats = value_loss(values, batch["values"][rows, :k], batch["returns"][rows, :k], mask,
                                   self.t.cliprange_value)
-        stats = {"policy_loss": pg.item(), "value_loss": vf.item(), **{n: v.item() for n, v in {**pg_stats, **vf_stats}.items()}}
+        stats = {"policy_loss": pg.item(), "value_loss": vf.item()}
+        stats.update({name: value.item() for name, value in {**pg_stats, **vf_stats}.items()})
         return pg + self.t.vf_coef * vf, stats, int(batch["attention_mask"][rows, :width].sum().item())
 
     def step(self, local_loss: float) -> float:
@@ -474,7 +481,8 @@ class PPOLoop:
             self.update += 1
             self.acc.log(entry, step=self.update)
             if self.update % self.t.logging_steps == 0 or self.update == self.total:
-                self.log(" ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry) + f" ({self.update}/{self.total})")
+                shown = " ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry)
+                self.log(f"{shown} ({self.update}/{self.total})")
             if self.update % self.t.save_every == 0 and self.update < self.total:
                 self.save_state()
         for tracker in self.acc.trackers:  # not `end_training()`: it destroys the process group the runner still uses
@@ -487,7 +495,8 @@ class PPOLoop:
 
             save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir)
         metrics = dict(self.history[-1]) if self.history else {}
-        metrics.update(updates=self.update, prompts=len(self.rows), start_score=self.history[0]["score"] if self.history else None)
+        metrics.update(updates=self.update, prompts=len(self.rows),
+                       start_score=self.history[0]["score"] if self.history else None)
         return {"metrics": metrics, "log_history": self.history}
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -563,7 +572,6 @@ def write_debug_checksum(module, rank: int) -> None:
 
 def check(ctx: StageContext) -> None:
     from ..models import check_model_source, load_tokenizer
-
     from ..rewards import resolve_all
 
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
