@@ -44,12 +44,15 @@ def run(
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
     from .recipe import load_recipe
-    from .runner import run_recipe
+    from .runner import close_process_group, run_recipe
 
     _quiet_libraries()
     loaded = load_recipe(recipe, overrides or [])
-    run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
-               evaluate=not no_eval)
+    try:
+        run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
+                   evaluate=not no_eval)
+    finally:
+        close_process_group()
 
 
 @app.command()

@@ -124,7 +124,17 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
         from .evaluate import run_evaluate_block
 
         run_evaluate_block(recipe, log=log)
+    state.wait_for_everyone()
     return results
+
+
+def close_process_group() -> None:
+    """Tear down torch.distributed before exit: a gloo group left to interpreter shutdown can abort a
+    worker ("terminate called without an active exception") after all its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
