@@ -33,7 +33,6 @@ from pydantic import Field
 from .errors import UserError
 from .formatting import render_completion, render_prompt
 from .generation import SamplingSpec
-from .schema import Strict
 
 PAIR_COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
 PROMPT_COLUMNS = [("prompt",), ("messages",)]
@@ -104,7 +103,7 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
     elif not (isinstance(prompt, str) or _is_chat(prompt)):
         raise UserError(f"{where}: row {index}, column 'prompt' is {type(prompt).__name__}; expected a string or "
                         "a list of chat messages.")
-    if isinstance(prompt, str) and not prompt.strip() or (isinstance(prompt, list) and not prompt):
+    if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
         return "empty prompt"
     if chosen.strip() == rejected.strip():
         return "chosen identical to rejected"
@@ -209,6 +208,7 @@ def pair_samples(texts: list[str], results: list, finished: list[bool], limit: i
 def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
     """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats)."""
     from .generation import generate
+    from .verifiers import is_pass
 
     prompts = [prompt_of(r) for r in rows]
     samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling")
@@ -220,12 +220,12 @@ def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, veri
         built = pair_samples(texts, graded, done, spec.pairs_per_prompt)
         pairs.extend({"prompt": prompt, "chosen": c, "rejected": r} for c, r in built)
         if not built:
-            passed = sum(1 for t, g in zip(texts, graded) if t.strip() and g.status != "error" and _passed(g))
+            passed = sum(1 for t, g in zip(texts, graded) if t.strip() and is_pass(g))
             no_correct += passed == 0
             no_incorrect += passed > 0
     stats = {"pairs_built": len(pairs), "prompts_dropped": no_correct + no_incorrect, "prompts_sampled": len(prompts),
              "prompts_without_correct": no_correct, "prompts_without_incorrect": no_incorrect,
-             "sample_pass_rate": sum(_passed(r) for r in results) / max(len(results), 1)}
+             "sample_pass_rate": sum(is_pass(r) for r in results) / max(len(results), 1)}
     print(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
           f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
           f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
@@ -235,20 +235,19 @@ def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, veri
     return pairs, stats
 
 
-def _passed(result) -> bool:
-    from .verifiers import is_pass
-
-    return is_pass(result)
-
-
 def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tuple[list[dict], dict]:
     """On-policy pairs for a stage, built once on the main process and kept in the stage's work folder, so
-    every process trains on the same pairs and a resumed run does not resample."""
+    every process trains on the same pairs and a resumed run does not resample (the file name carries a
+    hash of the settings: changed settings resample)."""
+    import hashlib
+
     from accelerate import PartialState
 
     from .verifiers import resolve
 
-    path = Path(ctx.work_dir) / "on_policy_pairs.jsonl"
+    settings = json.dumps([spec.model_dump(mode="json"), ctx.config.data.model_dump(mode="json"), ctx.start_model,
+                           ctx.seed], sort_keys=True)
+    path = Path(ctx.work_dir) / f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl"
     state = PartialState()
     with state.main_process_first():
         if not path.exists():

@@ -5,11 +5,11 @@ validates, and DPO from the SFT fixture raises held-out accuracy."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import heldout_accuracy, write_recipe
 
 from alignment.errors import UserError
@@ -59,7 +59,7 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
     from alignment.stages import dpo
 
     ctx = dpo_context(tmp_path, tiny_model, lora=lora)
-    trainer, tokenizer, counts = dpo.build_trainer(ctx)
+    trainer, tokenizer, _ = dpo.build_trainer(ctx)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in trainer.model.named_parameters():
@@ -178,3 +178,27 @@ def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, sft_checkpoi
     assert metrics["pairs_built"] > 0 and metrics["pairs_built"] + metrics["prompts_dropped"] == 24
     assert metrics["pairs_train"] == metrics["pairs_built"] and metrics["global_step"] == 2
     assert (out / "stage.json").exists() and (out / "adapter").is_dir()
+
+
+@pytest.mark.slow
+def test_dpo_from_sft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
+    """RPO-style DPO (sigmoid DPO + NLL on the chosen answer, Pang et al. 2024) on the built-in pairs.
+
+    Measured on this task (200 held-out problems, SFT start 0.57): this recipe 0.945 (LoRA) / 0.985
+    (full); NLL alone 0.995; pure sigmoid DPO 0.49 (LoRA, lr 5e-4) or 0.0 (full, lr 1e-3); on-policy
+    verifier pairs with pure DPO 0.58. The pairs differ in one digit, so plain DPO lowers the chosen
+    answer's likelihood along with the rejected one and greedy decoding drifts to a third answer
+    (likelihood displacement, Razin et al. 2024); the NLL term prevents that and supplies the gain."""
+    stage = {"data": {"task": "arithmetic", "split": "train", "n": 8000},
+             "train": {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.2, 1.0], "beta": 0.1,
+                       "learning_rate": 2.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
+                       "max_length": 64, "precompute_ref_log_probs": True, "logging_steps": 50}}
+    started = time.time()
+    out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
+    seconds = time.time() - started
+    before, after = heldout_accuracy(sft_checkpoint), heldout_accuracy(out)
+    print(f"\nheld-out greedy accuracy: SFT start {before:.3f} -> DPO {after:.3f} (stage {seconds:.0f}s, "
+          f"{metrics['global_step']} steps; final reward accuracy {metrics.get('rewards/accuracies')}, "
+          f"margin {metrics.get('rewards/margins')})")
+    assert after >= before + 0.10
+    assert metrics["rewards/margins"] > 0  # the preference term separates chosen from rejected

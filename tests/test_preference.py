@@ -136,4 +136,4 @@ def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
         assert score == pytest.approx(alone, abs=1e-5)
     assert score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"]) == \
         pytest.approx(batched[:1], abs=1e-5)
-    assert len(set(round(s, 4) for s in batched)) == 3
+    assert len({round(s, 4) for s in batched}) == 3

@@ -8,20 +8,19 @@ import time
 
 import pytest
 import torch
-
-from conftest import SFT_MODEL, write_recipe
+from conftest import write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import make_context
 
-# ~60 LoRA steps from the SFT fixture (about 15 s on 2 idle cores).
-RM_TRAIN = {"learning_rate": 2.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
+# ~110 LoRA steps from the SFT fixture (about 20 s on 2 idle cores).
+RM_TRAIN = {"learning_rate": 1.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
             "lr_scheduler_type": "cosine", "warmup_steps": 5, "logging_steps": 10, "max_length": 64}
 
 
 def reward_context(tmp_path, model, lora=True, **stage):
-    stage = {"kind": "reward", "data": {"task": "arithmetic", "split": "train", "n": 2000}, "train": RM_TRAIN, **stage}
+    stage = {"kind": "reward", "data": {"task": "arithmetic", "split": "train", "n": 4000}, "train": RM_TRAIN, **stage}
     recipe = {"name": "rm-test", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 1,
               "lora": {"r": 16, "lora_alpha": 32} if lora else None, "stages": {"rm": stage}}
     return make_context(load_recipe(write_recipe(tmp_path, recipe)), "rm")
@@ -40,10 +39,11 @@ def mistake_kind(pair: dict) -> str:
 def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoint):
     """The score head trains under LoRA and the saved model ranks held-out pairs above chance.
 
-    Measured (see the issue report): held-out accuracy ~0.58 overall, ~0.9 on reversed-digit mistakes,
-    near chance on +-1 mistakes: checking the units digit of a sum is as hard as computing it, and a
-    1-bit pairwise signal teaches it far more slowly than SFT did. The SFT policy's own log-probs rank
-    the same pairs at ~0.90, printed below for comparison."""
+    Measured: held-out accuracy ~0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
+    mistakes: checking the units digit of a sum is as hard as computing it, and a 1-bit pairwise signal
+    teaches it far more slowly than SFT's token loss (8000 pairs: 0.73; 16000: 0.71). The SFT policy's
+    own log-probs rank the same pairs at ~0.90, printed below for comparison. The issue's 0.9 target is
+    not reached; see the report."""
     from alignment.data import DataSpec, load_rows
     from alignment.models import load_policy, load_reward_model, load_tokenizer
     from alignment.preference import normalize_pairs, pairwise_accuracy, render_pairs
@@ -77,7 +77,7 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     print(f"\nreward model ({counts}, {trainer.state.global_step} steps in {seconds:.0f}s): score head change "
           f"{changed}; held-out pairwise accuracy {overall['accuracy']:.3f} (mean margin {overall['margin']:.2f}), "
           f"by mistake kind {by_kind}; SFT policy log-prob ranking of the same pairs: {implicit:.3f}")
-    assert overall["accuracy"] >= 0.53 and by_kind["reversed digits"] >= 0.75
+    assert overall["accuracy"] >= 0.6 and by_kind["reversed digits"] >= 0.8
     assert (ctx.out_dir / "adapter").is_dir() and model.config.num_labels == 1
 
 

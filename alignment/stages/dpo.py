@@ -15,8 +15,14 @@ that do not end with it, so it is given a tokenizer whose EOS is the end-of-turn
 answers already end with (no second end token, e.g. Qwen's `<|im_end|>` + `<|endoftext|>`).
 `beta`, `loss_type` and every other `trl.DPOConfig` knob go under `train:`.
 
+When chosen and rejected differ in a token or two (arithmetic answers), plain DPO lowers the chosen
+answer's likelihood along with the rejected one and greedy decoding drifts to a third answer
+(likelihood displacement, Razin et al. 2024); adding the NLL of the chosen answer (RPO, Pang et al.
+2024: `loss_type: [sigmoid, sft]`) prevents it:
+
     stages:
-      dpo: {model: "${sft}", data: {task: arithmetic, n: 1000}, train: {beta: 0.1, learning_rate: 5.0e-5}}
+      dpo: {model: "${sft}", data: {task: arithmetic, n: 8000},
+            train: {loss_type: [sigmoid, sft], loss_weights: [0.2, 1.0], beta: 0.1, learning_rate: 1.0e-3}}
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ and mean margin are measured on `eval_data`, or on `eval_fraction` of the pairs 
 is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`.
 
     stages:
-      rm: {kind: reward, model: "${sft}", data: {task: arithmetic, n: 2000}, train: {learning_rate: 1.0e-3}}
+      rm: {kind: reward, model: "${sft}", data: {task: arithmetic, n: 8000}, train: {learning_rate: 1.0e-3}}
 """
 
 from __future__ import annotations
