@@ -49,10 +49,17 @@ def end_of_turn(tokenizer) -> str:
     """The token that ends an assistant turn: what the chat template closes a turn with, else EOS."""
     if has_chat_template(tokenizer):
         probe = render_completion(tokenizer, "x", "y")
-        for token in tokenizer.all_special_tokens:
+        for token in sorted(marker_tokens(tokenizer), key=len, reverse=True):
             if probe.endswith(token):
                 return token
     return tokenizer.eos_token
+
+
+def marker_tokens(tokenizer) -> set[str]:
+    """Special and added tokens: the candidates for a turn marker (a template's end-of-turn token need not
+    be flagged special once EOS is set to something else, e.g. a base model's <|endoftext|>)."""
+    added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    return set(tokenizer.all_special_tokens) | added
 
 
 def render_completion(tokenizer, prompt: Any, completion: str) -> str:
@@ -72,7 +79,7 @@ def render_completion(tokenizer, prompt: Any, completion: str) -> str:
     tail = full[len(prompt_text):]
     # The first special token after the answer closes the turn; anything after it is dropped.
     answer_end = max(tail.find(completion), 0) + len(completion)
-    closing = [(tail.find(t, answer_end), t) for t in tokenizer.all_special_tokens if tail.find(t, answer_end) >= 0]
+    closing = [(tail.find(t, answer_end), t) for t in marker_tokens(tokenizer) if tail.find(t, answer_end) >= 0]
     if closing:
         at, token = min(closing)
         return tail[: at + len(token)]
@@ -88,8 +95,9 @@ def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[d
 
 
 def prompt_and_completion(row: dict, index: int | None = None) -> tuple[Any, str]:
-    """(prompt, completion) of a row in either format, before rendering."""
-    if "messages" in row and row["messages"] is not None and "prompt" not in row:
+    """(prompt, completion) of a row in either format, before rendering. A row with both a conversation and
+    a bare `prompt` but no `completion` (UltraChat: prompt, prompt_id, messages) is a conversation."""
+    if row.get("messages") is not None and row.get("completion") is None:
         return split_messages(row["messages"], index)
     return row["prompt"], row["completion"]
 
@@ -98,3 +106,19 @@ def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
     """{'prompt': text, 'completion': text} for SFT, in the shared convention."""
     prompt, completion = prompt_and_completion(row, index)
     return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
+
+
+def eos_as_end_of_turn(tokenizer):
+    """The tokenizer to hand TRL's SFT/DPO trainers: a copy whose EOS is the chat template's end-of-turn
+    token. TRL appends EOS to completions that do not already end with it; our rendered completions end
+    with the end-of-turn token, which for base models differs from EOS (Qwen2.5: <|im_end|> vs
+    <|endoftext|>), so without this every answer would be trained to end with both. The original
+    tokenizer (the one saved with the checkpoint) is left unchanged."""
+    import copy
+
+    token = end_of_turn(tokenizer)
+    if token == tokenizer.eos_token:
+        return tokenizer
+    trl_tokenizer = copy.deepcopy(tokenizer)
+    trl_tokenizer.eos_token = token
+    return trl_tokenizer

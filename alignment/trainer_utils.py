@@ -55,8 +55,45 @@ def make_nonfinite_guard(stage_id: str):
     return NonFiniteGuard()
 
 
+PARAMETER_DIGEST_ENV = "ALIGN_DEBUG_PARAM_CHECKSUM_DIR"  # tests of the distributed path
+
+
+def write_parameter_digest(named_tensors: dict, stage_id: str, rank: int) -> None:
+    """When PARAMETER_DIGEST_ENV names a folder, write `<stage>-rank<R>.txt`: a sha256 of this process's
+    trainable weights, so a test can check that every rank ended with the same parameters (only rank 0
+    saves a checkpoint, so the other ranks' weights are otherwise invisible)."""
+    import hashlib
+    import os
+
+    folder = os.environ.get(PARAMETER_DIGEST_ENV)
+    if not folder:
+        return
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors.items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{stage_id}-rank{rank}.txt").write_text(digest.hexdigest())
+
+
+def make_parameter_digest(stage_id: str):
+    from transformers import TrainerCallback
+
+    class ParameterDigest(TrainerCallback):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+            write_parameter_digest(trainable, stage_id, args.process_index)
+
+    return ParameterDigest()
+
+
 def trainer_callbacks(ctx) -> list:
-    return [make_nonfinite_guard(ctx.stage_id)]
+    import os
+
+    callbacks = [make_nonfinite_guard(ctx.stage_id)]
+    if os.environ.get(PARAMETER_DIGEST_ENV):
+        callbacks.append(make_parameter_digest(ctx.stage_id))
+    return callbacks
 
 
 def final_metrics(trainer, **extra) -> dict:

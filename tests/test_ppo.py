@@ -316,10 +316,10 @@ def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model):
     started = time.time()
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    digests = {p.name: p.read_text() for p in sums.glob("rank*.txt")}
+    digests = {p.name: p.read_text() for p in sums.glob("ppo-rank*.txt")}
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
     print(f"\n2-process DDP: {time.time() - started:.1f}s, digests {digests}, episodes {history[-1]['episodes']}")
-    assert set(digests) == {"rank0.txt", "rank1.txt"} and len(set(digests.values())) == 1
+    assert set(digests) == {"ppo-rank0.txt", "ppo-rank1.txt"} and len(set(digests.values())) == 1
     assert history[-1]["episodes"] == 3 * 2 * 8  # both processes sampled their own 8 prompts per update
     adapter = trainable_digest(tmp_path / "out" / "ppo" / "adapter" / "adapter_model.safetensors")
     assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)  # the policy moved
@@ -355,7 +355,7 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
     straight = run_cli("run", tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}),
                        env={**env, "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(tmp_path / "sum-straight")})
     assert straight.returncode == 0, straight.stderr[-2000:]
-    digests = [(tmp_path / f"sum-{name}" / "rank0.txt").read_text() for name in ("resumed", "straight")]
+    digests = [(tmp_path / f"sum-{name}" / "ppo-rank0.txt").read_text() for name in ("resumed", "straight")]
     print(f"\nkilled with checkpoints {kept}; rerun resumed from {resumed}; {len(history)} updates logged; "
           f"weights equal to an uninterrupted run: {digests[0] == digests[1]}")
     assert resumed == [kept[-1]] and kept[-1] >= 2

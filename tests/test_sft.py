@@ -105,6 +105,9 @@ def test_prompt_rendering_is_one_convention(tiny_model):
     chat = render_pair(tokenizer, {"messages": [{"role": "user", "content": "What is 1+2?"},
                                                 {"role": "assistant", "content": "3"}]})
     assert chat == pair
+    ultrachat = {"prompt": "What is 1+2?", "prompt_id": "x1", "messages": [
+        {"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]}
+    assert render_pair(tokenizer, ultrachat) == pair  # prompt + messages, no completion: the conversation
     assert end_of_turn(tokenizer) == "<|end|>"
 
 
@@ -132,3 +135,28 @@ def test_sft_under_accelerate_two_cpu_processes_only_rank0_writes(tmp_path):
     assert (out / "sft" / "stage.json").exists()
     assert result.stdout.count("[sft] done") == 1, "only rank 0 logs"
     assert sorted(p.name for p in out.iterdir()) == ["base", "sft"]
+
+
+def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
+    """When EOS differs from the template's end-of-turn token (Qwen2.5 base: <|endoftext|> vs <|im_end|>),
+    TRL must not append EOS after the rendered end-of-turn token; the saved tokenizer keeps its own EOS."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from alignment.runner import make_context
+    from alignment.stages import sft
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.eos_token = "<|system|>"  # <|end|> stays the special token closing each turn, like <|im_end|>
+    tokenizer.save_pretrained(folder)
+    recipe = {"name": "eos", "model": str(folder), "output_dir": str(tmp_path / "out"), "seed": 1,
+              "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}, "train": {"max_steps": 1, "max_length": 64}}}}
+    trainer, tokenizer, _ = sft.build_trainer(make_context(load_recipe(write_recipe(tmp_path, recipe)), "sft"))
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert tokenizer.eos_token == "<|system|>"
+    for row in trainer.train_dataset:
+        answer = [t for t in row["labels"] if t != -100]  # the completion-only loss trains on these
+        assert answer[-1] == end and end not in answer[:-1] and tokenizer.eos_token_id not in answer

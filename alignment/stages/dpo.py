@@ -72,20 +72,6 @@ def check(ctx: StageContext) -> None:
     check_stage_data(ctx)
 
 
-def eos_as_end_of_turn(tokenizer):
-    """A copy of the tokenizer whose EOS is the end-of-turn token (see module docstring)."""
-    import copy
-
-    from ..formatting import end_of_turn
-
-    token = end_of_turn(tokenizer)
-    if token == tokenizer.eos_token:
-        return tokenizer
-    trl_tokenizer = copy.deepcopy(tokenizer)
-    trl_tokenizer.eos_token = token
-    return trl_tokenizer
-
-
 def reference_for(ctx: StageContext, policy, args):
     """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs)."""
     import copy
@@ -102,6 +88,7 @@ def build_trainer(ctx: StageContext):
     import datasets
     from trl import DPOTrainer
 
+    from ..formatting import eos_as_end_of_turn
     from ..models import load_policy, load_tokenizer, peft_config
     from ..preference import normalize_pairs, render_pairs, split_eval, stage_pairs
     from ..trainer_utils import trainer_callbacks

@@ -57,10 +57,10 @@ from ..data import DataSpec
 from ..errors import UserError
 from ..rewards import VerifierSpec
 from ..schema import Strict
+from ..trainer_utils import write_parameter_digest
 from .base import StageConfig, StageContext, stage_ref
 
 PROMPT_COLUMNS = [("prompt",), ("messages",)]
-DEBUG_CHECKSUM_ENV = "ALIGN_DEBUG_PARAM_CHECKSUM_DIR"  # tests: each rank writes a checksum of its weights
 
 
 class RolloutSpec(Strict):
@@ -487,7 +487,7 @@ class PPOLoop:
                 self.save_state()
         for tracker in self.acc.trackers:  # not `end_training()`: it destroys the process group the runner still uses
             tracker.finish()
-        write_debug_checksum(self.ac, self.acc.process_index)
+        write_parameter_digest(self.ac.trainable_state(), self.ctx.stage_id, self.acc.process_index)
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
             from ..models import save_checkpoint
@@ -548,21 +548,6 @@ def checkpoints(work_dir: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in work_dir.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
     return [p for _, p in sorted(found) if (p / "state.json").exists()]
-
-
-def write_debug_checksum(module, rank: int) -> None:
-    """Tests of the distributed path: each rank writes a digest of its trainable weights."""
-    folder = os.environ.get(DEBUG_CHECKSUM_ENV)
-    if not folder:
-        return
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.trainable_state().items()):
-        digest.update(name.encode())
-        digest.update(tensor.float().numpy().tobytes())
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    (Path(folder) / f"rank{rank}.txt").write_text(digest.hexdigest())
 
 
 # ---------------------------------------------------------------------------------------------------

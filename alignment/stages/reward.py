@@ -131,8 +131,9 @@ def run(ctx: StageContext) -> dict:
     if trainer.eval_dataset is not None:
         scores = trainer.evaluate()
         held_out = {"eval_accuracy": scores.get("eval_accuracy"), "eval_margin": scores.get("eval_margin")}
-        print(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
-              f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
+        if ctx.is_main:
+            print(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
+                  f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
     if ctx.is_main:
         save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)
     return final_metrics(trainer, **counts, **held_out)

@@ -233,7 +233,7 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     import datasets
     from trl import SFTTrainer
 
-    from ..formatting import render_pair
+    from ..formatting import eos_as_end_of_turn, render_pair
     from ..models import load_policy, peft_config, save_checkpoint
     from ..trainer_utils import resume_checkpoint, trainer_callbacks
     from .sft import drop_overlong
@@ -242,7 +242,8 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     args = sft_args(ctx, folder)
     rows = drop_overlong([render_pair(tokenizer, r) for r in selected], tokenizer, args.max_length, ctx.where)
     trainer = SFTTrainer(
-        model=load_policy(policy, ctx.recipe.trust_remote_code), args=args, processing_class=tokenizer,
+        model=load_policy(policy, ctx.recipe.trust_remote_code), args=args,
+        processing_class=eos_as_end_of_turn(tokenizer),
         train_dataset=datasets.Dataset.from_list(rows),
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )

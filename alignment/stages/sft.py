@@ -79,12 +79,14 @@ def check(ctx: StageContext) -> None:
     rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
 
 
-def run(ctx: StageContext) -> dict:
+def build_trainer(ctx: StageContext):
+    """(SFTTrainer, tokenizer, number of training rows); the tokenizer is the one saved with the output."""
     import datasets
     from trl import SFTTrainer
 
-    from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
-    from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
+    from ..formatting import eos_as_end_of_turn
+    from ..models import load_policy, load_tokenizer, peft_config
+    from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
@@ -92,12 +94,20 @@ def run(ctx: StageContext) -> dict:
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
     trainer = SFTTrainer(
-        model=model, args=args, processing_class=tokenizer,
+        model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
-    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+    return trainer, tokenizer, len(train_rows)
+
+
+def run(ctx: StageContext) -> dict:
+    from ..models import save_checkpoint
+    from ..trainer_utils import final_metrics, resume_checkpoint
+
+    trainer, tokenizer, rows = build_trainer(ctx)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
-    return final_metrics(trainer, rows=len(train_rows))
+    return final_metrics(trainer, rows=rows)
