@@ -59,10 +59,10 @@ def with_extra_callback(monkeypatch, callback):
     monkeypatch.setattr(utils, "trainer_callbacks", lambda ctx: [callback, *real(ctx)])
 
 
-def final_weights(recipe) -> dict[str, torch.Tensor]:
+def final_weights(recipe, stage="sft") -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return load_file(str(recipe.stage_dir("sft") / "model.safetensors"))
+    return load_file(str(recipe.stage_dir(stage) / "model.safetensors"))
 
 
 def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
@@ -83,6 +83,37 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
         run_recipe(resumed, log=lambda *_: None)
     assert steps.seen[0] == 6, f"resumed from step 5, not from zero (first step run: {steps.seen[0]})"
     a, b = final_weights(straight), final_weights(resumed)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+
+
+def dpo_recipe(tmp_path, name, lora):
+    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+            "lora": {"r": 4, "lora_alpha": 8} if lora else None,
+            "stages": {"dpo": {"data": {"task": "arithmetic", "n": 200},
+                               "train": {**TRAIN, "beta": 0.1, "learning_rate": 1e-3}}}}
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_resumed_dpo_matches_uninterrupted_run(tmp_path, monkeypatch, lora):
+    """The reference (adapter disabled, or the frozen in-memory copy) and the data order survive the
+    restart, so the resumed run ends with the uninterrupted run's weights."""
+    straight = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "straight", lora), "a.yaml"))
+    run_recipe(straight, log=lambda *_: None)
+
+    resumed = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "resumed", lora), "b.yaml"))
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, CrashAt(8))
+        with pytest.raises(KeyboardInterrupt):
+            run_recipe(resumed, log=lambda *_: None)
+    assert not resumed.stage_dir("dpo").exists(), "a crashed stage must not look finished"
+    steps = StepRecorder()
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, steps)
+        run_recipe(resumed, log=lambda *_: None)
+    assert steps.seen[0] == 6, f"resumed from step 5, not from zero (first step run: {steps.seen[0]})"
+    a, b = final_weights(straight, "dpo"), final_weights(resumed, "dpo")
+    base = final_weights(straight, "base")
+    assert any(not a[k].equal(base[k]) for k in a), "DPO changed the weights"
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
