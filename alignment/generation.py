@@ -5,11 +5,20 @@ rendered by `formatting.render_prompt`. It sorts prompts by length so each batch
 left-pads (decoder-only models continue from the right edge), samples `n` completions per prompt,
 stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
 so RL code can score the exact tokens that were sampled.
+
+`cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
+multiples of 64, so every decode step has the same shapes; on a GPU, transformers then compiles the
+decode step (torch.compile, CUDA graphs), which removes the per-token Python/launch overhead that
+bounds eager decoding (see docs/performance.md). On CPU nothing is compiled and the static cache only
+costs memory, so the default `dynamic` is kept there; `static` is opt-in until it is measured on a GPU.
+LoRA adapters are not merged for sampling: merging and unmerging in place after every update drifts the
+base weights, which also serve as the reference policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import Field
 
@@ -25,6 +34,11 @@ class SamplingSpec(Strict):
     top_k: int = Field(0, ge=0)
     n: int = Field(1, gt=0, description="completions per prompt")
     batch_size: int = Field(64, gt=0, description="sequences per generate call")
+    cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
+                                                "decoding on GPU (see module docstring)")
+
+
+STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
 
 
 @dataclass
@@ -63,6 +77,8 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
         for batch in track(batches, description=progress or "generating", disable=progress is None):
             rows = [encoded[i] for i, _ in batch]
             width = max(len(r) for r in rows)
+            if settings.cache == "static":
+                width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
             input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
             attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
             output = model.generate(
@@ -74,6 +90,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 # Plain samples: a checkpoint's own generation_config (e.g. a repetition penalty) must not
                 # reshape the distribution that KL and PPO log-probs assume we sampled from.
                 repetition_penalty=1.0, no_repeat_ngram_size=0,
+                **({"cache_implementation": "static"} if settings.cache == "static" else {}),
             )
             for (i, j), ids in zip(batch, output[:, width:].tolist()):
                 results[(i, j)] = _to_sample(i, ids, stops, tokenizer)

@@ -113,6 +113,14 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
         samples = generate(model, tokenizer, prompts, spec)
     tokens = sum(len(s.token_ids) for s in samples)
     results.append(row("rollout", "ours: generation.generate", tokens / peak.seconds, "tokens/s", peak, model, args, False))
+    if device == "cuda" or args.static_cache:
+        static = spec.model_copy(update={"cache": "static"})
+        generate(model, tokenizer, prompts, static)  # the first call compiles the decode step (GPU)
+        with Peak() as peak:
+            samples = generate(model, tokenizer, prompts, static)
+        tokens = sum(len(s.token_ids) for s in samples)
+        results.append(row("rollout", "ours: static cache (compiled on GPU)", tokens / peak.seconds, "tokens/s", peak,
+                           model, args, False))
     with Peak() as peak:
         tokens = 0
         for start in range(0, len(prompts), 8):  # what TRL GRPO does per device step
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--static-cache", action="store_true",
+                        help="also time rollouts with the static KV cache on CPU (always timed on a GPU)")
     args = parser.parse_args(argv)
     size = dict(SIZES[args.size])
     if args.steps:
