@@ -6,7 +6,6 @@ a rerun after a crash passes the newest checkpoint to `trainer.train(resume_from
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

@@ -185,7 +185,13 @@ def bench_dpo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     from alignment.formatting import render_completion, render_prompt
-    from alignment.models import LoraSpec, is_cuda, load_policy, load_tokenizer, peft_config
+    from alignment.models import (
+        LoraSpec,
+        is_cuda,
+        load_policy,
+        load_tokenizer,
+        peft_config,
+    )
     from alignment.recipe import load_recipe
     from alignment.runner import make_context
     from alignment.stages import dpo

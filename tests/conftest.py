@@ -66,8 +66,8 @@ def sft_checkpoint(tmp_path_factory) -> Path:
 
 def heldout_accuracy(checkpoint: Path | str, n: int = 200, seed: int = 42) -> float:
     """Greedy exact-match accuracy on held-out arithmetic problems."""
-    from alignment.evaluate import SuiteSpec, score_checkpoint
     from alignment.data import load_rows
+    from alignment.evaluate import SuiteSpec, score_checkpoint
     from alignment.verifiers import resolve
 
     suite = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": n}, verifier="arithmetic")

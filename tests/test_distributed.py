@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
+from conftest import REPO, run_cli
 
 from alignment.recipe import load_recipe
-from conftest import REPO, run_cli
 
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 

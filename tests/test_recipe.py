@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import run_cli, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
-from conftest import run_cli, write_recipe
 
 TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import write_recipe
 from transformers import TrainerCallback
 
 import alignment.stages.sft as sft_stage
@@ -11,7 +12,6 @@ from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 from alignment.trainer_utils import NonFiniteError
-from conftest import write_recipe
 
 TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, heldout_accuracy, write_recipe
 
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
-from conftest import REPO, heldout_accuracy, write_recipe
 
 TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
@@ -70,7 +70,7 @@ def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
 
 def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
     """sft -> sft2 with LoRA: sft2's reference (its adapter disabled) is exactly the sft policy."""
-    from alignment.models import apply_lora, load_policy, LoraSpec
+    from alignment.models import LoraSpec, apply_lora, load_policy
 
     recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
     recipe["stages"]["sft2"] = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 200},
@@ -95,7 +95,12 @@ def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
 
 def test_prompt_rendering_is_one_convention(tiny_model):
     """SFT text, RL prompts and reward-model text share the same rendering; no trailing newline."""
-    from alignment.formatting import end_of_turn, render_completion, render_pair, render_prompt
+    from alignment.formatting import (
+        end_of_turn,
+        render_completion,
+        render_pair,
+        render_prompt,
+    )
     from alignment.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from alignment.errors import UserError
-from alignment.verifiers import BUILTINS, Verifier, VerifyResult, available, registry, resolve, summarize
+from alignment.verifiers import (
+    BUILTINS,
+    Verifier,
+    VerifyResult,
+    available,
+    registry,
+    resolve,
+    summarize,
+)
 
 
 @pytest.fixture
