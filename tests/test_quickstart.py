@@ -41,14 +41,16 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
         assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
-    # Measured (held-out greedy pass@1, 466 s): sft 0.363, dpo 0.897, rsft 0.540, rlvr 0.450, ppo 0.250 (flagged
-    # as reward hacking). The goals (every stage +10 over SFT, RLVR +20) are met by DPO and RSFT;
-    # RLVR gains +8.7 and PPO loses, so those two are asserted as measured, not as the goal.
-    assert metrics["dpo"]["arithmetic/pass@1"] > sft + 0.10
-    assert metrics["rsft"]["arithmetic/pass@1"] > sft + 0.10
-    assert metrics["rlvr"]["arithmetic/pass@1"] > sft + 0.05
-    assert metrics["rlvr"]["arithmetic/pass@1_sampled"] > metrics["sft"]["arithmetic/pass@1_sampled"] + 0.10
-    assert metrics["ppo"]["arithmetic/kl"] > 0
+    # Measured (held-out greedy pass@1, 428 s): sft 0.363, ppo 0.450, dpo 0.897, rsft 0.540, rlvr 0.480.
+    # Every stage beats SFT; DPO, RSFT and RLVR by more than 10 points. The stretch goals
+    # (PPO +10, RLVR +20) are not reached (PPO +8.7, RLVR +11.7), so the margins asserted are the measured ones.
+    for stage in ("ppo", "dpo", "rsft", "rlvr"):
+        assert metrics[stage]["arithmetic/pass@1"] > sft, f"{stage} does not beat SFT"
+    for stage in ("dpo", "rsft", "rlvr"):
+        assert metrics[stage]["arithmetic/pass@1"] > sft + 0.10, stage
+    assert metrics["ppo"]["arithmetic/pass@1"] > sft + 0.05
+    assert metrics["ppo"]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"]  # RLHF raised the RM score
+    assert metrics["ppo"]["arithmetic/kl"] > 0 and metrics["ppo"]["arithmetic/reward_hacking"] == 0
     assert elapsed < 600, f"the quickstart must finish within 10 minutes on 2 cores (took {elapsed:.0f} s)"
     for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):
         assert (out / stage_dir / "stage.json").exists() and (out / stage_dir / "README.md").exists()
