@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -247,24 +246,18 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
 
     settings = json.dumps([spec.model_dump(mode="json"), ctx.config.data.model_dump(mode="json"), ctx.start_model,
                            ctx.seed], sort_keys=True)
-    path = Path(ctx.work_dir) / f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl"
-    state = PartialState()
-    with state.main_process_first():
-        if not path.exists():
-            verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
-            dataset = ctx.load_data(ctx.config.data, "data")
-            check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
-            import torch
 
-            model = make_model().to(state.device)
-            torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
-            pairs, stats = on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
-            tmp = path.with_suffix(".tmp")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text("\n".join(json.dumps(r) for r in [stats, *pairs]) + "\n")
-            tmp.replace(path)
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
+    def sample_pairs():
+        import torch
+
+        verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
+        dataset = ctx.load_data(ctx.config.data, "data")
+        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+        model = make_model().to(PartialState().device)
+        torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
+        return on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
+
+    return ctx.computed_once(f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs)
 
 
 def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:

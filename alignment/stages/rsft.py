@@ -215,17 +215,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple[list[dict], dict]:
-    """The round's selection, sampled once (on the main process first) and kept in the work folder, so
+    """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
-    from accelerate import PartialState
-
-    path = ctx.work_dir / f"round{round_index}" / "selected.jsonl"
-    with PartialState().main_process_first():
-        if not path.exists():
-            selected, stats = sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer)
-            _write_atomic(path, "".join(json.dumps(r) + "\n" for r in [stats, *selected]))
-    lines = path.read_text().splitlines()
-    return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
+    return ctx.computed_once(f"round{round_index}/selected.jsonl",
+                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer))
 
 
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]) -> tuple[str, list]:
