@@ -223,23 +223,15 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple
 
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]) -> tuple[str, list]:
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history)."""
-    import datasets
-    from trl import SFTTrainer
-
-    from ..formatting import eos_as_end_of_turn, render_pair
-    from ..models import load_policy, peft_config, save_checkpoint
-    from ..trainer_utils import resume_checkpoint, trainer_callbacks
-    from .sft import drop_overlong
+    from ..formatting import render_pair
+    from ..models import load_policy, save_checkpoint
+    from ..trainer_utils import resume_checkpoint
+    from .sft import drop_overlong, make_trainer
 
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     rows = drop_overlong([render_pair(tokenizer, r) for r in selected], tokenizer, args.max_length, ctx.where)
-    trainer = SFTTrainer(
-        model=load_policy(policy, ctx.recipe.trust_remote_code), args=args,
-        processing_class=eos_as_end_of_turn(tokenizer),
-        train_dataset=datasets.Dataset.from_list(rows),
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
-    )
+    trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, rows)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, folder / "policy")

@@ -79,27 +79,35 @@ def check(ctx: StageContext) -> None:
     rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
 
 
-def build_trainer(ctx: StageContext):
-    """(SFTTrainer, tokenizer, number of training rows); the tokenizer is the one saved with the output."""
+def make_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dict], eval_rows: list[dict] | None = None):
+    """The SFTTrainer of the `sft` stage and of each `rsft` round: rendered {'prompt', 'completion'} rows,
+    the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
+    `formatting.eos_as_end_of_turn`)."""
     import datasets
     from trl import SFTTrainer
 
     from ..formatting import eos_as_end_of_turn
-    from ..models import load_policy, load_tokenizer, peft_config
+    from ..models import peft_config
     from ..trainer_utils import trainer_callbacks
+
+    return SFTTrainer(
+        model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
+        train_dataset=datasets.Dataset.from_list(train_rows),
+        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
+        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+    )
+
+
+def build_trainer(ctx: StageContext):
+    """(SFTTrainer, tokenizer, number of training rows); the tokenizer is the one saved with the output."""
+    from ..models import load_policy, load_tokenizer
 
     args = trl_config(ctx)
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
-    trainer = SFTTrainer(
-        model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
-        train_dataset=datasets.Dataset.from_list(train_rows),
-        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
-    )
-    return trainer, tokenizer, len(train_rows)
+    return make_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, len(train_rows)
 
 
 def run(ctx: StageContext) -> dict:
