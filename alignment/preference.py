@@ -171,14 +171,13 @@ def prompt_of(row: dict) -> Any:
 
 
 def check_prompt_rows(dataset, verifier, where: str, spec=None) -> None:
-    """Prompt data for on-policy sampling: a prompt column and the columns the verifier needs."""
+    """Prompt data for on-policy sampling: a prompt column and the columns the verifier needs (it gets
+    the rows as they are, so not even `prompt` is filled in for it)."""
     from .data import check_columns
+    from .rewards import check_verifier_columns
 
     check_columns(dataset, PROMPT_COLUMNS, where, spec)
-    missing = [c for c in verifier.required_columns if c not in dataset.column_names]
-    if missing:
-        raise UserError(f"{where}: verifier '{verifier.name}' needs column(s) {', '.join(map(repr, missing))}, which "
-                        f"the data lacks; columns: {', '.join(dataset.column_names)}.")
+    check_verifier_columns([verifier], dataset.column_names, where, provided=(), entry=None)
 
 
 def pair_samples(texts: list[str], results: list, finished: list[bool], limit: int) -> list[tuple[str, str]]:

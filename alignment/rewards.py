@@ -61,16 +61,20 @@ def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: s
     return resolved
 
 
-def check_verifier_columns(verifiers: list, columns: Iterable[str], where: str) -> None:
-    """Fail before training when the data lacks a column a verifier needs (e.g. `answer`)."""
-    present = set(columns) | {"prompt"}
+def check_verifier_columns(verifiers: list, columns: Iterable[str], where: str, provided: Iterable[str] = ("prompt",),
+                           entry: str | None = "verifiers") -> None:
+    """Fail before training when the data at `where` lacks a column a verifier needs (e.g. `answer`).
+    `provided`: columns the caller fills in itself (the RL stages hand every verifier the row's prompt);
+    `entry`: the recipe list the verifiers came from, named in the message with the index."""
+    present = set(columns) | set(provided)
     for index, verifier in enumerate(verifiers):
         missing = [c for c in verifier.required_columns if c not in present]
         if missing:
+            label = f" ({entry}.{index})" if entry else ""
             raise UserError(
-                f"{where}.data: verifier '{verifier.name}' (verifiers.{index}) needs column(s) "
-                f"{', '.join(map(repr, missing))}, which the data lacks; columns present: "
-                f"{', '.join(sorted(columns))}. Use 'rename: {{old: new}}' in the data spec to map a column."
+                f"{where}: verifier '{verifier.name}'{label} needs column(s) {', '.join(map(repr, missing))}, "
+                f"which the data lacks; columns present: {', '.join(sorted(columns))}. Use "
+                "'rename: {old: new}' in the data spec to map a column."
             )
 
 

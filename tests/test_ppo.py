@@ -162,6 +162,23 @@ def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
     assert any(not torch.equal(start[k], trained[k]) for k in start)
 
 
+def test_verifiers_get_the_prompt_of_chat_rows(tmp_path, tiny_model):
+    """Data with only a `messages` column: a verifier that reads `prompt` gets the conversation's prompt
+    (the column check promises it), not an error on every row."""
+    (tmp_path / "my_checks.py").write_text(
+        "def asks(completion, prompt):\n    return float(prompt[0]['content'].startswith('What is'))\n")
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}]} for a in range(8)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stage = {"policy": str(tiny_model), "verifiers": [{"name": "my_checks:asks"}],
+             "data": {"dataset": str(tmp_path / "chat.jsonl")}, "rollout": {"batch_size": 8, "max_new_tokens": 4},
+             "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1}}
+    path = write_recipe(tmp_path, {"name": "chat", "model": str(tiny_model), "output_dir": str(tmp_path / "out"),
+                                   "seed": 1, "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}})
+    run_recipe(load_recipe(path), log=lambda *_: None)
+    history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
+    assert history[-1]["verifier/my_checks:asks"] == 1.0
+
+
 def test_nonfinite_loss_stops_before_the_step(tmp_path, tiny_model, monkeypatch):
     from alignment.stages import ppo
     from alignment.trainer_utils import NonFiniteError

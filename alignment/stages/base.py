@@ -76,6 +76,19 @@ class StageContext:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
+    def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:
+        """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
+        columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
+        from ..data import check_columns, check_strings
+        from ..preference import PROMPT_COLUMNS
+        from ..rewards import check_verifier_columns
+
+        where = f"{self.where}.{key}"
+        dataset = self.load_data(spec, key)
+        check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, spec), where)
+        check_verifier_columns(verifiers, dataset.column_names, where)
+        return [dict(row) for row in dataset]
+
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)
 

@@ -62,8 +62,6 @@ from ..schema import Strict
 from ..trainer_utils import write_parameter_digest
 from .base import StageConfig, StageContext, stage_ref
 
-PROMPT_COLUMNS = [("prompt",), ("messages",)]
-
 
 class RolloutSpec(Strict):
     batch_size: int = Field(64, gt=0, description="prompts per update on each process")
@@ -145,16 +143,11 @@ class Config(StageConfig):
 
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
-    from ..data import check_columns, check_strings
     from ..formatting import render_prompt
     from ..preference import prompt_of
-    from ..rewards import check_verifier_columns
 
     cfg, where = ctx.config, f"{ctx.where}.data"
-    dataset = ctx.load_data(cfg.data, "data")
-    check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, cfg.data), where)
-    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
-    rows = [dict(r) for r in dataset]
+    rows = ctx.load_prompt_rows(cfg.data, "data", verifiers)
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
     limit = cfg.rollout.max_prompt_length
     if limit:
@@ -195,8 +188,9 @@ class Scorer:
         if self.model is not None:
             rm = torch.tensor(score_texts(self.model, self.tokenizer, [prompt_of(r) for r in rows], texts, batch_size))
             scores, parts["rm_score"] = scores + rm, rm.mean().item()
+        examples = [{**row, "prompt": prompt_of(row)} for row in rows]  # verifiers get the prompt, as in rsft
         for reward in self.rewards:
-            values = torch.tensor([r.reward for r in reward.score(texts, rows)])
+            values = torch.tensor([r.reward for r in reward.score(texts, examples)])
             scores, parts[f"verifier/{reward.__name__}"] = scores + reward.weight * values, values.mean().item()
         if self.penalty is not None:
             finished = torch.tensor([s.finished for s in samples])

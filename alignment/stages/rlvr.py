@@ -91,21 +91,12 @@ def trl_config(ctx: StageContext):
 
 def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
-    from ..data import check_columns, check_strings
-    from ..formatting import render_prompt, split_messages
-    from ..rewards import check_verifier_columns
+    from ..formatting import render_prompt
+    from ..preference import prompt_of
 
-    where = f"{ctx.where}.{key}"
-    dataset = ctx.load_data(spec, key)
-    columns = check_columns(dataset, [("prompt",), ("messages",)], where, spec)
-    check_strings(dataset, columns, where)
-    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
     rows = []
-    for index, row in enumerate(dataset):
-        row = dict(row)
-        source = row["prompt"] if "prompt" in columns else row["messages"]
-        if "prompt" not in columns and source and source[-1].get("role") == "assistant":
-            source = split_messages(source, index)[0]  # a reference answer is not part of the prompt
+    for row in ctx.load_prompt_rows(spec, key, verifiers):
+        source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
         rows.append({**row, "prompt": render_prompt(tokenizer, source), SOURCE_PROMPT: source})
     return rows
 

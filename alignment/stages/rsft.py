@@ -109,18 +109,6 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 # Data, scoring, sampling
 
 
-def prompt_rows(ctx: StageContext, verifiers) -> list[dict]:
-    from ..data import check_columns, check_strings
-    from ..rewards import check_verifier_columns
-
-    where = f"{ctx.where}.data"
-    dataset = ctx.load_data(ctx.config.data, "data")
-    columns = check_columns(dataset, [("prompt",), ("messages",)], where, ctx.config.data)
-    check_strings(dataset, columns, where)
-    check_verifier_columns(verifiers, dataset.column_names, ctx.where)
-    return [dict(row) for row in dataset]
-
-
 def make_scorer(ctx: StageContext):
     """(score(rows, prompts, completions) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
     from ..rewards import build_rewards, combined_scores
@@ -257,7 +245,8 @@ def check(ctx: StageContext) -> None:
     from ..rewards import resolve_all
 
     sft_args(ctx, ctx.work_dir)
-    rows = prompt_rows(ctx, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
+    verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
         check_model_source(ctx.config.reward_model, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
@@ -270,7 +259,7 @@ def run(ctx: StageContext) -> dict:
     cfg = ctx.config
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     scorer, rewards = make_scorer(ctx)
-    rows = prompt_rows(ctx, [r.verifier for r in rewards])
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards])
     records = finished_rounds(ctx)
     policy = records[-1]["policy"] if records else ctx.start_model
     if records:
