@@ -7,6 +7,7 @@ a rerun after a crash passes the newest checkpoint to `trainer.train(resume_from
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from .errors import UserError
@@ -62,7 +63,6 @@ def write_parameter_digest(named_tensors: dict, stage_id: str, rank: int) -> Non
     trainable weights, so a test can check that every rank ended with the same parameters (only rank 0
     saves a checkpoint, so the other ranks' weights are otherwise invisible)."""
     import hashlib
-    import os
 
     folder = os.environ.get(PARAMETER_DIGEST_ENV)
     if not folder:
@@ -87,8 +87,6 @@ def make_parameter_digest(stage_id: str):
 
 
 def trainer_callbacks(ctx) -> list:
-    import os
-
     callbacks = [make_nonfinite_guard(ctx.stage_id)]
     if os.environ.get(PARAMETER_DIGEST_ENV):
         callbacks.append(make_parameter_digest(ctx.stage_id))
