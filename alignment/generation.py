@@ -11,12 +11,18 @@ multiples of 64, so every decode step has the same shapes; on a GPU, transformer
 decode step (torch.compile, CUDA graphs), which removes the per-token Python/launch overhead that
 bounds eager decoding (see docs/performance.md). On CPU nothing is compiled and the static cache only
 costs memory, so the default `dynamic` is kept there; `static` is opt-in until it is measured on a GPU.
-LoRA adapters are not merged for sampling: merging and unmerging in place after every update drifts the
-base weights, which also serve as the reference policy.
+
+`merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
+(`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.35x the
+tokens/s of the unmerged adapter on CPU (docs/performance.md). The base weights are copied first and
+copied back afterwards, not unmerged by subtraction: W + BA - BA drifts in bf16 after many updates, and
+the base weights also serve as the reference policy. The price is one copy of the adapted weights for
+the duration of the call; `merge_lora: false` avoids it when memory is that tight.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +42,8 @@ class SamplingSpec(Strict):
     batch_size: int = Field(64, gt=0, description="sequences per generate call")
     cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
                                                 "decoding on GPU (see module docstring)")
+    merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
+                             "(faster decoding, one temporary copy of the adapted weights)")
 
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
@@ -73,7 +81,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     model.eval()
     device = next(model.parameters()).device
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
-    with torch.no_grad():
+    with torch.no_grad(), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
             rows = [encoded[i] for i, _ in batch]
             width = max(len(r) for r in rows)
@@ -96,6 +104,42 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 results[(i, j)] = _to_sample(i, ids, stops, tokenizer)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+
+
+@contextmanager
+def lora_merged(model):
+    """Within the block, the model's active LoRA adapters are merged into its base layers; on leaving,
+    the base weights are restored bit for bit from a copy. A model without LoRA layers is left alone."""
+    from peft.tuners.lora import LoraLayer
+
+    import torch
+
+    from .errors import UserError
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters and not m.merged]
+    saved = []
+    try:
+        try:
+            for layer in layers:
+                base = layer.get_base_layer()
+                bias = getattr(base, "bias", None)
+                saved.append((layer, base.weight.detach().clone(), None if bias is None else bias.detach().clone()))
+                layer.merge()
+        except torch.OutOfMemoryError as error:
+            weights = [layer.get_base_layer().weight for layer in layers]
+            mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
+            raise UserError(f"Out of memory while merging the LoRA adapter for sampling, which keeps a copy of the "
+                            f"adapted weights ({mib:.0f} MiB) so they can be restored exactly. Set "
+                            "`merge_lora: false` in this stage's sampling block (`rollout:` of ppo, `sampling:` of "
+                            "rsft or an evaluation suite) to sample through the unmerged adapter instead.") from error
+        yield model
+    finally:
+        for layer, weight, bias in saved:
+            base = layer.get_base_layer()
+            base.weight.data.copy_(weight)
+            if bias is not None:
+                base.bias.data.copy_(bias)
+            layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
 
 
 def _to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:

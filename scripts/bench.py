@@ -7,6 +7,7 @@
 Sections (`--sections rollout,sft,dpo`):
   rollout  tokens/s of `generation.generate` (prompts grouped by length, one big batch) against plain
            `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8);
+           then with a LoRA adapter, run in the forward pass or merged for sampling (`merge_lora`);
   sft      tokens/s of the `sft` stage's TRL config against `trl.SFTConfig()` defaults (on CPU the
            defaults need bf16 off to run at all, which is the only change made to them);
   dpo      pairs/s of the `dpo` stage with LoRA against `trl.DPOConfig()` defaults with LoRA.
@@ -130,6 +131,28 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
             generated = out[:, batch["input_ids"].shape[1]:]
             tokens += int((generated != tokenizer.pad_token_id).sum())
     results.append(row("rollout", "plain: model.generate, batch 8", tokens / peak.seconds, "tokens/s", peak, model, args, False))
+    return results + bench_lora_rollout(model, tokenizer, prompts, spec, args)
+
+
+def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
+    """The policy as PPO samples it with LoRA (r=16 on every linear layer): adapter run in the forward
+    pass, against `merge_lora: true` (adapter folded into the base weights while sampling)."""
+    import torch
+
+    from alignment.generation import generate
+    from alignment.models import LoraSpec, apply_lora
+
+    model = apply_lora(model, LoraSpec(r=16, lora_alpha=32))  # last: wraps the model's layers in place
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)  # a trained-looking adapter (peft starts B at zero)
+    results = []
+    for variant, merge in [("ours: LoRA adapter unmerged", False), ("ours: LoRA merged for sampling", True)]:
+        with Peak() as peak:
+            samples = generate(model, tokenizer, prompts, spec.model_copy(update={"merge_lora": merge}))
+        tokens = sum(len(s.token_ids) for s in samples)
+        results.append(row("rollout", variant, tokens / peak.seconds, "tokens/s", peak, model, args, False))
     return results
 
 

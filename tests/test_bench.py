@@ -12,6 +12,7 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
     out = tmp_path / "bench.json"
     results = bench.main(["--size", "micro", "--json", str(out), "--static-cache"])
     assert any(r["variant"].startswith("ours: static cache") for r in results)
+    assert {"ours: LoRA adapter unmerged", "ours: LoRA merged for sampling"} <= {r["variant"] for r in results}
     pairs = {(r["section"], r["variant"].split(":")[0]) for r in results}
     assert pairs == {(s, v) for s in ("rollout", "sft", "dpo") for v in ("ours", "plain")}
     assert all(r["rate"] > 0 and r["peak_mib"] > 0 for r in results)

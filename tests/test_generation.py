@@ -45,3 +45,83 @@ def test_static_cache_decodes_exactly_like_the_dynamic_cache(tiny_model, prompts
     static = generate(model, tokenizer, prompts, SamplingSpec(**spec, cache="static"))
     assert [s.token_ids for s in static] == [s.token_ids for s in dynamic]
     assert [s.finished for s in static] == [s.finished for s in dynamic]
+
+
+def lora_policy(tiny_model):
+    """The tiny model with a non-zero LoRA adapter, so the adapter really changes the outputs."""
+    from alignment.models import LoraSpec, apply_lora
+
+    model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+
+
+def test_merged_lora_samples_like_the_unmerged_adapter_and_restores_the_base_exactly(tiny_model, prompts):
+    from alignment.generation import lora_merged
+
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    spec = {"temperature": 0, "max_new_tokens": 8, "batch_size": 3}
+    before = base_weights(model)
+    unmerged = generate(model, tokenizer, prompts, SamplingSpec(**spec, merge_lora=False))
+    merged = generate(model, tokenizer, prompts, SamplingSpec(**spec))  # merge_lora is the default
+    assert [s.token_ids for s in merged] == [s.token_ids for s in unmerged]
+    after = base_weights(model)
+    assert all(torch.equal(before[n], after[n]) for n in before), "the base weights (the reference) must not drift"
+    ids = torch.tensor([tokenizer(prompts[1])["input_ids"]])
+    with torch.no_grad():
+        with model.disable_adapter():
+            reference = model(input_ids=ids).logits
+        with lora_merged(model):
+            assert not torch.allclose(model(input_ids=ids).logits, reference)  # the adapter is in the weights
+        policy = model(input_ids=ids).logits
+        with model.disable_adapter():
+            assert torch.equal(model(input_ids=ids).logits, reference)
+    assert not torch.allclose(policy, reference)  # the adapter runs in the forward pass again
+
+
+def test_merged_lora_restores_the_base_when_sampling_fails(tiny_model):
+    from alignment.generation import lora_merged
+
+    model = lora_policy(tiny_model)
+    before = base_weights(model)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        with lora_merged(model):
+            assert not all(torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+            raise RuntimeError("CUDA out of memory (simulated)")
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
+
+
+def test_running_out_of_memory_while_merging_names_the_setting(tiny_model, monkeypatch):
+    from peft.tuners.lora import LoraLayer
+
+    from alignment.errors import UserError
+    from alignment.generation import lora_merged
+
+    model = lora_policy(tiny_model)
+    before = base_weights(model)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+    def out_of_memory(*_, **__):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(layers[3], "merge", out_of_memory)  # three layers are merged by then
+    with pytest.raises(UserError, match=r"merge_lora: false.*rollout:"):
+        with lora_merged(model):
+            pass
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+    assert not any(layer.merged for layer in layers)
+
+
+def test_merge_lora_is_a_no_op_without_an_adapter(tiny_model, prompts):
+    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
+    spec = {"temperature": 0, "max_new_tokens": 6}
+    assert ([s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec))]
+            == [s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec, merge_lora=False))])

@@ -179,6 +179,23 @@ def test_verifiers_get_the_prompt_of_chat_rows(tmp_path, tiny_model):
     assert history[-1]["verifier/my_checks:asks"] == 1.0
 
 
+def test_merged_lora_rollouts_train_the_same_policy(tmp_path, tiny_model):
+    """`rollout.merge_lora` only changes how samples are computed: the same seed gives the same rollouts,
+    rewards and trained adapter as sampling through the unmerged adapter."""
+    runs = {}
+    for merge in (False, True):
+        folder = tmp_path / f"merge-{merge}"
+        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, rollout={"merge_lora": merge})), log=lambda *_: None)
+        history = json.loads((folder / "out" / "ppo" / "log_history.json").read_text())
+        runs[merge] = ([(h["score"], h["kl"]) for h in history if "score" in h],
+                       trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"))
+    (rewards, adapter), (merged_rewards, merged_adapter) = runs[False], runs[True]
+    assert merged_rewards == rewards and len(rewards) == 3
+    assert adapter.keys() == merged_adapter.keys()
+    assert all(torch.allclose(adapter[k], merged_adapter[k], atol=1e-6) for k in adapter)
+    assert any(t.abs().sum() > 0 for n, t in merged_adapter.items() if "lora_B" in n)
+
+
 def test_nonfinite_loss_stops_before_the_step(tmp_path, tiny_model, monkeypatch):
     from alignment.stages import ppo
     from alignment.trainer_utils import NonFiniteError

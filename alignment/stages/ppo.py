@@ -71,6 +71,8 @@ class RolloutSpec(Strict):
     top_k: int = Field(0, ge=0)
     max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
     cache: Literal["dynamic", "static"] = Field("dynamic", description="KV cache for sampling (generation.py)")
+    merge_lora: bool = Field(True, description="fold the policy adapter into the base weights while sampling "
+                             "(generation.py); the base, which is also the reference, is restored exactly")
 
 
 class TrainSpec(Strict):
@@ -276,7 +278,8 @@ class PPOLoop:
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
         spec = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, n=1, batch_size=r.batch_size, cache=r.cache)
+                            top_k=r.top_k, n=1, batch_size=r.batch_size, cache=r.cache,
+                            merge_lora=r.merge_lora)
         samples = generate(self.ac.policy, self.tokenizer, prompts, spec)
         rollout_time = time.time() - started
         batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
