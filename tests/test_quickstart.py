@@ -19,8 +19,9 @@ def test_shipped_recipe_loads_and_validates(path):
     assert recipe.stages, path
 
 
-def test_quickstart_passes_align_check(tmp_path):
-    result = run_cli("check", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path / 'qs'}")
+@pytest.mark.parametrize("name", ["quickstart.yaml", "arithmetic-reward-model.yaml"])
+def test_offline_recipes_pass_align_check(tmp_path, name):
+    result = run_cli("check", REPO / "recipes" / name, f"output_dir={tmp_path / 'out'}")
     assert result.returncode == 0, result.stderr[-2000:]
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import write_recipe
+from conftest import REPO, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
@@ -39,11 +39,10 @@ def mistake_kind(pair: dict) -> str:
 def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoint):
     """The score head trains under LoRA and the saved model ranks held-out pairs above chance.
 
-    Measured: held-out accuracy ~0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
-    mistakes: checking the units digit of a sum is as hard as computing it, and a 1-bit pairwise signal
-    teaches it far more slowly than SFT's token loss (8000 pairs: 0.73; 16000: 0.71). The SFT policy's
-    own log-probs rank the same pairs at ~0.90, printed below for comparison. The issue's 0.9 target is
-    not reached; see the report."""
+    Measured: held-out accuracy ~0.65-0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
+    mistakes: in one short epoch at one learning rate the body does not learn to check a digit. The SFT
+    policy's own log-probs rank the same pairs at ~0.90, printed below for comparison. The 0.9 target is
+    met by the longer recipe with a faster score head (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
     from alignment.data import DataSpec, load_rows
     from alignment.models import load_policy, load_reward_model, load_tokenizer
     from alignment.preference import normalize_pairs, pairwise_accuracy, render_pairs
@@ -81,6 +80,40 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     assert (ctx.out_dir / "adapter").is_dir() and model.config.num_labels == 1
 
 
+@pytest.mark.slow
+def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpoint):
+    """recipes/arithmetic-reward-model.yaml's `rm` stage, from the SFT fixture: >= 0.9 held-out pairwise
+    accuracy on (correct, plausible mistake) pairs, score head changed. Measured from the quickstart's SFT
+    policy: 0.945 (+-10 and swapped digits learned first, +-1 last); about 10-17 minutes on 2 cores."""
+    from alignment.data import DataSpec, load_rows
+    from alignment.models import load_reward_model, load_tokenizer
+    from alignment.preference import normalize_pairs, pairwise_accuracy
+    from alignment.recipe import load_recipe as load
+    from alignment.stages import reward
+
+    shipped = load(REPO / "recipes" / "arithmetic-reward-model.yaml").stages["rm"]
+    stage = shipped.model_dump(exclude_none=True, exclude={"model", "kind", "lora"})
+    ctx = reward_context(tmp_path, sft_checkpoint, lora=False, **stage)
+    trainer, counts = reward.build_trainer(ctx)
+    before = score_head(trainer.model)
+    started = time.time()
+    trainer.train()
+    seconds = time.time() - started
+    after = score_head(trainer.model)
+    assert all(not torch.equal(after[n], before[n]) for n in before)
+    reward.save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)
+
+    model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
+    held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
+    overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
+    by_kind = {kind: round(pairwise_accuracy(model, tokenizer, [p for p in held_out if mistake_kind(p) == kind],
+                                             batch_size=64)["accuracy"], 2)
+               for kind in sorted({mistake_kind(p) for p in held_out})}
+    print(f"\nreward model recipe ({counts}, {trainer.state.global_step} steps in {seconds:.0f}s): held-out pairwise "
+          f"accuracy {overall['accuracy']:.3f} (mean margin {overall['margin']:.1f}), by mistake kind {by_kind}")
+    assert overall["accuracy"] >= 0.9
+
+
 def completion_logprob(model, tokenizer, prompt: str, completion: str) -> float:
     from alignment.preference import encode
 
@@ -103,6 +136,38 @@ def test_full_reward_model_saves_and_loads(tmp_path, tiny_model):
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
     assert model.config.pad_token_id == tokenizer.pad_token_id
     assert len(score_texts(model, tokenizer, ["What is 1+1?"] * 2, ["2", "3"])) == 2
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_score_head_trains_at_its_own_learning_rate(tmp_path, tiny_model, lora):
+    from alignment.stages import reward
+
+    ctx = reward_context(tmp_path, tiny_model, lora=lora, data={"task": "arithmetic", "n": 32},
+                         train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-4,
+                                "weight_decay": 0.01, "lr_scheduler_type": "constant"},
+                         eval_fraction=0, score_learning_rate=3.0e-2)
+    trainer, _ = reward.build_trainer(ctx)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    rates = {}
+    for group in trainer.optimizer.param_groups:
+        for param in group["params"]:
+            rates[names[id(param)]] = group["lr"]
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert set(rates) == trainable, "every trainable parameter is optimised, once"
+    head = {n for n in rates if reward.is_score_head(n)}
+    assert head and all(rates[n] == 3.0e-2 for n in head)
+    assert all(rates[n] == 1.0e-4 for n in rates if n not in head)
+
+
+def test_score_learning_rate_without_a_score_head_is_named(tiny_model):
+    from alignment.models import load_policy
+    from alignment.stages.reward import give_score_head_its_rate
+
+    model = load_policy(str(tiny_model))  # a causal LM: no score head
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UserError, match="score_learning_rate is set, but the model has no trainable score head"):
+        give_score_head_its_rate(optimizer, model, 1e-2)
 
 
 def test_check_names_bad_data(tmp_path, tiny_model):

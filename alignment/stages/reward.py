@@ -8,7 +8,11 @@ samples graded by a verifier. Pairs are rendered with the shared convention and 
 the model learns on exactly the text `preference.score_texts` scores later (ppo, evaluation).
 
 With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in
-full (modules_to_save); a frozen random head would make the reward meaningless. Pairwise accuracy
+full (modules_to_save); a frozen random head would make the reward meaningless. `score_learning_rate`
+gives the fresh head its own, higher learning rate than the pretrained body: on the arithmetic pairs
+(answers one digit apart) a head at 3e-2 over a body at 2e-4 reaches 0.945 held-out pairwise accuracy
+(recipes/arithmetic-reward-model.yaml), where one rate for both stalled at 0.6-0.75 whatever the
+rate, epochs or LoRA rank. Pairwise accuracy
 and mean margin are measured on `eval_data`, or on `eval_fraction` of the pairs held out. The output
 is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`.
 
@@ -33,6 +37,9 @@ class Config(StageConfig):
     data: DataSpec
     on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
+    score_learning_rate: float | None = Field(
+        None, gt=0, description="learning rate of the freshly initialised score head (default: train.learning_rate); "
+        "a head that learns faster than the pretrained body it reads from (see the module docstring)")
 
 
 def trl_config(ctx: StageContext):
@@ -104,13 +111,50 @@ def build_trainer(ctx: StageContext):
 
     if not held_out:
         args.eval_strategy = "no"
-    trainer = RewardTrainer(
+    trainer = trainer_class(RewardTrainer, ctx.config.score_learning_rate)(
         model=load_classifier(ctx, tokenizer), args=args, processing_class=tokenizer,
         train_dataset=tokenized(train), eval_dataset=tokenized(held_out) if held_out else None,
         peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),
     )
     return trainer, {**stats, "pairs_train": len(train), "pairs_eval": len(held_out)}
+
+
+SCORE_HEADS = ("score", "classifier")  # the one-label head of AutoModelForSequenceClassification, by architecture
+
+
+def is_score_head(name: str) -> bool:
+    return any(part in SCORE_HEADS for part in name.split("."))
+
+
+def trainer_class(base, score_learning_rate: float | None):
+    """`base` (RewardTrainer), whose optimizer gives the score head its own learning rate when one is set."""
+    if score_learning_rate is None:
+        return base
+
+    class ScoreHeadRateTrainer(base):
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            give_score_head_its_rate(optimizer, self.model if model is None else model, score_learning_rate)
+            return optimizer
+
+    return ScoreHeadRateTrainer
+
+
+def give_score_head_its_rate(optimizer, model, learning_rate: float) -> None:
+    """Move the score head's parameters out of the optimizer's groups into groups of their own at
+    `learning_rate` (weight decay kept per group). Called before the first step, so no state moves."""
+    head = {id(p) for n, p in model.named_parameters() if p.requires_grad and is_score_head(n)}
+    if not head:
+        raise UserError("score_learning_rate is set, but the model has no trainable score head "
+                        f"(looked for parameters under {' or '.join(SCORE_HEADS)}).")
+    for group in list(optimizer.param_groups):
+        moved = [p for p in group["params"] if id(p) in head]
+        if moved and group["lr"] != learning_rate:  # (a second call finds the head in its own groups)
+            group["params"] = [p for p in group["params"] if id(p) not in head]
+            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved,
+                                       "lr": learning_rate})
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
 
 
 def save_reward_model(model, tokenizer, out_dir) -> None:
