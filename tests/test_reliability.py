@@ -171,3 +171,26 @@ def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):
     assert recipe.trust_remote_code is False
     opted = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, trust_remote_code=True), "t.yaml"))
     assert opted.trust_remote_code is True
+
+
+def test_runs_flush_denormal_floats_to_zero(tmp_path, monkeypatch):
+    """Saturated reward-model gradients reach the denormal range, where CPU arithmetic crawls; a run turns
+    flushing on before its first stage, and flushed arithmetic really does give zero."""
+    import alignment.runner as runner
+
+    class Called(Exception):
+        pass
+
+    def flush():
+        raise Called
+
+    monkeypatch.setattr(runner, "flush_denormals", flush)
+    with pytest.raises(Called):
+        run_recipe(load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path))), log=lambda *_: None)
+    assert not (tmp_path / "rel" / "sft").exists(), "flushing is set up before any stage runs"
+    monkeypatch.undo()
+    try:
+        if runner.flush_denormals():
+            assert (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)  # leave the test process as it was
