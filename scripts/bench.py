@@ -9,7 +9,8 @@ Sections (`--sections rollout,sft,dpo`):
            `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8);
            then with a LoRA adapter, run in the forward pass or merged for sampling (`merge_lora`);
   sft      tokens/s of the `sft` stage's TRL config against `trl.SFTConfig()` defaults (on CPU the
-           defaults need bf16 off to run at all, which is the only change made to them);
+           defaults need bf16 off to run at all, which is the only change made to them), and ours with
+           TRL's padding-free packing (`packing: true, packing_strategy: bfd`) on the same rows of varied length;
   dpo      pairs/s of the `dpo` stage with LoRA against `trl.DPOConfig()` defaults with LoRA.
 Each result records peak memory (GPU: torch.cuda.max_memory_allocated; CPU: process RSS) and, on a
 GPU, MFU against `--peak-tflops` (790 bf16 TFLOP/s measured on an H200).
@@ -19,6 +20,7 @@ Models are random-init with the character tokenizer; sequences are synthetic tex
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -164,9 +166,11 @@ def row(section, variant, rate, unit, peak, model, args, training) -> dict:
 
 
 def sft_rows(size: dict, n: int) -> list[dict]:
+    """Rows of varied length (an eighth to all of `seq`), as chat data has, so padding costs something."""
     rng = random.Random(1)
     half = size["seq"] // 2 - 4
-    return [{"prompt": text(rng, half), "completion": text(rng, half)} for _ in range(n)]
+    lengths = [rng.randint(max(1, half // 8), half) for _ in range(n)]
+    return [{"prompt": text(rng, k), "completion": text(rng, k)} for k in lengths]
 
 
 def bench_sft(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
@@ -190,13 +194,18 @@ def bench_sft(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
                                        "stages": {"sft": {"data": {"task": "arithmetic"}, "train": common}}}))
     ours = sft.trl_config(make_context(load_recipe(recipe_path), "sft"))
     plain = SFTConfig(output_dir=str(work / "plain"), **common, **({} if is_cuda() else {"bf16": False, "use_cpu": True}))
+    # Packed rows hold several examples each: the same number of examples takes fewer steps.
+    packed = dataclasses.replace(ours, packing=True, packing_strategy="bfd")
     results = []
-    for variant, config in (("ours: sft stage defaults", ours), ("plain: trl.SFTConfig defaults", plain)):
+    for variant, config in (("ours: sft stage defaults", ours), ("plain: trl.SFTConfig defaults", plain),
+                            ("ours: packed, padding-free (opt-in)", packed)):
         model = load_policy(str(model_dir))
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         with Peak() as peak:
             trainer.train()
-        tokens = sum(len(x) for x in trainer.train_dataset["input_ids"][:n])
+        # Tokens trained on in max_steps batches (packed rows are fewer and longer), padding excluded.
+        rows = trainer.train_dataset["input_ids"]
+        tokens = sum(len(x) for x in rows) * size["steps"] * size["batch"] / len(rows)
         results.append(row("sft", variant, tokens / peak.seconds, "tokens/s", peak, model, args, True))
         del trainer, model
     return results
