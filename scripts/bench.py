@@ -112,6 +112,7 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
     prompts = [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(size["prompts"])]
     spec = SamplingSpec(max_new_tokens=size["new_tokens"], temperature=1.0, batch_size=size["prompts"])
     results = []
+    generate(model, tokenizer, prompts[:8], spec)  # warm-up: the first call pays one-off costs, whoever makes it
     with Peak() as peak:
         samples = generate(model, tokenizer, prompts, spec)
     tokens = sum(len(s.token_ids) for s in samples)
@@ -150,6 +151,7 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
             if "lora_B" in name:
                 param.normal_(0, 0.01)  # a trained-looking adapter (peft starts B at zero)
     results = []
+    generate(model, tokenizer, prompts[:8], spec.model_copy(update={"merge_lora": False}))  # warm-up
     for variant, merge in [("ours: LoRA adapter unmerged", False), ("ours: LoRA merged for sampling", True)]:
         with Peak() as peak:
             samples = generate(model, tokenizer, prompts, spec.model_copy(update={"merge_lora": merge}))
