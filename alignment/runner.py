@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from .errors import UserError
+from .files import write_atomic
 from .recipe import Recipe
 from .stages import stage_module
 from .stages.base import StageContext
@@ -133,7 +134,7 @@ def flush_denormals() -> bool:
     """Make CPU arithmetic treat denormal floats (below ~1.2e-38 in fp32) as zero. Once a reward model
     separates its pairs by wide margins, its loss gradients shrink to e^-30 and below, and x86 CPUs
     compute with such numbers in slow microcode: the backward pass ran 4.4x slower, and a 3000-step
-    reward-model run slowed from 4.6 to 1.6 steps/s as training went on (docs/performance.md). No
+    reward-model run slowed from 4.6 to 1.2 steps/s as training went on (docs/performance.md). No
     training signal lives in values that small. Returns False where the CPU cannot flush them."""
     import torch
 
@@ -225,11 +226,7 @@ def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2, default=str))
 
 
 def package_versions() -> dict[str, str]:

@@ -35,6 +35,14 @@ def mistake_kind(pair: dict) -> str:
     return {1: "+1", -1: "-1", 10: "+10", -10: "-10"}.get(delta, "reversed digits")
 
 
+def accuracy_by_mistake_kind(model, tokenizer, pairs: list[dict]) -> dict[str, float]:
+    from alignment.preference import pairwise_accuracy
+
+    kinds = sorted({mistake_kind(p) for p in pairs})
+    return {kind: round(pairwise_accuracy(model, tokenizer, [p for p in pairs if mistake_kind(p) == kind],
+                                          batch_size=64)["accuracy"], 2) for kind in kinds}
+
+
 @pytest.mark.slow
 def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoint):
     """The score head trains under LoRA and the saved model ranks held-out pairs above chance.
@@ -65,10 +73,7 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
-    by_kind = {}
-    for kind in sorted({mistake_kind(p) for p in held_out}):
-        subset = [p for p in held_out if mistake_kind(p) == kind]
-        by_kind[kind] = round(pairwise_accuracy(model, tokenizer, subset, batch_size=64)["accuracy"], 2)
+    by_kind = accuracy_by_mistake_kind(model, tokenizer, held_out)
     policy = load_policy(str(sft_checkpoint))
     implicit = sum(completion_logprob(policy, tokenizer, r["prompt"], r["chosen"]) >
                    completion_logprob(policy, tokenizer, r["prompt"], r["rejected"])
@@ -106,9 +111,7 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
-    by_kind = {kind: round(pairwise_accuracy(model, tokenizer, [p for p in held_out if mistake_kind(p) == kind],
-                                             batch_size=64)["accuracy"], 2)
-               for kind in sorted({mistake_kind(p) for p in held_out})}
+    by_kind = accuracy_by_mistake_kind(model, tokenizer, held_out)
     print(f"\nreward model recipe ({counts}, {trainer.state.global_step} steps in {seconds:.0f}s): held-out pairwise "
           f"accuracy {overall['accuracy']:.3f} (mean margin {overall['margin']:.1f}), by mistake kind {by_kind}")
     assert overall["accuracy"] >= 0.9

@@ -95,19 +95,18 @@ class StageContext:
     def computed_once(self, name: str, compute) -> tuple[list[dict], dict]:
         """`compute() -> (rows, stats)`, run by the main process first and kept in the work folder as JSON
         lines (stats, then rows), so every process trains on the same rows and a rerun after a crash reads
-        them instead of sampling again. Written to a temporary file and renamed: never half a file."""
+        them instead of sampling again (`files.write_atomic`: never half a file)."""
         import json
 
         from accelerate import PartialState
+
+        from ..files import write_atomic
 
         path = self.work_dir / name
         with PartialState().main_process_first():
             if not path.exists():
                 rows, stats = compute()
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(path.suffix + ".tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in [stats, *rows]))
-                tmp.replace(path)
+                write_atomic(path, "".join(json.dumps(r) + "\n" for r in [stats, *rows]))
         lines = path.read_text().splitlines()
         return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
 

@@ -44,6 +44,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
+from ..files import write_atomic
 from ..generation import SamplingSpec
 from ..rewards import VerifierSpec
 from .base import StageConfig, StageContext, build_trl_config, stage_ref
@@ -195,13 +196,6 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
 # Rounds
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple[list[dict], dict]:
     """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
@@ -273,7 +267,7 @@ def run(ctx: StageContext) -> dict:
             print(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
         record = {"round": k, "policy": policy, "stats": stats, "log_history": [{**h, "round": k} for h in history]}
         if ctx.is_main:
-            _write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))
+            write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))
         records.append(record)
     if ctx.is_main:
         write_output(ctx, policy, records, load_policy, save_checkpoint, tokenizer)
