@@ -412,7 +412,8 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         kl_samples, kl_rows = sampled, sampled_rows
         if not _samples_the_policy(spec.pass_k):  # KL needs samples from the policy itself (temperature 1)
             pure = SamplingSpec(temperature=1.0, max_new_tokens=spec.sampling.max_new_tokens,
-                                batch_size=spec.sampling.batch_size)
+                                batch_size=spec.sampling.batch_size, backend=spec.sampling.backend,
+                                vllm=spec.sampling.vllm)
             kl_samples = generate(model, tokenizer, prompts, pure, progress=f"{where} KL")
             kl_rows = _sampled_rows(kl_samples, suite, label, "kl")
             sampled_rows = sampled_rows + kl_rows

@@ -18,6 +18,10 @@ tokens/s of the unmerged adapter on CPU (docs/performance.md). The base weights 
 copied back afterwards, not unmerged by subtraction: W + BA - BA drifts in bf16 after many updates, and
 the base weights also serve as the reference policy. The price is one copy of the adapted weights for
 the duration of the call; `merge_lora: false` avoids it when memory is that tight.
+
+`backend: vllm` hands the sampling to a vLLM engine in this process (`vllm_backend.py`: weights pushed
+before every call, sampler log-probs checked against the policy's); `transformers` (the default) is
+this module's own loop and runs anywhere.
 """
 
 from __future__ import annotations
@@ -26,12 +30,28 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .schema import Strict
+from .vllm_backend import VllmSpec, vllm_missing
 
 
-class SamplingSpec(Strict):
+class SamplerChoice(Strict):
+    """Who samples; shared by every sampling block (SamplingSpec and ppo's `rollout:`)."""
+
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="who samples: this toolkit's "
+                                                     "generate loop, or a vLLM engine (GPU; see vllm_backend.py)")
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="engine settings, used with `backend: vllm`")
+
+    @field_validator("backend")
+    @classmethod
+    def _vllm_installed(cls, backend: str) -> str:
+        if backend == "vllm" and (why := vllm_missing()):
+            raise ValueError(why)
+        return backend
+
+
+class SamplingSpec(SamplerChoice):
     """Sampling settings; `temperature: 0` means greedy decoding."""
 
     max_new_tokens: int = Field(32, gt=0)
@@ -39,11 +59,12 @@ class SamplingSpec(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, gt=0, description="completions per prompt")
-    batch_size: int = Field(64, gt=0, description="sequences per generate call")
+    batch_size: int = Field(64, gt=0, description="sequences per generate call (vLLM schedules its own batches)")
     cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
                                                 "decoding on GPU (see module docstring)")
     merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
-                             "(faster decoding, one temporary copy of the adapted weights)")
+                             "(faster decoding, one temporary copy of the adapted weights); vLLM always "
+                             "receives merged weights")
 
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
@@ -67,6 +88,11 @@ def stop_token_ids(tokenizer) -> list[int]:
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` samples per prompt, ordered prompt by prompt (sample j of prompt i at i*n+j)."""
     import torch
+
+    if settings.backend == "vllm":
+        from . import vllm_backend
+
+        return vllm_backend.generate(model, tokenizer, prompts, settings, progress)
 
     from .progress import track
 
@@ -101,7 +127,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 **({"cache_implementation": "static"} if settings.cache == "static" else {}),
             )
             for (i, j), ids in zip(batch, output[:, width:].tolist()):
-                results[(i, j)] = _to_sample(i, ids, stops, tokenizer)
+                results[(i, j)] = to_sample(i, ids, stops, tokenizer)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
 
@@ -142,7 +168,7 @@ def lora_merged(model):
             layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
 
 
-def _to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:
+def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:
     end = next((k for k, t in enumerate(ids) if t in stops), None)
     kept = ids if end is None else ids[: end + 1]
     text = tokenizer.decode(kept, skip_special_tokens=True)

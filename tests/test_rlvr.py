@@ -12,6 +12,7 @@ some rows does not stop training.
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -159,6 +160,35 @@ def test_end_of_turn_token_stops_generation(tiny_model):
     model.generation_config.eos_token_id = 0  # a base model whose EOS is not the chat end-of-turn token
     stop_at_end_of_turn(model, tokenizer)
     assert tokenizer.convert_tokens_to_ids("<|end|>") in model.generation_config.eos_token_id
+
+
+def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypatch):
+    from alignment.recipe import load_recipe
+    from alignment.runner import check_recipe
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True}})))
+    with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: vllm is not installed.*use_vllm: false"):
+        check_recipe(recipe, log=lambda *_: None)
+
+
+def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monkeypatch):
+    from alignment.models import load_tokenizer
+    from alignment.recipe import load_recipe
+    from alignment.runner import make_context
+    from alignment.stages import rlvr
+
+    from alignment import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_missing", lambda *_: None)  # as if installed (it needs a GPU)
+    tokenizer = load_tokenizer(str(tiny_model))
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    for extra, expected in [({}, {end, tokenizer.eos_token_id}), ({"generation_kwargs": {"stop_token_ids": [7]}}, {7})]:
+        train = {**FAST_TRAIN, "use_vllm": True, "vllm_mode": "colocate", **extra}
+        recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": train})))
+        args = rlvr.trl_config(make_context(recipe, "rlvr"))
+        rlvr.stop_vllm_at_end_of_turn(args, tokenizer)
+        assert set(args.generation_kwargs["stop_token_ids"]) == expected  # the recipe's own choice is kept
 
 
 @pytest.mark.parametrize("name", ["gsm8k-grpo.yaml", "math-grpo.yaml"])

@@ -57,13 +57,14 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..errors import UserError
+from ..generation import SamplerChoice
 from ..rewards import VerifierSpec
 from ..schema import Strict
 from ..trainer_utils import write_parameter_digest
 from .base import StageConfig, StageContext, stage_ref
 
 
-class RolloutSpec(Strict):
+class RolloutSpec(SamplerChoice):
     batch_size: int = Field(64, gt=0, description="prompts per update on each process")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0)
@@ -279,7 +280,7 @@ class PPOLoop:
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
         spec = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                             top_k=r.top_k, n=1, batch_size=r.batch_size, cache=r.cache,
-                            merge_lora=r.merge_lora)
+                            merge_lora=r.merge_lora, backend=r.backend, vllm=r.vllm)
         samples = generate(self.ac.policy, self.tokenizer, prompts, spec)
         rollout_time = time.time() - started
         batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],

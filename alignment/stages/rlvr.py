@@ -14,6 +14,12 @@ end-of-turn token. Recipe keys under `train:` go verbatim to `trl.GRPOConfig` / 
 `per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
 steps_per_generation` must be a multiple of `num_generations`.
 
+Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
+policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs). The
+stage checks that vllm is installed before anything loads, and tells vLLM to stop at the chat
+template's end-of-turn token (`generation_kwargs.stop_token_ids`), which it would otherwise read from
+the checkpoint's generation_config.json, where base models name only their EOS token.
+
     stages:
       rlvr:
         model: ${sft}
@@ -83,8 +89,27 @@ def check_group_size(ctx: StageContext) -> None:
         )
 
 
+def check_vllm(ctx: StageContext) -> None:
+    """TRL raises a bare ImportError after the models are loaded; say it first, with the key."""
+    from ..vllm_backend import vllm_missing
+
+    if ctx.config.train.get("use_vllm") and (why := vllm_missing("`use_vllm: true`", "set `use_vllm: false`")):
+        raise UserError(f"{ctx.where}.train.use_vllm: {why}")
+
+
+def stop_vllm_at_end_of_turn(args, tokenizer) -> None:
+    """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
+    from ..generation import stop_token_ids
+
+    if getattr(args, "use_vllm", False):
+        kwargs = dict(args.generation_kwargs or {})
+        kwargs.setdefault("stop_token_ids", stop_token_ids(tokenizer))
+        args.generation_kwargs = kwargs
+
+
 def trl_config(ctx: StageContext):
     check_group_size(ctx)
+    check_vllm(ctx)
     config_class, _ = trainer_classes(ctx.config.algorithm)
     return ctx.trl_args(config_class, **stage_defaults(ctx.config))
 
@@ -140,6 +165,7 @@ def run(ctx: StageContext) -> dict:
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     stop_at_end_of_turn(model, tokenizer)
+    stop_vllm_at_end_of_turn(args, tokenizer)
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
     eval_rows = None
     if ctx.config.eval_data:

@@ -1,0 +1,139 @@
+"""`backend: vllm` (alignment/vllm_backend.py), against the stand-in in tests/fake_vllm: vLLM needs a CUDA
+GPU, so these tests check our side of the interface (weights pushed before every call with LoRA merged,
+samples and their order, seeds, the log-prob check, errors), not vLLM's speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_generation import base_weights, lora_policy
+from test_ppo import tiny_ppo_recipe, trainable_digest
+
+from alignment import vllm_backend
+from alignment.errors import UserError
+from alignment.formatting import render_prompt
+from alignment.generation import SamplingSpec, generate
+from alignment.models import load_tokenizer
+from alignment.recipe import load_recipe
+from alignment.runner import run_recipe
+
+FAKE = Path(__file__).parent / "fake_vllm"
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKE))
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    import vllm
+
+    monkeypatch.setattr(vllm.LLM, "instances", [])
+    monkeypatch.setattr(vllm.LLM, "pushes", 0)
+    monkeypatch.setattr(vllm.LLM, "ignore_weights", False)
+    monkeypatch.setattr(vllm.LLM, "fail_with", None)
+    yield vllm
+    vllm_backend.close()
+    sys.modules.pop("vllm", None)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    tokenizer = load_tokenizer(str(tiny_model))
+    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (37, 48)]]
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+def test_samples_follow_the_policy_through_every_update(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    before = base_weights(model)
+    ours = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY))
+    sampled = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"))
+    assert [s.token_ids for s in sampled] == [s.token_ids for s in ours]  # the engine's dummy weights were replaced
+    assert [(s.prompt_index, s.text, s.finished) for s in sampled] == [(s.prompt_index, s.text, s.finished) for s in ours]
+    assert all(torch.equal(before[n], t) for n, t in base_weights(model).items()), "the base (the reference) drifted"
+
+    with torch.no_grad():  # an optimizer step on the adapter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(torch.randn_like(param) * 0.2)
+    updated = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY))
+    assert [s.token_ids for s in updated] != [s.token_ids for s in ours]
+    resampled = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"))
+    assert [s.token_ids for s in resampled] == [s.token_ids for s in updated]
+
+    (engine,) = fake_vllm.LLM.instances  # one engine, fed new weights before each call
+    assert fake_vllm.LLM.pushes == 2 and engine.prefix_cache_resets == 2
+    assert engine.kwargs["load_format"] == "dummy"
+    assert engine.kwargs["distributed_executor_backend"] == "external_launcher"
+    assert engine.kwargs["logprobs_mode"] == "raw_logprobs" and engine.kwargs["gpu_memory_utilization"] == 0.3
+    assert engine.environment["WORLD_SIZE"] == "1" and engine.environment["MASTER_PORT"]  # a world of one while
+    assert "MASTER_PORT" not in os.environ  # the engine starts, not after: child processes must not inherit it
+
+
+def test_sampling_is_seeded_per_prompt_from_torch(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=3, backend="vllm")
+    torch.manual_seed(5)
+    first = generate(model, tokenizer, prompts, spec)
+    torch.manual_seed(5)
+    again = generate(model, tokenizer, prompts, spec)
+    assert [s.prompt_index for s in first] == [i for i in range(len(prompts)) for _ in range(3)]
+    assert [s.token_ids for s in again] == [s.token_ids for s in first]  # a reseeded run samples the same
+    same_prompt = [s.token_ids for s in first if s.prompt_index in (1, 3)]  # prompts 1 and 3 are equal
+    assert same_prompt[:3] != same_prompt[3:], "equal prompts must not share a seed"
+    assert all(len(s.token_ids) <= 8 for s in first)
+
+
+def test_log_prob_check_catches_a_sampler_without_the_policy_weights(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    fake_vllm.LLM.ignore_weights = True  # the push silently does nothing: the engine keeps random weights
+    with pytest.raises(UserError, match=r"(?s)differ from the policy's.*vllm.logprob_tolerance: 0.1"):
+        generate(model, tokenizer, prompts, SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm"),
+                 progress="ppo rollout")
+    unchecked = SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm", vllm={"check_samples": 0})
+    assert len(generate(model, tokenizer, prompts, unchecked)) == len(prompts)  # the check is what caught it
+
+
+def test_the_gap_is_small_when_the_weights_arrived(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    spec = SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm", vllm={"logprob_tolerance": 1e-4})
+    assert len(generate(model, tokenizer, prompts, spec)) == len(prompts)  # same model on both sides: ~1e-6
+
+
+def test_an_engine_that_cannot_start_is_a_clear_error(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    fake_vllm.LLM.fail_with = RuntimeError("No CUDA GPUs are available")
+    with pytest.raises(UserError, match=r"(?s)rsft sampling: vLLM could not start.*No CUDA GPUs.*backend: transformers"):
+        generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"), progress="rsft sampling")
+
+
+@pytest.mark.parametrize("stage", ["ppo", "rsft"])
+def test_missing_vllm_is_named_when_the_recipe_loads(tmp_path, tiny_model, monkeypatch, stage):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
+    if stage == "ppo":
+        path = tiny_ppo_recipe(tmp_path, tiny_model, rollout={"backend": "vllm"})
+        key = r"stages.ppo.rollout.backend'"
+    else:
+        path = tmp_path / "recipe.yaml"
+        path.write_text(f"name: r\nmodel: {tiny_model}\noutput_dir: {tmp_path / 'out'}\nstages:\n  rsft:\n"
+                        "    kind: rsft\n    data: {task: arithmetic, n: 8}\n    verifiers: [{name: numeric}]\n"
+                        "    sampling: {backend: vllm}\n")
+        key = r"stages.rsft.sampling.backend'"
+    with pytest.raises(UserError, match=rf"(?s){key}.*vllm is not installed.*pip install vllm.*backend: transformers"):
+        load_recipe(path)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ppo_samples_every_update_through_vllm(tmp_path, tiny_model, fake_vllm):
+    run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, rollout={"backend": "vllm"})), log=lambda *_: None)
+    history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
+    assert len([h for h in history if "score" in h]) == 3
+    assert len(fake_vllm.LLM.instances) == 1 and fake_vllm.LLM.pushes == 3  # the new policy before each rollout
+    adapter = trainable_digest(tmp_path / "out" / "ppo" / "adapter" / "adapter_model.safetensors")
+    assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)
