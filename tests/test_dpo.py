@@ -112,6 +112,20 @@ def test_precompute_ref_log_probs_runs(tmp_path, tiny_model):
     assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
 
 
+@pytest.mark.parametrize("train, precomputed", [
+    ({"max_steps": -1}, True),  # TRL's default of 3 epochs: one reference pass instead of three
+    ({"max_steps": -1, "num_train_epochs": 2}, True),
+    ({"max_steps": -1, "num_train_epochs": 1}, False),  # one pass: nothing to save
+    ({"max_steps": 20, "num_train_epochs": 3}, False),  # a step budget may not cover the data once
+    ({"max_steps": -1, "precompute_ref_log_probs": False}, False),  # the recipe's choice wins
+], ids=["default", "2-epochs", "1-epoch", "max-steps", "recipe-off"])
+def test_reference_log_probs_are_precomputed_when_training_passes_more_than_once(tmp_path, tiny_model, train,
+                                                                                 precomputed):
+    from alignment.stages import dpo
+
+    assert dpo.trl_config(dpo_context(tmp_path, tiny_model, train=train)).precompute_ref_log_probs is precomputed
+
+
 def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
     """A tokenizer whose EOS differs from the template's end-of-turn token (Qwen base: <|endoftext|> vs
     <|im_end|>) must not get EOS appended after our rendered end-of-turn token."""
