@@ -13,7 +13,7 @@ bounds eager decoding (see docs/performance.md). On CPU nothing is compiled and 
 costs memory, so the default `dynamic` is kept there; `static` is opt-in until it is measured on a GPU.
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
-(`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.27x the
+(`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
 tokens/s of the unmerged adapter on CPU (docs/performance.md). The base weights are copied first and
 copied back afterwards, not unmerged by subtraction: W + BA - BA drifts in bf16 after many updates, and
 the base weights also serve as the reference policy. The price is one copy of the adapted weights for

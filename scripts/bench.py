@@ -3,6 +3,7 @@
     python scripts/bench.py --size tiny                 # CPU, a few minutes
     python scripts/bench.py --size micro                # seconds: the reduced form CI runs
     python scripts/bench.py --size 0.5b --json bench.json   # GPU: random-init Qwen2.5-0.5B shape, no download
+    python scripts/bench.py --size 0.5b --sections ppo --set seq=128 batch=2 updates=1   # that shape, small, on CPU
 
 Sections (`--sections rollout,sft,dpo`):
   rollout  tokens/s of `generation.generate` (prompts grouped by length, one big batch) against plain
@@ -11,9 +12,14 @@ Sections (`--sections rollout,sft,dpo`):
   sft      tokens/s of the `sft` stage's TRL config against `trl.SFTConfig()` defaults (on CPU the
            defaults need bf16 off to run at all, which is the only change made to them), and ours with
            TRL's padding-free packing (`packing: true, packing_strategy: bfd`) on the same rows of varied length;
-  dpo      pairs/s of the `dpo` stage with LoRA against `trl.DPOConfig()` defaults with LoRA.
-Each result records peak memory (GPU: torch.cuda.max_memory_allocated; CPU: process RSS) and, on a
-GPU, MFU against `--peak-tflops` (790 bf16 TFLOP/s measured on an H200).
+  dpo      pairs/s of the `dpo` stage with LoRA against `trl.DPOConfig()` defaults with LoRA;
+  ppo      episodes/s of the `ppo` stage with LoRA (policy, reference and critic on one base; a verifier
+           as the reward, so no reward model), prompts of half the sequence length as in `dpo`. TRL 1.16
+           has no PPO to compare with; on a GPU the table adds its peak memory over `dpo`'s (the issue's
+           goal: at most 1.5x).
+Each result records peak memory (GPU: torch.cuda.max_memory_allocated over the section; CPU: the
+process's peak resident set so far, so compare CPU sections run one per process: `--sections ppo`)
+and, on a GPU, MFU against `--peak-tflops` (790 bf16 TFLOP/s measured on an H200).
 Models are random-init with the character tokenizer; sequences are synthetic text of fixed length.
 """
 
@@ -30,13 +36,13 @@ from pathlib import Path
 
 SIZES = {
     "micro": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
-                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8),  # the CI smoke test
+                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1),  # the CI smoke test
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
-                 prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64),
+                 prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4),
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160),
+                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4),
     "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160),
+                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4),
 }
 
 
@@ -78,14 +84,15 @@ class Peak:
         return self
 
     def __exit__(self, *exc):
-        import psutil
+        import resource
+
         import torch
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             self.mib = torch.cuda.max_memory_allocated() / 2**20
-        else:
-            self.mib = psutil.Process().memory_info().rss / 2**20
+        else:  # Linux reports the peak resident set in KiB; it never goes down, hence one section per process
+            self.mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
         self.seconds = time.perf_counter() - self.start
 
 
@@ -259,6 +266,49 @@ def bench_dpo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     return results
 
 
+BREVITY = "def brevity(completion):\n    return -len(completion) / 64.0\n"
+
+
+def bench_ppo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
+    """Our ppo stage with LoRA for `updates` updates: rollout, scoring, reference and critic passes,
+    `ppo_epochs` of minibatch steps. Reward: a verifier (shorter is better), so the memory is the
+    policy/reference/critic trio alone, comparable with DPO-LoRA's policy/reference pair."""
+    from alignment.recipe import load_recipe
+    from alignment.runner import run_recipe
+
+    rng, half = random.Random(3), size["seq"] // 2 - 4
+    prompts = work / "ppo-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text(rng, half)}) + "\n" for _ in range(size["pairs"])))
+    (work / "bench_rewards.py").write_text(BREVITY)
+    batch = size["batch"]
+    stage = {"kind": "ppo", "policy": str(model_dir), "data": {"dataset": str(prompts)},
+             "verifiers": [{"name": "bench_rewards:brevity"}],
+             "rollout": {"batch_size": 2 * batch, "max_new_tokens": min(size["new_tokens"], size["seq"] - half)},
+             "train": {"total_updates": size["updates"], "mini_batch_size": batch, "ppo_epochs": 1,
+                       "learning_rate": 1.0e-5, "save_every": 10_000}}
+    recipe_path = work / "ppo.yaml"
+    recipe_path.write_text(json.dumps({"name": "bench", "model": str(model_dir), "output_dir": str(work / "out-ppo"),
+                                       "lora": {"r": 16, "lora_alpha": 32}, "stages": {"ppo": stage}}))
+    recipe = load_recipe(recipe_path)
+    with Peak() as peak:
+        run_recipe(recipe, log=lambda *_: None)
+    episodes = 2 * batch * size["updates"]
+    return [row("ppo", "ours: ppo stage, LoRA (policy + reference + critic on one base)", episodes / peak.seconds,
+                "episodes/s", peak, None, args, True)]
+
+
+def memory_ratio(results: list[dict]) -> dict | None:
+    """PPO's peak GPU memory over DPO-LoRA's (ours), when both ran on a GPU in this process."""
+    import torch
+
+    peaks = {r["section"]: r["peak_mib"] for r in results if r["variant"].startswith("ours") and
+             r["section"] in ("ppo", "dpo")}
+    if not torch.cuda.is_available() or len(peaks) < 2:
+        return None
+    return {"section": "ppo", "variant": "ours: peak memory / dpo-LoRA peak memory", "rate": round(peaks["ppo"] /
+            peaks["dpo"], 2), "unit": "x", "peak_mib": peaks["ppo"], "seconds": 0.0, "mfu": None}
+
+
 def print_table(results: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -273,16 +323,23 @@ def print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
-    parser.add_argument("--sections", default="rollout,sft,dpo")
+    parser.add_argument("--sections", default="rollout,sft,dpo,ppo")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
+                        help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
     parser.add_argument("--static-cache", action="store_true",
                         help="also time rollouts with the static KV cache on CPU (always timed on a GPU)")
     args = parser.parse_args(argv)
     size = dict(SIZES[args.size])
     if args.steps:
         size["steps"] = args.steps
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        if key not in size or not value.isdigit():
+            parser.error(f"--set {setting}: expected KEY=N with KEY one of {', '.join(size)}")
+        size[key] = int(value)
     sections = args.sections.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -294,6 +351,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results += bench_sft(model_dir, size, args, work)
         if "dpo" in sections:
             results += bench_dpo(model_dir, size, args, work)
+        if "ppo" in sections:
+            results += bench_ppo(model_dir, size, args, work)
+    if ratio := memory_ratio(results):
+        results.append(ratio)
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "results": results}, indent=2))
