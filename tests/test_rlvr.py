@@ -162,6 +162,35 @@ def test_end_of_turn_token_stops_generation(tiny_model):
     assert tokenizer.convert_tokens_to_ids("<|end|>") in model.generation_config.eos_token_id
 
 
+def bos_adding_tokenizer():
+    """The tiny tokenizer made to behave like Llama 3's: a BOS added on every call and opening the template."""
+    from tokenizers.processors import TemplateProcessing
+
+    from alignment.models import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<|begin|>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A $B",
+                                                                    special_tokens=[("<|begin|>", bos)])
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    return tokenizer
+
+
+def test_prompts_reach_trl_with_one_bos_token():
+    from alignment.formatting import render_prompt
+    from alignment.models import build_tokenizer
+    from alignment.stages.rlvr import without_leading_bos
+
+    tokenizer = bos_adding_tokenizer()
+    rendered = render_prompt(tokenizer, "What is 2+3?")
+    assert tokenizer(rendered)["input_ids"].count(tokenizer.bos_token_id) == 2  # what TRL would have tokenized
+    ids = tokenizer(without_leading_bos(tokenizer, rendered))["input_ids"]  # as TRL's GRPO tokenizes strings
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # one BOS, first, as the template puts it
+    plain = build_tokenizer()  # adds nothing: the prompt is left alone
+    assert without_leading_bos(plain, render_prompt(plain, "What is 2+3?")) == render_prompt(plain, "What is 2+3?")
+
+
 def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypatch):
     from alignment.recipe import load_recipe
     from alignment.runner import check_recipe

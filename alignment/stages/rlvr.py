@@ -9,8 +9,9 @@ penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's
 
 Data: prompts (`prompt` or chat `messages`; a final assistant turn is dropped) plus the columns the
 verifiers read (e.g. `answer`). Prompts are rendered with `formatting.render_prompt` and given to TRL
-as plain strings, so TRL applies no chat template of its own, and generation stops at the template's
-end-of-turn token. Recipe keys under `train:` go verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`;
+as plain strings, so TRL applies no chat template of its own (a BOS that the tokenizer adds by itself
+is dropped from the rendered text, or Llama-3-style tokenizers would see two: `without_leading_bos`),
+and generation stops at the template's end-of-turn token. Recipe keys under `train:` go verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`;
 `per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
 steps_per_generation` must be a multiple of `num_generations`.
 
@@ -122,8 +123,19 @@ def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifier
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers):
         source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
-        rows.append({**row, "prompt": render_prompt(tokenizer, source), SOURCE_PROMPT: source})
+        rows.append({**row, "prompt": without_leading_bos(tokenizer, render_prompt(tokenizer, source)),
+                     SOURCE_PROMPT: source})
     return rows
+
+
+def without_leading_bos(tokenizer, prompt: str) -> str:
+    """TRL's GRPO/RLOO tokenize plain-string prompts with the tokenizer's special tokens on (its SFT and
+    DPO trainers turn them off), so a tokenizer that adds a BOS itself (Llama 3) would put a second one
+    before the chat template's own. Drop the template's; the tokenizer adds it back, once."""
+    bos = tokenizer.bos_token
+    if bos and prompt.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        return prompt[len(bos):]
+    return prompt
 
 
 def stop_at_end_of_turn(model, tokenizer) -> None:
