@@ -5,10 +5,13 @@
     python scripts/bench.py --size 0.5b --json bench.json   # GPU: random-init Qwen2.5-0.5B shape, no download
     python scripts/bench.py --size 0.5b --sections ppo --set seq=128 batch=2 updates=1   # that shape, small, on CPU
 
-Sections (`--sections rollout,sft,dpo`):
+Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
   rollout  tokens/s of `generation.generate` (prompts grouped by length, one big batch) against plain
-           `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8);
+           `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8; on the
+           first `plain_prompts` prompts only, as its rate hardly depends on how many batches it runs);
            then with a LoRA adapter, run in the forward pass or merged for sampling (`merge_lora`);
+  static   `cache: static` (compiled decoding on a GPU) beside the dynamic cache; on CPU only with
+           `--static-cache`, where nothing is compiled;
   sft      tokens/s of the `sft` stage's TRL config against `trl.SFTConfig()` defaults (on CPU the
            defaults need bf16 off to run at all, which is the only change made to them), and ours with
            TRL's padding-free packing (`packing: true, packing_strategy: bfd`) on the same rows of varied length;
@@ -36,13 +39,13 @@ from pathlib import Path
 
 SIZES = {
     "micro": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
-                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1),  # the CI smoke test
+                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1, plain_prompts=8),  # the CI smoke test
     "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
-                 prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4),
+                 prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4, plain_prompts=64),
     "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4),
+                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
     "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4),
+                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
 }
 
 
@@ -105,37 +108,49 @@ def mfu(tokens_per_s: float, params: int, peak_tflops: float, training: bool) ->
     return tokens_per_s * (6 if training else 2) * params / (peak_tflops * 1e12)
 
 
-def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
+def rollout_setup(model_dir: Path, size: dict):
+    """The policy on the device, `prompts` rendered prompts of 8-48 characters, our sampling settings."""
     import torch
 
     from alignment.formatting import render_prompt
-    from alignment.generation import SamplingSpec, generate
+    from alignment.generation import SamplingSpec
     from alignment.models import load_policy, load_tokenizer
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model.to(device)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
     rng = random.Random(0)
     prompts = [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(size["prompts"])]
     spec = SamplingSpec(max_new_tokens=size["new_tokens"], temperature=1.0, batch_size=size["prompts"])
-    results = []
-    generate(model, tokenizer, prompts[:8], spec)  # warm-up: the first call pays one-off costs, whoever makes it
+    return tokenizer, model, prompts, spec
+
+
+def timed_generate(section, variant, model, tokenizer, prompts, spec, args) -> dict:
+    from alignment.generation import generate
+
     with Peak() as peak:
         samples = generate(model, tokenizer, prompts, spec)
     tokens = sum(len(s.token_ids) for s in samples)
-    results.append(row("rollout", "ours: generation.generate", tokens / peak.seconds, "tokens/s", peak, model, args, False))
-    if device == "cuda" or args.static_cache:
-        static = spec.model_copy(update={"cache": "static"})
-        generate(model, tokenizer, prompts, static)  # the first call compiles the decode step (GPU)
-        with Peak() as peak:
-            samples = generate(model, tokenizer, prompts, static)
-        tokens = sum(len(s.token_ids) for s in samples)
-        results.append(row("rollout", "ours: static cache (compiled on GPU)", tokens / peak.seconds, "tokens/s", peak,
-                           model, args, False))
+    return row(section, variant, tokens / peak.seconds, "tokens/s", peak, model, args, False)
+
+
+def warm_up(model, tokenizer, prompts, spec) -> None:
+    """The first generate call of a process pays one-off costs (kernels, allocator), whoever makes it."""
+    from alignment.generation import generate
+
+    generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": min(8, spec.max_new_tokens)}))
+
+
+def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
+    tokenizer, model, prompts, spec = rollout_setup(model_dir, size)
+    warm_up(model, tokenizer, prompts, spec)
+    results = [timed_generate("rollout", "ours: generation.generate", model, tokenizer, prompts, spec, args)]
+    # Plain decoding is bound by per-step overhead, so its rate hardly depends on how many batches of 8 it
+    # runs: on a GPU a subset (`plain_prompts`) keeps this row to a minute instead of ten.
     with Peak() as peak:
         tokens = 0
-        for start in range(0, len(prompts), 8):  # what TRL GRPO does per device step
-            batch = tokenizer(prompts[start : start + 8], return_tensors="pt", padding=True, padding_side="left").to(device)
+        for start in range(0, size["plain_prompts"], 8):  # what TRL GRPO does per device step
+            batch = tokenizer(prompts[start : start + 8], return_tensors="pt", padding=True,
+                              padding_side="left").to(model.device)
             out = model.generate(**batch, max_new_tokens=size["new_tokens"], do_sample=True,
                                  pad_token_id=tokenizer.pad_token_id)
             generated = out[:, batch["input_ids"].shape[1]:]
@@ -144,12 +159,22 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
     return results + bench_lora_rollout(model, tokenizer, prompts, spec, args)
 
 
+def bench_static(model_dir: Path, size: dict, args) -> list[dict]:
+    """`cache: static` (compiled decoding on a GPU) beside the default dynamic cache, in its own section:
+    compiling takes long, and a time limit on it should not cost the other rollout rows."""
+    tokenizer, model, prompts, spec = rollout_setup(model_dir, size)
+    warm_up(model, tokenizer, prompts, spec)
+    static = spec.model_copy(update={"cache": "static"})
+    timed_generate("static", "compile", model, tokenizer, prompts, static, args)  # the first call compiles (GPU)
+    return [timed_generate("static", "ours: generation.generate", model, tokenizer, prompts, spec, args),
+            timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static, args)]
+
+
 def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
     """The policy as PPO samples it with LoRA (r=16 on every linear layer): adapter run in the forward
     pass, against `merge_lora: true` (adapter folded into the base weights while sampling)."""
     import torch
 
-    from alignment.generation import generate
     from alignment.models import LoraSpec, apply_lora
 
     model = apply_lora(model, LoraSpec(r=16, lora_alpha=32))  # last: wraps the model's layers in place
@@ -157,14 +182,10 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.01)  # a trained-looking adapter (peft starts B at zero)
-    results = []
-    generate(model, tokenizer, prompts[:8], spec.model_copy(update={"merge_lora": False}))  # warm-up
-    for variant, merge in [("ours: LoRA adapter unmerged", False), ("ours: LoRA merged for sampling", True)]:
-        with Peak() as peak:
-            samples = generate(model, tokenizer, prompts, spec.model_copy(update={"merge_lora": merge}))
-        tokens = sum(len(s.token_ids) for s in samples)
-        results.append(row("rollout", variant, tokens / peak.seconds, "tokens/s", peak, model, args, False))
-    return results
+    unmerged = spec.model_copy(update={"merge_lora": False})
+    warm_up(model, tokenizer, prompts, unmerged)
+    return [timed_generate("rollout", "ours: LoRA adapter unmerged", model, tokenizer, prompts, unmerged, args),
+            timed_generate("rollout", "ours: LoRA merged for sampling", model, tokenizer, prompts, spec, args)]
 
 
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
@@ -323,14 +344,14 @@ def print_table(results: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
-    parser.add_argument("--sections", default="rollout,sft,dpo,ppo")
+    parser.add_argument("--sections", default="rollout,static,sft,dpo,ppo")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
                         help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
     parser.add_argument("--static-cache", action="store_true",
-                        help="also time rollouts with the static KV cache on CPU (always timed on a GPU)")
+                        help="run the `static` section on CPU too (on a GPU it always runs)")
     args = parser.parse_args(argv)
     size = dict(SIZES[args.size])
     if args.steps:
@@ -341,12 +362,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"--set {setting}: expected KEY=N with KEY one of {', '.join(size)}")
         size[key] = int(value)
     sections = args.sections.split(",")
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = build_model(size, work / "model")
         results = []
         if "rollout" in sections:
             results += bench_rollout(model_dir, size, args)
+        if "static" in sections and (args.static_cache or torch.cuda.is_available()):
+            results += bench_static(model_dir, size, args)
         if "sft" in sections:
             results += bench_sft(model_dir, size, args, work)
         if "dpo" in sections:

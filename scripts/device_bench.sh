@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the device tool, `.whl` carried: see scripts/device_wheels.sh): install the
 # missing wheels, then run the benchmark at the given size (default 0.5b) into $OUT (default ./bench-out).
-#   run: bash scripts/device_bench.sh 0.5b      carry: [".whl"]      timeout_s: 540
+#   run: bash scripts/device_bench.sh 0.5b      carry: [".whl"]      timeout_s: 590
 set -uo pipefail
 size="${1:-0.5b}"
 out="${OUT:-bench-out}"
@@ -13,10 +13,12 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee "$out/gpu.txt"
 python3 -c "import torch, transformers, trl, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__)" | tee "$out/versions.txt"
-# Sections in separate processes, so one failing (or running out of time) leaves the others' figures;
-# dpo and ppo share one, where the bench adds PPO's peak GPU memory over DPO-LoRA's.
-for section in rollout sft dpo,ppo; do
+# Sections in separate processes, so one failing (or running out of its time) leaves the others' figures;
+# dpo and ppo share one, where the bench adds PPO's peak GPU memory over DPO-LoRA's. The limits add up
+# to 540 s, within one device call (600 s).
+for job in rollout:150 static:150 sft:90 dpo,ppo:150; do
+  section="${job%%:*}" limit="${job##*:}"
   name="bench-$size-${section//,/-}"  # plain file names: the device tool may not bring back others
-  timeout 240 python3 scripts/bench.py --size "$size" --sections "$section" --json "$out/$name.json" \
+  timeout "$limit" python3 scripts/bench.py --size "$size" --sections "$section" --json "$out/$name.json" \
     2>&1 | tail -40 | tee "$out/$name.log"
 done
