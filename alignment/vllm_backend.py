@@ -19,9 +19,10 @@ of the logits, before temperature or top-p), so the check compares the models, n
 
 The engine is reached the way TRL 1.16 reaches it (`llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights`, with `distributed_executor_backend="external_launcher"`, which
-keeps the worker in this process); TRL 1.16 supports vLLM 0.22 to 0.31 and so do we. Tested against
-a stand-in of that interface (tests/fake_vllm): vLLM needs a CUDA GPU, and none was available while
-this was written, so the real engine has not been run through this module yet (docs/performance.md).
+keeps the worker in this process). TRL 1.16 supports vLLM 0.22 to 0.31; the same calls are there in
+vLLM 0.33's source. Tested against a stand-in of that interface (tests/fake_vllm): vLLM needs a CUDA
+GPU, and none was available while this was written, so the real engine has not been run through this
+module yet (docs/performance.md).
 """
 
 from __future__ import annotations
