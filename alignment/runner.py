@@ -164,7 +164,7 @@ def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
     state.wait_for_everyone()
     log(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
     started = time.time()
-    with disk_errors_explained(ctx):
+    with disk_errors_explained(ctx), memory_errors_explained(ctx):
         result = stage_module(ctx.config.kind).run(ctx) or {}
         state.wait_for_everyone()
         record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2)}
@@ -188,6 +188,42 @@ def disk_errors_explained(ctx: StageContext):
             f"stage '{ctx.stage_id}': could not write {error.filename or ctx.out_dir} ({error.strerror}). The stage "
             "is not marked finished and earlier stages are intact; free space or fix permissions, then rerun the "
             "recipe (it resumes from the last checkpoint)."
+        ) from None
+
+
+# What to turn down, per stage kind, when a stage runs out of accelerator memory. Gradient checkpointing
+# stays off by default (it costs time, and on CPU it only costs time: docs/performance.md); this is
+# where a user whose model does not fit learns to turn it on.
+MEMORY_KNOBS = {
+    "ppo": ["`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
+            "`rollout.batch_size` or `rollout.max_new_tokens`", "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
+    "rlvr": ["`train.gradient_checkpointing: true`", "`train.per_device_train_batch_size` (raise "
+             "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_completion_length`",
+             "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
+}
+DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activations in the backward pass: "
+                        "less memory, roughly a third more time)", "`train.per_device_train_batch_size` (raise "
+                        "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_length`",
+                        "LoRA (`lora: {r: 16}`) instead of full fine-tuning"]
+
+
+@contextlib.contextmanager
+def memory_errors_explained(ctx: StageContext):
+    """Turn an accelerator out-of-memory error into the settings that shrink this stage; like a disk
+    error, it leaves the stage unfinished and its last checkpoint in place for a rerun."""
+    import torch
+
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        knobs = MEMORY_KNOBS.get(ctx.config.kind, DEFAULT_MEMORY_KNOBS)
+        if ctx.config.kind == "rsft":
+            knobs = ["`sampling.batch_size`", *knobs]
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
+        raise UserError(
+            f"stage '{ctx.stage_id}' ({ctx.config.kind}) ran out of memory: {first_line}. The stage is not marked "
+            f"finished and earlier stages are intact. To fit, change one of these under stages.{ctx.stage_id}: "
+            f"{'; '.join(knobs)}; then rerun the recipe (it resumes from the last checkpoint)."
         ) from None
 
 

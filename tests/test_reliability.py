@@ -152,6 +152,46 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
 
 
+class OutOfMemoryAt(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
+
+
+def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resumes(tmp_path, monkeypatch):
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, OutOfMemoryAt(7))
+        with pytest.raises(UserError, match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
+                           r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
+                           r"per_device_train_batch_size.*resumes from the last checkpoint") as caught:
+            run_recipe(recipe, log=lambda *_: None)
+    assert "allocator details" not in str(caught.value)  # the first line of the error, not the allocator dump
+    assert not recipe.stage_dir("sft").exists()
+    steps = StepRecorder()
+    with monkeypatch.context() as patch:
+        with_extra_callback(patch, steps)
+        run_recipe(recipe, log=lambda *_: None)
+    assert steps.seen[0] == 6  # the checkpoint at step 5 survived the error
+
+
+def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypatch):
+    from test_ppo import tiny_ppo_recipe
+
+    from alignment.stages import ppo
+
+    def out_of_memory(ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(ppo, "run", out_of_memory)
+    with pytest.raises(UserError, match=r"(?s)stage 'ppo' \(ppo\) ran out of memory.*`train\.mini_batch_size`.*"
+                       r"`rollout\.batch_size`.*LoRA"):
+        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)), log=lambda *_: None)
+
+
 def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
     secret = "hf_plantedSECRETvalue1234567"
     monkeypatch.setenv("HF_TOKEN", secret)
