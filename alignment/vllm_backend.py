@@ -8,7 +8,9 @@ are pushed into it before every call (with LoRA: merged through `generation.lora
 base, which is also the reference policy, is restored bit for bit afterwards). Pushing every call
 costs one device-to-device copy of the weights, small beside sampling, and means a sampler can never
 run on stale weights. One engine serves every model of the same shape in the process (the stages of
-one recipe share a base model), so evaluation after training does not start a second engine.
+one recipe share a base model), so evaluation after training does not start a second engine. With
+`vllm.sleep: true` the engine gives its GPU memory back after each call (sleep level 2, as TRL's
+`vllm_enable_sleep_mode`) and wakes before the next: weights, push, then the KV cache.
 
 After every call, the first `vllm.check_samples` samples are scored again by the policy, and the
 mean absolute difference between vLLM's log-probs of the sampled tokens and the policy's must stay
@@ -60,6 +62,8 @@ class VllmSpec(Strict):
     logprob_tolerance: float = Field(0.1, gt=0, description="largest mean |log p_vllm - log p_policy| per sampled "
                                      "token accepted (see alignment/vllm_backend.py)")
     check_samples: int = Field(8, ge=0, description="samples re-scored by the policy after every call (0: no check)")
+    sleep: bool = Field(False, description="give the engine's GPU memory (weights and KV cache) back between calls, "
+                        "for training; as TRL's vllm_enable_sleep_mode: sleep level 2, weights pushed on waking")
 
 
 def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:
@@ -76,6 +80,7 @@ class _Engine:
     llm: Any
     shape: str  # the model config (JSON) and settings the engine was built for
     folder: tempfile.TemporaryDirectory
+    asleep: bool = False
 
 
 _engine: _Engine | None = None  # one per process: vLLM reserves its share of GPU memory up front
@@ -89,11 +94,20 @@ def generate(model, tokenizer, prompts: list[str], settings: "SamplingSpec", pro
 
     stops = stop_token_ids(tokenizer)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    llm = _engine_for(model, tokenizer, settings.vllm, progress)
+    engine = _engine_for(model, tokenizer, settings.vllm, progress)
+    llm = engine.llm
+    if engine.asleep:  # weights first, pushed, then the KV cache: the order TRL 1.16 wakes its engine in
+        llm.wake_up(tags=["weights"])
     push_weights(llm, model)
+    if engine.asleep:
+        llm.wake_up(tags=["kv_cache"])
+        engine.asleep = False
     params = _sampling_params(settings, stops, len(prompts))
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling_params=params,
                            use_tqdm=progress is not None)
+    if settings.vllm.sleep:  # level 2: weights and KV cache discarded; the next call pushes the weights anyway
+        llm.sleep(level=2)
+        engine.asleep = True
     samples, sampler_logprobs = [], []
     for i, request in enumerate(outputs):
         for completion in request.outputs:
@@ -141,14 +155,14 @@ def _logprob_of(step: dict, token: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
-def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None):
+def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None) -> _Engine:
     """The process's engine, started on first use or when a model of another shape arrives."""
     global _engine
 
     config = _base_model(model).config
-    shape = f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}"
+    shape = f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}"
     if _engine is not None and _engine.shape == shape:
-        return _engine.llm
+        return _engine
     close()
     from vllm import LLM
 
@@ -163,7 +177,7 @@ def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None):
                       gpu_memory_utilization=spec.gpu_memory_utilization, max_model_len=spec.max_model_len,
                       # the worker in this process, one engine per training process (TRL's colocate mode)
                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                      logprobs_mode="raw_logprobs")
+                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep)
     except Exception as error:
         folder.cleanup()
         raise UserError(
@@ -172,7 +186,7 @@ def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None):
             f"`vllm.gpu_memory_utilization` of its memory free and a vLLM release from {SUPPORTED_VERSIONS}; "
             "`backend: transformers` samples without vLLM.") from error
     _engine = _Engine(llm, shape, folder)
-    return llm
+    return _engine
 
 
 def close() -> None:

@@ -76,6 +76,22 @@ def test_samples_follow_the_policy_through_every_update(tiny_model, prompts, fak
     assert "MASTER_PORT" not in os.environ  # the engine starts, not after: child processes must not inherit it
 
 
+def test_sleeping_engine_wakes_weights_first_and_samples_the_updated_policy(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    spec = SamplingSpec(**GREEDY, backend="vllm", vllm={"sleep": True})
+    for update in range(2):
+        ours = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY))
+        sampled = generate(model, tokenizer, prompts, spec)  # the fake refuses any other order of waking
+        assert [s.token_ids for s in sampled] == [s.token_ids for s in ours]
+        (engine,) = fake_vllm.LLM.instances
+        assert engine.asleep == {"weights", "kv_cache"} and engine.sleeps == update + 1  # memory given back
+        with torch.no_grad():  # an optimizer step, while the engine sleeps with discarded weights
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.add_(torch.randn_like(param) * 0.2)
+    assert engine.kwargs["enable_sleep_mode"] is True
+
+
 def test_sampling_is_seeded_per_prompt_from_torch(tiny_model, prompts, fake_vllm):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     spec = SamplingSpec(temperature=1.0, max_new_tokens=8, n=3, backend="vllm")

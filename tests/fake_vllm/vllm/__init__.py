@@ -6,6 +6,9 @@ driver_worker.model_runner.model.load_weights(iterable of (checkpoint name, tens
 completions carry `token_ids` (the stop token included, as vLLM keeps it), `logprobs` (per token a
 {token id: Logprob}) and `finish_reason`. Sampling and log-probs come from transformers.
 
+Sleep mode (`enable_sleep_mode`, `sleep(level)`, `wake_up(tags)`) is tracked: generating or loading
+weights into a sleeping part fails, and level 2 scrambles the weights as discarding them would.
+
 Test knobs on `LLM`: `fail_with` (an exception the constructor raises), `ignore_weights` (load_weights
 silently keeps the dummy weights), and `instances` / `pushes` to count what happened.
 """
@@ -70,6 +73,7 @@ class _Weights:
                 continue
             if name not in params:
                 raise KeyError(f"fake vllm: no parameter named {name!r}")
+            assert "weights" not in self.owner.asleep, "fake vllm: weights loaded into a sleeping engine"
             if not LLM.ignore_weights:
                 params[name].data.copy_(tensor)
             loaded.add(name)
@@ -86,7 +90,7 @@ class LLM:
     def __init__(self, model: str, *, load_format: str = "auto", dtype: str = "auto", seed: int = 0,
                  gpu_memory_utilization: float = 0.92, max_model_len: int | None = None,
                  distributed_executor_backend: str | None = None, tensor_parallel_size: int = 1,
-                 logprobs_mode: str = "raw_logprobs", **kwargs):
+                 logprobs_mode: str = "raw_logprobs", enable_sleep_mode: bool = False, **kwargs):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if LLM.fail_with is not None:
@@ -94,7 +98,8 @@ class LLM:
         self.kwargs = dict(model=model, load_format=load_format, dtype=dtype, seed=seed,
                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                            distributed_executor_backend=distributed_executor_backend,
-                           tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode, **kwargs)
+                           tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode,
+                           enable_sleep_mode=enable_sleep_mode, **kwargs)
         assert load_format == "dummy", "the fake only implements dummy weights"
         self.environment = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         config = AutoConfig.from_pretrained(model)
@@ -104,7 +109,21 @@ class LLM:
         runner = SimpleNamespace(model=_Weights(self._model, self))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
         self.prefix_cache_resets = 0
+        self.enable_sleep_mode, self.asleep, self.sleeps = enable_sleep_mode, set(), 0
         LLM.instances.append(self)
+
+    def sleep(self, level: int = 1, mode: str = "abort"):
+        assert self.enable_sleep_mode, "fake vllm: sleep without enable_sleep_mode"
+        self.sleeps += 1
+        self.asleep = {"weights", "kv_cache"}
+        if level == 2:  # the weights are discarded, as vLLM does: only a push brings them back
+            with torch.no_grad():
+                for param in self._model.parameters():
+                    param.normal_()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        self.asleep -= set(tags or ("weights", "kv_cache"))
+        return not self.asleep
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         self.prefix_cache_resets += 1
@@ -112,6 +131,7 @@ class LLM:
 
     @torch.no_grad()
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True, **kwargs) -> list[RequestOutput]:
+        assert not self.asleep, f"fake vllm: generate while {self.asleep} sleep"
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         return [self._one(prompt["prompt_token_ids"], params) for prompt, params in zip(prompts, sampling_params)]
