@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_VERSIONS = "0.22 to 0.31 (the range TRL 1.16 supports)"
+SUPPORTED_VERSIONS = "0.22 to 0.31, the range TRL 1.16 supports"
 
 
 class VllmSpec(Strict):
