@@ -484,7 +484,7 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html."""
     import torch
 
-    from .rl import sequence_logprobs
+    from .rl import prompt_completion_batch, sequence_logprobs
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -492,17 +492,13 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     kl = [0.0] * len(samples)
     for start in range(0, len(order), batch_size):
         batch = [samples[i] for i in order[start : start + batch_size]]
-        width, k = max(len(encoded[s.prompt_index]) for s in batch), max(len(s.token_ids) for s in batch)
-        ids, mask, keep = [], [], []
-        for s in batch:  # prompt left-padded, completion right-padded: the layout sequence_logprobs expects
-            p, c = encoded[s.prompt_index], s.token_ids
-            ids.append([pad] * (width - len(p)) + p + c + [pad] * (k - len(c)))
-            mask.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c)))
-            keep.append([1.0] * len(c) + [0.0] * (k - len(c)))
+        ids, mask, keep = prompt_completion_batch([encoded[s.prompt_index] for s in batch],
+                                                  [s.token_ids for s in batch], pad)
+        k = keep.shape[1]
         with torch.no_grad():
-            logps = [sequence_logprobs(m, torch.tensor(ids, device=_device(m)), torch.tensor(mask, device=_device(m)), k)
-                     .float().cpu() for m in (policy, reference)]
-        sums = ((logps[0] - logps[1]) * torch.tensor(keep)).sum(-1).tolist()
+            logps = [sequence_logprobs(m, ids.to(_device(m)), mask.to(_device(m)), k).float().cpu()
+                     for m in (policy, reference)]
+        sums = ((logps[0] - logps[1]) * keep).sum(-1).tolist()
         for i, value in zip(order[start : start + batch_size], sums):
             kl[i] = value
     return kl

@@ -147,6 +147,20 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_TO
     return _Entropy.apply(logits, chunk_size)
 
 
+def prompt_completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int,
+                            device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout `sequence_logprobs` reads: ids [B, P + K] with prompts left-padded (as generated) and
+    completions right-padded, their attention mask, and the completion mask [B, K] (float)."""
+    width, k = max(map(len, prompt_ids)), max(map(len, completion_ids))
+    ids, attention, mask = [], [], []
+    for p, c in zip(prompt_ids, completion_ids):
+        ids.append([pad] * (width - len(p)) + p + c + [pad] * (k - len(c)))
+        attention.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c)))
+        mask.append([1] * len(c) + [0] * (k - len(c)))
+    return (torch.tensor(ids, device=device), torch.tensor(attention, device=device),
+            torch.tensor(mask, device=device, dtype=torch.float))
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

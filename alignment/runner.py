@@ -194,17 +194,18 @@ def disk_errors_explained(ctx: StageContext):
 # What to turn down, per stage kind, when a stage runs out of accelerator memory. Gradient checkpointing
 # stays off by default (it costs time, and on CPU it only costs time: docs/performance.md); this is
 # where a user whose model does not fit learns to turn it on.
+DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activations in the backward pass: "
+                        "less memory, roughly a third more time)", "`train.per_device_train_batch_size` (raise "
+                        "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_length`",
+                        "LoRA (`lora: {r: 16}`) instead of full fine-tuning"]
 MEMORY_KNOBS = {
+    "rsft": ["`sampling.batch_size`", *DEFAULT_MEMORY_KNOBS],
     "ppo": ["`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
             "`rollout.batch_size` or `rollout.max_new_tokens`", "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
     "rlvr": ["`train.gradient_checkpointing: true`", "`train.per_device_train_batch_size` (raise "
              "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_completion_length`",
              "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
 }
-DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activations in the backward pass: "
-                        "less memory, roughly a third more time)", "`train.per_device_train_batch_size` (raise "
-                        "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_length`",
-                        "LoRA (`lora: {r: 16}`) instead of full fine-tuning"]
 
 
 @contextlib.contextmanager
@@ -217,8 +218,6 @@ def memory_errors_explained(ctx: StageContext):
         yield
     except torch.OutOfMemoryError as error:
         knobs = MEMORY_KNOBS.get(ctx.config.kind, DEFAULT_MEMORY_KNOBS)
-        if ctx.config.kind == "rsft":
-            knobs = ["`sampling.batch_size`", *knobs]
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         raise UserError(
             f"stage '{ctx.stage_id}' ({ctx.config.kind}) ran out of memory: {first_line}. The stage is not marked "

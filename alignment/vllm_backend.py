@@ -261,18 +261,15 @@ def logprob_gap(model, tokenizer, prompt_ids: list[list[int]], samples: list, sa
     """Mean |log p_sampler - log p_policy| over the sampled tokens of `samples` (raw log-probs)."""
     import torch
 
-    from .rl import sequence_logprobs
+    from .rl import prompt_completion_batch, sequence_logprobs
 
     rows = [(prompt_ids[s.prompt_index], s.token_ids, lp) for s, lp in zip(samples, sampler_logprobs) if s.token_ids]
     if not rows:
         return 0.0
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    width, k = max(len(p) for p, _, _ in rows), max(len(c) for _, c, _ in rows)
     device = next(model.parameters()).device
-    ids = torch.tensor([[pad] * (width - len(p)) + p + c + [pad] * (k - len(c)) for p, c, _ in rows], device=device)
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c))
-                              for p, c, _ in rows], device=device)
-    mask = torch.tensor([[1.0] * len(c) + [0.0] * (k - len(c)) for _, c, _ in rows], device=device)
+    ids, attention, mask = prompt_completion_batch([p for p, _, _ in rows], [c for _, c, _ in rows], pad, device)
+    k = mask.shape[1]
     sampler = torch.tensor([lp + [0.0] * (k - len(lp)) for _, _, lp in rows], device=device)
     was_training = model.training
     model.eval()

@@ -299,18 +299,11 @@ class PPOLoop:
 
     def collate(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
         """[B, P + K] ids: prompts left-padded (as generated), completions right-padded; mask [B, K]."""
-        import torch
+        from ..rl import prompt_completion_batch
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        width, k = max(map(len, prompt_ids)), max(map(len, completion_ids))
-        ids, attention, mask = [], [], []
-        for p, c in zip(prompt_ids, completion_ids):
-            ids.append([pad] * (width - len(p)) + p + c + [pad] * (k - len(c)))
-            attention.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c)))
-            mask.append([1] * len(c) + [0] * (k - len(c)))
-        device = self.acc.device
-        return {"input_ids": torch.tensor(ids, device=device), "attention_mask": torch.tensor(attention, device=device),
-                "mask": torch.tensor(mask, device=device, dtype=torch.float)}
+        ids, attention, mask = prompt_completion_batch(prompt_ids, completion_ids, pad, self.acc.device)
+        return {"input_ids": ids, "attention_mask": attention, "mask": mask}
 
     @property
     def micro_batch_size(self) -> int:
