@@ -192,8 +192,8 @@ def disk_errors_explained(ctx: StageContext):
 
 
 # What to turn down, per stage kind, when a stage runs out of accelerator memory. Gradient checkpointing
-# stays off by default (it costs time, and on CPU it only costs time: docs/performance.md); this is
-# where a user whose model does not fit learns to turn it on.
+# is on by default only where the memory estimate says the stage would not fit (`memory.py`, which
+# errs high); this is where a user whose stage still does not fit learns to turn it on.
 DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activations in the backward pass: "
                         "less memory, roughly a third more time)", "`train.per_device_train_batch_size` (raise "
                         "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_length`",

@@ -110,14 +110,27 @@ class StageContext:
         lines = path.read_text().splitlines()
         return [json.loads(line) for line in lines[1:]], json.loads(lines[0])
 
-    def trl_args(self, config_class, **stage_defaults):
-        """The TRL config: device-aware defaults, then the stage's defaults, then the recipe's `train:`."""
-        return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train, self.work_dir,
-                                **stage_defaults)
+    def trl_args(self, config_class, work_dir: Path | None = None, **stage_defaults):
+        """The TRL config: device-aware defaults, then the stage's defaults, then the recipe's `train:`
+        (`work_dir`: where the trainer checkpoints, by default the stage's).
+        Unless the recipe sets it, gradient checkpointing is on only where the stage would not fit on its
+        GPU without it (`memory.py`); TRL turns it on always."""
+        from ..memory import needs_gradient_checkpointing
+
+        def build(checkpointing: bool):
+            return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train,
+                                    work_dir or self.work_dir, checkpointing=checkpointing, **stage_defaults)
+
+        args = build(checkpointing=False)
+        if sets_checkpointing(self.config.train) or not needs_gradient_checkpointing(
+                args, self.config.kind, self.start_model, self.lora.r if self.lora else None,
+                self.recipe.trust_remote_code, f"{self.where}.train"):
+            return args
+        return build(checkpointing=True)
 
 
 def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
-    """TRL defaults that suit the device: TRL's bf16=True and gradient checkpointing fail or crawl on CPU."""
+    """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`)."""
     from ..models import is_cuda
 
     cuda = is_cuda()
@@ -126,20 +139,40 @@ def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
     return dict(
         output_dir=str(work_dir / "trainer"), seed=recipe.seed, data_seed=recipe.seed,
         bf16=cuda and torch.cuda.is_bf16_supported(), fp16=False, use_cpu=not cuda,
-        gradient_checkpointing=False, report_to=recipe.report_to, logging_steps=10,
+        report_to=recipe.report_to, logging_steps=10,
         save_strategy="steps", save_steps=200, save_total_limit=1, dataloader_pin_memory=cuda,
         ddp_find_unused_parameters=False,
     )
 
 
-def build_trl_config(config_class, recipe: "Recipe", stage_id: str, train: dict, work_dir: Path, **stage_defaults):
+# transformers 5 renamed gradient checkpointing to activation checkpointing and keeps the old names as
+# aliases that count only when the new ones are unset: a recipe may use either.
+CHECKPOINTING_KEYS = ("activation_checkpointing", "gradient_checkpointing")
+
+
+def sets_checkpointing(train: dict) -> bool:
+    return any(key in train for key in CHECKPOINTING_KEYS)
+
+
+def checkpointing_defaults(fields: set[str], on: bool) -> dict[str, Any]:
+    """Checkpointing on or off under the name this transformers reads; non-reentrant, which needs no
+    gradient on the inputs of frozen (LoRA) layers."""
+    key = next(key for key in CHECKPOINTING_KEYS if key in fields)
+    return {key: on, f"{key}_kwargs": {"use_reentrant": False}} if on else {key: False}
+
+
+def build_trl_config(config_class, recipe: "Recipe", stage_id: str, train: dict, work_dir: Path,
+                     checkpointing: bool = False, **stage_defaults):
     """Build `config_class` (e.g. trl.SFTConfig); unknown or rejected knobs become UserErrors."""
     where = f"stages.{stage_id}.train"
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key in train:
         if key not in fields:
             raise UserError(f"{where}: unknown {config_class.__name__} option '{key}'{did_you_mean(key, fields)}.")
-    kwargs = {**device_defaults(recipe, work_dir), **stage_defaults, **train}
+    device = device_defaults(recipe, work_dir)
+    if not sets_checkpointing(train):
+        device.update(checkpointing_defaults(fields, checkpointing))
+    kwargs = {**device, **stage_defaults, **train}
     kwargs = {k: v for k, v in kwargs.items() if k in fields}
     try:
         return config_class(**kwargs)

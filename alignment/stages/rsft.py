@@ -47,7 +47,7 @@ from ..data import DataSpec
 from ..files import write_atomic
 from ..generation import SamplingSpec
 from ..rewards import VerifierSpec
-from .base import StageConfig, StageContext, build_trl_config, stage_ref
+from .base import StageConfig, StageContext, stage_ref
 
 
 class RsftSampling(SamplingSpec):
@@ -82,8 +82,8 @@ class Config(StageConfig):
 def sft_args(ctx: StageContext, folder: Path):
     from trl import SFTConfig
 
-    return build_trl_config(SFTConfig, ctx.recipe, ctx.stage_id, ctx.config.train, folder,
-                            completion_only_loss=True, max_length=1024, learning_rate=2e-5, num_train_epochs=1)
+    return ctx.trl_args(SFTConfig, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
+                        num_train_epochs=1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,175 @@
+"""The gradient-checkpointing decision: its activation estimate against what autograd really saves, and
+the stages turning checkpointing on exactly when the estimate says the GPU is too small."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import write_recipe
+
+from alignment import memory
+from alignment.memory import ModelShape, StepShape, peak_bytes, plan
+
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                vocab_size=151936, tie_word_embeddings=True)
+
+
+def saved_activation_bytes(config, dtype, tokens: int, checkpointing: bool = False) -> int:
+    """Bytes of distinct non-parameter tensors autograd keeps for backward in one forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=torch.randint(0, 100, (2, tokens // 2)), use_cache=False)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_layer_activation_estimate_matches_what_autograd_saves(arch, dtype):
+    from transformers import LlamaConfig, Qwen2Config
+
+    config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    shape = dict(QWEN_05B, vocab_size=1000)  # the vocabulary only sizes the logits, not the layers
+    one, three = (config_class(**shape, num_hidden_layers=n, attn_implementation="sdpa") for n in (1, 3))
+    tokens = 256
+    measured = (saved_activation_bytes(three, dtype, tokens) - saved_activation_bytes(one, dtype, tokens)) / (2 * tokens)
+    estimate = ModelShape.from_config(three).layer_activation_bytes(torch.finfo(dtype).bits // 8)
+    assert estimate == pytest.approx(measured, rel=0.05)
+    # with checkpointing a layer keeps about one hidden state per token (its input)
+    kept = (saved_activation_bytes(three, dtype, tokens, True) - saved_activation_bytes(one, dtype, tokens, True)) / (2 * tokens)
+    assert kept == pytest.approx(shape["hidden_size"] * torch.finfo(dtype).bits // 8, rel=0.1)
+
+
+def test_parameter_count_is_exact_without_building_weights():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**dict(QWEN_05B, vocab_size=1000), num_hidden_layers=2)
+    assert ModelShape.from_config(config).parameters == AutoModelForCausalLM.from_config(config).num_parameters()
+
+
+def test_plan_turns_checkpointing_on_only_when_the_step_does_not_fit():
+    from transformers import Qwen2Config
+
+    qwen_05b = ModelShape.from_config(Qwen2Config(**QWEN_05B, num_hidden_layers=24))
+    assert 490e6 < qwen_05b.parameters < 500e6  # Qwen2.5-0.5B has 494M
+    sft = StepShape(sequences=8, length=1024)  # TRL's SFT defaults
+    without = peak_bytes(qwen_05b, sft, 2, checkpointing=False)
+    with_ = peak_bytes(qwen_05b, sft, 2, checkpointing=True)
+    assert with_ < without
+    h200 = int(139 * memory.GIB * memory.USABLE_FRACTION)
+    assert not plan(qwen_05b, sft, 2, h200).checkpointing  # 0.5B full SFT fits an H200 either way
+    small_gpu = (without + with_) // 2
+    decision = plan(qwen_05b, sft, 2, small_gpu)
+    assert decision.checkpointing and "gradient checkpointing on" in decision.describe()
+    # LoRA needs no gradients or optimizer state for the base, and DPO's full-weight reference is a second copy
+    assert peak_bytes(qwen_05b, StepShape(8, 1024, lora_rank=16), 2, False) < without
+    dpo = peak_bytes(qwen_05b, StepShape(16, 1024, reference_copy=True), 2, False)
+    assert dpo - peak_bytes(qwen_05b, StepShape(16, 1024), 2, False) == qwen_05b.parameters * 2
+
+
+def stage_recipe(tmp_path, kind: str = "sft", **train) -> dict:
+    """A LoRA recipe of one stage that trains two steps on the tiny model."""
+    data = {"task": "arithmetic", "n": 64} if kind == "sft" else {"task": "arithmetic", "split": "train", "n": 16}
+    return {"name": "gc", "model": {"tiny": {"hidden_size": 64, "num_layers": 2}}, "output_dir": str(tmp_path / "out"),
+            "seed": 1, "lora": {"r": 4, "lora_alpha": 8},
+            "stages": {kind: {"kind": kind, "data": data,
+                              "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, **train}}}}
+
+
+@pytest.fixture
+def checkpointing_calls(monkeypatch):
+    """Record every model on which the Trainer turns gradient checkpointing on."""
+    from transformers import PreTrainedModel
+
+    calls = []
+    original = PreTrainedModel.activation_checkpointing_enable
+
+    def recording(self, *args, **kwargs):
+        calls.append(kwargs.get("activation_checkpointing_kwargs"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "activation_checkpointing_enable", recording)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, monkeypatch, capsys,
+                                                                checkpointing_calls):
+    from alignment.recipe import load_recipe
+    from alignment.runner import run_recipe
+
+    monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)  # a 1 MB "GPU": nothing fits
+    recipe = load_recipe(write_recipe(tmp_path, stage_recipe(tmp_path, kind)))
+    run_recipe(recipe, log=lambda *_: None)
+    printed = capsys.readouterr().out
+    assert f"[stages.{kind}.train] gradient checkpointing on: estimated peak" in printed
+    # non-reentrant: LoRA's frozen inputs need no grads (TRL's DPO turns it on more than once)
+    assert checkpointing_calls and all(call == {"use_reentrant": False} for call in checkpointing_calls)
+    assert (recipe.stage_dir(kind) / "adapter").exists()
+
+
+def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(tmp_path, monkeypatch, capsys,
+                                                                            checkpointing_calls):
+    from alignment.recipe import load_recipe
+    from alignment.runner import run_recipe
+
+    monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 100 * memory.GIB)
+    run_recipe(load_recipe(write_recipe(tmp_path / "fits", stage_recipe(tmp_path / "fits"))), log=lambda *_: None)
+    assert "gradient checkpointing off" in capsys.readouterr().out
+
+    monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)
+    explicit = stage_recipe(tmp_path / "explicit", gradient_checkpointing=False)
+    run_recipe(load_recipe(write_recipe(tmp_path / "explicit", explicit)), log=lambda *_: None)
+    assert "gradient checkpointing" not in capsys.readouterr().out  # the recipe's setting is not second-guessed
+    assert checkpointing_calls == []
+
+
+def test_step_shape_reads_each_stage_kinds_config(tmp_path):
+    from trl import DPOConfig, GRPOConfig, RewardConfig, SFTConfig
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=4)
+    assert memory.step_shape("sft", SFTConfig(**common, max_length=512), None) == StepShape(4, 512)
+    # chosen and rejected run in one batch; a full-weight reference is a second copy unless precomputed
+    dpo = DPOConfig(**common, max_length=512)
+    assert memory.step_shape("dpo", dpo, None) == StepShape(8, 512, reference_copy=True)
+    assert memory.step_shape("dpo", dpo, 16) == StepShape(8, 512, lora_rank=16)
+    assert memory.step_shape("reward", RewardConfig(**common, max_length=512), 16) == \
+        StepShape(8, 512, vocab_logits=False, lora_rank=16)
+    grpo = GRPOConfig(**common, max_completion_length=256, num_generations=4, beta=0.04)
+    assert memory.step_shape("rlvr", grpo, None) == StepShape(4, 512, reference_copy=True)
+
+
+def test_no_decision_without_a_gpu_or_a_readable_model(tmp_path):
+    from trl import SFTConfig
+
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    if not torch.cuda.is_available():
+        assert memory.usable_gpu_bytes() is None
+        assert not memory.needs_gradient_checkpointing(args, "sft", "no/such-model", None, False, "x")
+    assert memory.model_shape(str(tmp_path / "not-written-yet"), False) is None
+
+
+def test_ppo_refuses_gradient_checkpointing_at_load(tmp_path):
+    """PPO's LoRA critic switches adapters between passes, which checkpointing's recomputation would not see
+    (docs/performance.md): the key is refused before anything loads, naming it."""
+    from alignment.errors import UserError
+    from alignment.recipe import load_recipe
+
+    recipe = {"name": "ppo-gc", "model": {"tiny": {}}, "output_dir": str(tmp_path / "out"),
+              "stages": {"ppo": {"kind": "ppo", "verifiers": [{"name": "arithmetic"}],
+                                 "data": {"task": "arithmetic", "n": 8}, "train": {"gradient_checkpointing": True}}}}
+    with pytest.raises(UserError, match=r"stages\.ppo\.train\.gradient_checkpointing"):
+        load_recipe(write_recipe(tmp_path, recipe))
