@@ -21,7 +21,8 @@ def saved_activation_bytes(config, dtype, tokens: int, checkpointing: bool = Fal
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        method, keyword = enable_checkpointing_method()
+        getattr(model, method)(**{keyword: {"use_reentrant": False}})
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -89,19 +90,30 @@ def stage_recipe(tmp_path, kind: str = "sft", **train) -> dict:
                               "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, **train}}}}
 
 
+def enable_checkpointing_method() -> tuple[str, str]:
+    """The model method and its keyword argument under this transformers' name (5.x renamed gradient to
+    activation checkpointing)."""
+    from transformers import PreTrainedModel
+
+    if hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        return "activation_checkpointing_enable", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing_enable", "gradient_checkpointing_kwargs"
+
+
 @pytest.fixture
 def checkpointing_calls(monkeypatch):
     """Record every model on which the Trainer turns gradient checkpointing on."""
     from transformers import PreTrainedModel
 
+    method, keyword = enable_checkpointing_method()
     calls = []
-    original = PreTrainedModel.activation_checkpointing_enable
+    original = getattr(PreTrainedModel, method)
 
     def recording(self, *args, **kwargs):
-        calls.append(kwargs.get("activation_checkpointing_kwargs"))
+        calls.append(kwargs.get(keyword))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(PreTrainedModel, "activation_checkpointing_enable", recording)
+    monkeypatch.setattr(PreTrainedModel, method, recording)
     return calls
 
 
