@@ -1,18 +1,23 @@
-"""Whether a training stage needs gradient checkpointing to fit on its GPU, estimated before it loads.
+"""Whether a training stage needs gradient checkpointing to fit on its GPU, estimated before it trains.
 
 Gradient checkpointing keeps only each decoder layer's input for the backward pass and recomputes the
-rest, trading about a third more time for most of the activation memory. TRL turns it on always; we
-turn it on only when the estimate below says the stage would not fit without it (`train:
-{gradient_checkpointing: ...}` in the recipe always wins; CPU runs never get it: there it only costs
-time). The estimate, per process and per optimizer step:
+rest: one more forward pass per step (about a third more compute) for most of the activation memory.
+TRL turns it on always; we turn it on only when the estimate below says the stage would not fit
+without it. `train: {gradient_checkpointing: ...}` in the recipe always wins; CPU runs never get it
+(there it only costs time). Callers: `StageContext.trl_args` (TRL stages) and `PPOLoop` (ppo, with
+`ActorCritic.enable_checkpointing`). The estimate, per process and per optimizer step:
 
     weights            parameters x bytes per parameter (+ a reference copy: full-weight DPO without
-                       precomputed reference log-probs, full-weight GRPO/RLOO with a KL term)
-    optimizer          trainable parameters x 3 (gradient + AdamW's two moments, in the weights' dtype)
-    activations        tokens x layers x ACTIVATION bytes of one decoder layer (below);
-                       with checkpointing: tokens x layers x one hidden state, plus one layer in full
+                       precomputed reference log-probs, full-weight GRPO/RLOO with a KL term; full-weight
+                       PPO holds policy, reference and critic)
+    optimizer          trainable parameters x 3 (gradient + AdamW's two moments, in the weights' dtype);
+                       PPO trains a critic beside the policy
+    activations        tokens x layers x what one decoder layer saves for backward (below);
+                       with checkpointing: tokens x layers x one hidden state, plus one layer in full;
+                       PPO's policy and critic passes both wait for the one backward pass
     logits             tokens x vocabulary x (dtype + 12) bytes: the logits, their fp32 copy for the
-                       loss, its log-softmax and their gradient (checkpointing does not shrink these)
+                       loss, its log-softmax and their gradient (checkpointing does not shrink these);
+                       PPO computes them for the completion only
 
 What one decoder layer of a Llama/Qwen-style model saves for backward, per token (counted with
 autograd's saved-tensor hooks, tests/test_memory.py; docs/performance.md has the 0.5B figures):
@@ -45,13 +50,13 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config, trust_remote_code: bool = False) -> "ModelShape":
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-        return cls(parameters=count_parameters(config), hidden=hidden, intermediate=intermediate,
+        return cls(parameters=count_parameters(config, trust_remote_code), hidden=hidden, intermediate=intermediate,
                    layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                    vocab=config.vocab_size)
 
@@ -71,13 +76,13 @@ class ModelShape:
         return rank * per_layer * self.layers
 
 
-def count_parameters(config) -> int:
+def count_parameters(config, trust_remote_code: bool = False) -> int:
     """Exact parameter count, from a model built on the meta device (no memory, no weights read)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -90,10 +95,16 @@ class StepShape:
     vocab_logits: bool = True  # False for a reward model: one score per sequence, no vocabulary projection
     reference_copy: bool = False
     lora_rank: int | None = None
+    critic: bool = False  # ppo: a second pass (the critic) over the same tokens, with its own trainable weights
+    logit_length: int | None = None  # positions that get logits (ppo: the completion only); None: all
 
     @property
     def tokens(self) -> int:
         return self.sequences * self.length
+
+    @property
+    def logit_tokens(self) -> int:
+        return self.sequences * (self.logit_length or self.length) if self.vocab_logits else 0
 
 
 def step_shape(kind: str, args, lora_rank: int | None) -> StepShape:
@@ -113,15 +124,18 @@ def step_shape(kind: str, args, lora_rank: int | None) -> StepShape:
 
 
 def peak_bytes(model: ModelShape, step: StepShape, dtype_bytes: int, checkpointing: bool) -> int:
-    weights = model.parameters * dtype_bytes * (2 if step.reference_copy else 1)
-    trainable = model.parameters if step.lora_rank is None else model.lora_parameters(step.lora_rank)
-    optimizer = trainable * dtype_bytes * 3
+    full = step.lora_rank is None
+    passes = 2 if step.critic else 1
+    copies = 1 + step.reference_copy + (step.critic and full)  # full-weight ppo: policy, reference, critic
+    weights = model.parameters * dtype_bytes * copies
+    trainable = model.parameters if full else model.lora_parameters(step.lora_rank)
+    optimizer = trainable * passes * dtype_bytes * 3
     layer = model.layer_activation_bytes(dtype_bytes)
     if checkpointing:
-        activations = step.tokens * (model.layers * model.hidden * dtype_bytes + layer)
+        activations = step.tokens * (passes * model.layers * model.hidden * dtype_bytes + layer)
     else:
-        activations = step.tokens * model.layers * layer
-    logits = step.tokens * model.vocab * (dtype_bytes + LOGIT_COPIES_FP32 * FP32) if step.vocab_logits else 0
+        activations = step.tokens * passes * model.layers * layer
+    logits = step.logit_tokens * model.vocab * (dtype_bytes + LOGIT_COPIES_FP32 * FP32)
     return weights + optimizer + activations + logits
 
 
@@ -169,19 +183,36 @@ def model_shape(model_name: str, trust_remote_code: bool) -> ModelShape | None:
 
     try:
         name = _adapter_base(model_name) if is_adapter_dir(model_name) else model_name
-        return ModelShape.from_config(AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code))
-    except (OSError, ValueError, AttributeError, TypeError):
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return ModelShape.from_config(config, trust_remote_code)
+    except Exception:  # noqa: BLE001 - an estimate must not stop a run; without it checkpointing stays off
         return None
+
+
+def needs_checkpointing(model_name: str, step: StepShape, dtype_bytes: int, trust_remote_code: bool,
+                        where: str) -> bool:
+    """True when `step` would not fit on this process's GPU without gradient checkpointing (the decision is
+    printed); False on CPU, and (said so) when the model's shape cannot be read."""
+    from accelerate import PartialState
+
+    available = usable_gpu_bytes()
+    if available is None:
+        return False
+    main = PartialState().is_main_process  # every process decides for its own GPU; one says so
+    model = model_shape(model_name, trust_remote_code)
+    if model is None:
+        if main:
+            print(f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
+                  "memory this stage needs; set train.gradient_checkpointing: true if it does not fit")
+        return False
+    decision = plan(model, step, dtype_bytes, available)
+    if main:
+        print(f"[{where}] {decision.describe()}")
+    return decision.checkpointing
 
 
 def needs_gradient_checkpointing(args, kind: str, model_name: str, lora_rank: int | None,
                                  trust_remote_code: bool, where: str) -> bool:
-    """True when the stage that `args` configures would not fit on this process's GPU without gradient
-    checkpointing (the decision is printed); False on CPU or when the model's shape cannot be read."""
-    available = usable_gpu_bytes()
-    if available is None or (model := model_shape(model_name, trust_remote_code)) is None:
-        return False
+    """`needs_checkpointing` for the stage a TRL config describes."""
     dtype_bytes = 2 if (args.bf16 or args.fp16) else FP32
-    decision = plan(model, step_shape(kind, args, lora_rank), dtype_bytes, available)
-    print(f"[{where}] {decision.describe()}")
-    return decision.checkpointing
+    return needs_checkpointing(model_name, step_shape(kind, args, lora_rank), dtype_bytes, trust_remote_code, where)

@@ -223,6 +223,15 @@ def check_lora_targets(model_name: str, spec: LoraSpec, where: str, trust_remote
         raise UserError(f"{where}: {str(error).removeprefix('lora: ')}") from None
 
 
+def enable_checkpointing(model, options: dict) -> None:
+    """Gradient (activation) checkpointing on a transformers model, `options` going to
+    torch.utils.checkpoint; under the method's name in this transformers (5.x renamed it)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
 def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
     """Save a policy as merged weights, with the LoRA adapter (if any) in `adapter/` beside them."""
     from peft import PeftModel

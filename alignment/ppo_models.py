@@ -17,6 +17,7 @@ wrapper (it is frozen, and DDP should not track it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -48,6 +49,8 @@ class ActorCritic(nn.Module):
         self.value_head = value_head
         self.critic_backbone = critic_backbone  # None with LoRA: the critic is the shared base + critic adapter
         self._trainable = [p for p in self.parameters() if p.requires_grad]
+        self.active_adapter = POLICY_ADAPTER
+        self._checkpointed_layers: list[nn.Module] = []
 
     @property
     def is_lora(self) -> bool:
@@ -57,8 +60,54 @@ class ActorCritic(nn.Module):
         """Activate one LoRA adapter. peft's `set_adapter` also freezes every other adapter, and a
         parameter frozen after the forward pass that used it gets no gradient, so we unfreeze again."""
         self.policy.base_model.set_adapter(name)
+        self.active_adapter = name
         for param in self._trainable:
             param.requires_grad_(True)
+
+    def enable_checkpointing(self) -> None:
+        """Recompute each decoder layer in the backward pass instead of keeping its activations.
+
+        Two things make this safe here. With LoRA the policy and critic passes run the same layers under
+        different adapters, and the backward pass recomputes them under whichever adapter is active by then
+        (measured: wrong critic gradients, silently); `context_fn` re-activates, for each recomputation,
+        the adapter its forward pass ran with. And transformers checkpoints only layers in training mode,
+        while PPO keeps its models in eval mode to keep dropout out of the ratio: the decoder layers alone
+        are flagged as training, their attention and MLP children stay in eval mode (`train` below).
+        """
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        from .models import enable_checkpointing
+
+        options = {"use_reentrant": False}
+        if self.is_lora:
+            options["context_fn"] = self._recompute_under_forward_adapter
+        models = [self.policy.get_base_model()] if self.is_lora else [self.policy, self.critic_backbone]
+        for model in models:
+            enable_checkpointing(model, options)
+        self._checkpointed_layers = [m for model in models for m in model.modules()
+                                     if isinstance(m, GradientCheckpointingLayer)]
+        self.train(self.training)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for layer in getattr(self, "_checkpointed_layers", []):
+            layer.training = True
+        return self
+
+    def _recompute_under_forward_adapter(self):
+        """torch.utils.checkpoint's context_fn: (context of the forward pass, context of its recomputation)."""
+        adapter = self.active_adapter
+
+        @contextlib.contextmanager
+        def recompute():
+            during_backward = self.active_adapter
+            self.use_adapter(adapter)
+            try:
+                yield
+            finally:
+                self.use_adapter(during_backward)
+
+        return contextlib.nullcontext(), recompute()
 
     def forward(self, input_ids, attention_mask, num_logits_to_keep: int, temperature: float = 1.0,
                 with_entropy: bool = False):

@@ -200,7 +200,8 @@ DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activa
                         "LoRA (`lora: {r: 16}`) instead of full fine-tuning"]
 MEMORY_KNOBS = {
     "rsft": ["`sampling.batch_size`", *DEFAULT_MEMORY_KNOBS],
-    "ppo": ["`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
+    "ppo": ["`train.gradient_checkpointing: true`",
+            "`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
             "`rollout.batch_size` or `rollout.max_new_tokens`", "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
     "rlvr": ["`train.gradient_checkpointing: true`", "`train.per_device_train_batch_size` (raise "
              "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_completion_length`",

@@ -174,14 +174,67 @@ def test_no_decision_without_a_gpu_or_a_readable_model(tmp_path):
     assert memory.model_shape(str(tmp_path / "not-written-yet"), False) is None
 
 
-def test_ppo_refuses_gradient_checkpointing_at_load(tmp_path):
-    """PPO's LoRA critic switches adapters between passes, which checkpointing's recomputation would not see
-    (docs/performance.md): the key is refused before anything loads, naming it."""
-    from alignment.errors import UserError
-    from alignment.recipe import load_recipe
+def test_an_unreadable_model_leaves_checkpointing_off_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)
+    step = StepShape(8, 1024)
+    assert not memory.needs_checkpointing(str(tmp_path / "not-written-yet"), step, 2, False, "stages.sft.train")
+    printed = capsys.readouterr().out
+    assert "[stages.sft.train] gradient checkpointing off: could not read the shape of" in printed
+    assert "not-written-yet" in printed and "train.gradient_checkpointing: true" in printed
 
-    recipe = {"name": "ppo-gc", "model": {"tiny": {}}, "output_dir": str(tmp_path / "out"),
-              "stages": {"ppo": {"kind": "ppo", "verifiers": [{"name": "arithmetic"}],
-                                 "data": {"task": "arithmetic", "n": 8}, "train": {"gradient_checkpointing": True}}}}
-    with pytest.raises(UserError, match=r"stages\.ppo\.train\.gradient_checkpointing"):
-        load_recipe(write_recipe(tmp_path, recipe))
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_model):
+    """PPO's LoRA critic runs the policy's layers under another adapter, and backward recomputes them under
+    the adapter active by then (the critic's gradients came out wrong before `context_fn`). PPO also keeps
+    its models in eval mode: checkpointing must still happen, and (lora_dropout 0.5) without dropout."""
+    from alignment.models import LoraSpec
+    from alignment.ppo_models import build_models
+
+    def run(checkpointing: bool):
+        torch.manual_seed(0)
+        actor_critic = build_models(str(tiny_model), LoraSpec(r=4, lora_alpha=8, lora_dropout=0.5) if lora else None
+                                    ).actor_critic
+        with torch.no_grad():  # adapters and value head away from their zero start, so every gradient shows
+            for name, param in actor_critic.named_parameters():
+                if "lora_B" in name or "value_head" in name:
+                    param.normal_(0, 0.5)
+        if checkpointing:
+            actor_critic.enable_checkpointing()
+        actor_critic.eval()
+        ids = torch.randint(3, 90, (2, 12))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            logprobs, values, _ = actor_critic(ids, torch.ones_like(ids), 4)
+        (logprobs.sum() + values.sum()).backward()
+        return {n: p.grad for n, p in actor_critic.named_parameters() if p.grad is not None}, sum(saved)
+
+    (exact, kept), (recomputed, kept_checkpointing) = run(False), run(True)
+    assert exact.keys() == recomputed.keys() and any("critic" in n or "critic_backbone" in n for n in exact)
+    for name in exact:
+        assert torch.allclose(exact[name], recomputed[name], atol=1e-6), name
+    assert kept_checkpointing < kept / 2
+
+
+def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch,
+                                                                             capsys):
+    from test_ppo import tiny_ppo_recipe, trainable_digest
+
+    from alignment.recipe import load_recipe
+    from alignment.runner import run_recipe
+
+    runs = {}
+    for name, available, train in (("exact", 100 * memory.GIB, {}), ("checkpointed", 1_000_000, {}),
+                                   ("off by recipe", 1_000_000, {"gradient_checkpointing": False})):
+        monkeypatch.setattr(memory, "usable_gpu_bytes", lambda available=available: available)
+        folder = tmp_path / name.replace(" ", "-")
+        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, train=train)), log=lambda *_: None)
+        runs[name] = (capsys.readouterr().out,
+                      trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"))
+    assert "[stages.ppo.train] gradient checkpointing off" in runs["exact"][0]
+    assert "[stages.ppo.train] gradient checkpointing on" in runs["checkpointed"][0]
+    assert "gradient checkpointing" not in runs["off by recipe"][0]
+    exact, checkpointed = runs["exact"][1], runs["checkpointed"][1]
+    assert all(torch.allclose(exact[k], checkpointed[k], atol=1e-6) for k in exact)
+    assert any(t.abs().sum() > 0 for n, t in checkpointed.items() if "lora_B" in n)

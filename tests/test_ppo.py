@@ -341,8 +341,10 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
 
 
 @pytest.mark.slow
-def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model):
-    path = tiny_ppo_recipe(tmp_path, tiny_model, train={"total_updates": 3})
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model, checkpointing):
+    """With gradient checkpointing too: DDP's gradient hooks fire during the recomputing backward pass."""
+    path = tiny_ppo_recipe(tmp_path, tiny_model, train={"total_updates": 3, "gradient_checkpointing": checkpointing})
     sums = tmp_path / "checksums"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(sums)}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

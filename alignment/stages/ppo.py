@@ -100,6 +100,9 @@ class TrainSpec(Strict):
     total_episodes: int | None = Field(None, gt=0, description="default: one pass over the prompts")
     save_every: int = Field(50, gt=0)
     logging_steps: int = Field(1, gt=0)
+    gradient_checkpointing: bool | None = Field(
+        None, description="recompute layers in the backward pass; default: only where the estimate says the "
+        "step would not fit on the GPU without it (memory.py); never on CPU")
 
 
 class Config(StageConfig):
@@ -228,6 +231,8 @@ class PPOLoop:
         self.scorer = Scorer(ctx, self.acc.device)
         self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards])
         self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
+        if self.wants_checkpointing():
+            self.models.actor_critic.enable_checkpointing()
         if self.models.reference is not None:
             self.models.reference.to(self.acc.device)
         self.ac = self.models.actor_critic.eval()  # eval: no dropout in rollouts or in the PPO ratio
@@ -243,6 +248,23 @@ class PPOLoop:
         self.kl_ctl = make_kl_controller(self.cfg.kl_coef, self.cfg.kl_target, self.cfg.kl_horizon)
         self.update, self.history, self.reward_stats = 0, [], {"count": 0.0, "mean": 0.0, "m2": 0.0}
         self._orders: dict[int, list[int]] = {}
+
+    def wants_checkpointing(self) -> bool:
+        """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
+        longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
+        from ..memory import StepShape, needs_checkpointing, usable_gpu_bytes
+        from ..models import default_dtype
+
+        if self.t.gradient_checkpointing is not None:
+            return self.t.gradient_checkpointing
+        if usable_gpu_bytes() is None:
+            return False  # CPU: checkpointing would only cost time; skip tokenizing every prompt
+        longest = max(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
+        new_tokens = self.cfg.rollout.max_new_tokens
+        step = StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
+                         lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True, logit_length=new_tokens)
+        return needs_checkpointing(self.ctx.start_model, step, default_dtype().itemsize,
+                                   self.ctx.recipe.trust_remote_code, f"{self.ctx.where}.train")
 
     def total_updates(self) -> int:
         if self.t.total_updates:
