@@ -72,7 +72,7 @@ class ActorCritic(nn.Module):
         (measured: wrong critic gradients, silently); `context_fn` re-activates, for each recomputation,
         the adapter its forward pass ran with. And transformers checkpoints only layers in training mode,
         while PPO keeps its models in eval mode to keep dropout out of the ratio: the decoder layers alone
-        are flagged as training, their attention and MLP children stay in eval mode (`train` below).
+        are flagged as training, their attention and MLP children stay in eval mode.
         """
         from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -86,13 +86,12 @@ class ActorCritic(nn.Module):
             enable_checkpointing(model, options)
         self._checkpointed_layers = [m for model in models for m in model.modules()
                                      if isinstance(m, GradientCheckpointingLayer)]
-        self.train(self.training)
 
-    def train(self, mode: bool = True):
-        super().train(mode)
-        for layer in getattr(self, "_checkpointed_layers", []):
+    def _flag_checkpointed_layers(self) -> None:
+        """Before every pass: sampling and evaluation call `eval()` on the policy itself, which clears the
+        flag (a pass without gradients is not checkpointed either way)."""
+        for layer in self._checkpointed_layers:
             layer.training = True
-        return self
 
     def _recompute_under_forward_adapter(self):
         """torch.utils.checkpoint's context_fn: (context of the forward pass, context of its recomputation)."""
@@ -117,6 +116,7 @@ class ActorCritic(nn.Module):
         the convention `rl.gae_advantages` expects.
         """
         k = int(num_logits_to_keep)
+        self._flag_checkpointed_layers()
         positions = position_ids(attention_mask)
         out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                           logits_to_keep=k + 1, use_cache=False)

@@ -224,17 +224,36 @@ def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp
     from alignment.recipe import load_recipe
     from alignment.runner import run_recipe
 
+    from alignment import ppo_models
+
+    # Attention calls of the first layer under autograd: forward passes, plus recomputations when checkpointed
+    # (sampling in between calls eval() on the policy, which must not switch checkpointing off).
+    calls = []
+    build_models = ppo_models.build_models
+
+    def counting_build_models(*args, **kwargs):
+        models = build_models(*args, **kwargs)
+        layer = ppo_models.backbone_of(models.policy.get_base_model()).layers[0]
+        layer.self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        return models
+
+    monkeypatch.setattr(ppo_models, "build_models", counting_build_models)
     runs = {}
     for name, available, train in (("exact", 100 * memory.GIB, {}), ("checkpointed", 1_000_000, {}),
                                    ("off by recipe", 1_000_000, {"gradient_checkpointing": False})):
         monkeypatch.setattr(memory, "usable_gpu_bytes", lambda available=available: available)
         folder = tmp_path / name.replace(" ", "-")
+        calls.clear()
         run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, train=train)), log=lambda *_: None)
         runs[name] = (capsys.readouterr().out,
-                      trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"))
+                      trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"),
+                      sum(calls))
     assert "[stages.ppo.train] gradient checkpointing off" in runs["exact"][0]
     assert "[stages.ppo.train] gradient checkpointing on" in runs["checkpointed"][0]
     assert "gradient checkpointing" not in runs["off by recipe"][0]
+    # 3 updates x 4 micro-batches (8 rows, minibatches of 4 in 2 steps) x (policy + critic pass), and as many
+    # recomputations when checkpointed
+    assert runs["exact"][2] == runs["off by recipe"][2] == 24 and runs["checkpointed"][2] == 48
     exact, checkpointed = runs["exact"][1], runs["checkpointed"][1]
     assert all(torch.allclose(exact[k], checkpointed[k], atol=1e-6) for k in exact)
     assert any(t.abs().sum() > 0 for n, t in checkpointed.items() if "lora_B" in n)
