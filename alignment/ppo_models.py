@@ -100,6 +100,9 @@ class ActorCritic(nn.Module):
         @contextlib.contextmanager
         def recompute():
             during_backward = self.active_adapter
+            if during_backward == adapter:  # the policy pass: nothing to switch
+                yield
+                return
             self.use_adapter(adapter)
             try:
                 yield
