@@ -28,6 +28,7 @@ the MLP keeps its gate, up, activation and product (4 x intermediate).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 GIB = 2**30
@@ -189,10 +190,11 @@ def model_shape(model_name: str, trust_remote_code: bool) -> ModelShape | None:
         return None
 
 
-def needs_checkpointing(model_name: str, step: StepShape, dtype_bytes: int, trust_remote_code: bool,
-                        where: str) -> bool:
-    """True when `step` would not fit on this process's GPU without gradient checkpointing (the decision is
-    printed); False on CPU, and (said so) when the model's shape cannot be read."""
+def needs_checkpointing(model_name: str, step_of: Callable[[], StepShape], dtype_bytes: int,
+                        trust_remote_code: bool, where: str) -> bool:
+    """True when the step `step_of()` describes would not fit on this process's GPU without gradient
+    checkpointing (the decision is printed); False on CPU, without calling `step_of` (ppo tokenizes every
+    prompt for it), and (said so) when the model's shape cannot be read."""
     from accelerate import PartialState
 
     available = usable_gpu_bytes()
@@ -205,7 +207,7 @@ def needs_checkpointing(model_name: str, step: StepShape, dtype_bytes: int, trus
             print(f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
                   "memory this stage needs; set train.gradient_checkpointing: true if it does not fit")
         return False
-    decision = plan(model, step, dtype_bytes, available)
+    decision = plan(model, step_of(), dtype_bytes, available)
     if main:
         print(f"[{where}] {decision.describe()}")
     return decision.checkpointing
@@ -215,4 +217,5 @@ def needs_gradient_checkpointing(args, kind: str, model_name: str, lora_rank: in
                                  trust_remote_code: bool, where: str) -> bool:
     """`needs_checkpointing` for the stage a TRL config describes."""
     dtype_bytes = 2 if (args.bf16 or args.fp16) else FP32
-    return needs_checkpointing(model_name, step_shape(kind, args, lora_rank), dtype_bytes, trust_remote_code, where)
+    return needs_checkpointing(model_name, lambda: step_shape(kind, args, lora_rank), dtype_bytes, trust_remote_code,
+                               where)

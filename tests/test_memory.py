@@ -18,11 +18,12 @@ def saved_activation_bytes(config, dtype, tokens: int, checkpointing: bool = Fal
     """Bytes of distinct non-parameter tensors autograd keeps for backward in one forward pass."""
     from transformers import AutoModelForCausalLM
 
+    from alignment.models import enable_checkpointing
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
     if checkpointing:
-        method, keyword = enable_checkpointing_method()
-        getattr(model, method)(**{keyword: {"use_reentrant": False}})
+        enable_checkpointing(model, {"use_reentrant": False})
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -46,12 +47,16 @@ def test_layer_activation_estimate_matches_what_autograd_saves(arch, dtype):
     shape = dict(QWEN_05B, vocab_size=1000)  # the vocabulary only sizes the logits, not the layers
     one, three = (config_class(**shape, num_hidden_layers=n, attn_implementation="sdpa") for n in (1, 3))
     tokens = 256
-    measured = (saved_activation_bytes(three, dtype, tokens) - saved_activation_bytes(one, dtype, tokens)) / (2 * tokens)
+
+    def per_layer_and_token(checkpointing: bool) -> float:  # 3 layers minus 1: what two layers add
+        added = (saved_activation_bytes(three, dtype, tokens, checkpointing)
+                 - saved_activation_bytes(one, dtype, tokens, checkpointing))
+        return added / (2 * tokens)
+
     estimate = ModelShape.from_config(three).layer_activation_bytes(torch.finfo(dtype).bits // 8)
-    assert estimate == pytest.approx(measured, rel=0.05)
+    assert estimate == pytest.approx(per_layer_and_token(False), rel=0.05)
     # with checkpointing a layer keeps about one hidden state per token (its input)
-    kept = (saved_activation_bytes(three, dtype, tokens, True) - saved_activation_bytes(one, dtype, tokens, True)) / (2 * tokens)
-    assert kept == pytest.approx(shape["hidden_size"] * torch.finfo(dtype).bits // 8, rel=0.1)
+    assert per_layer_and_token(True) == pytest.approx(shape["hidden_size"] * torch.finfo(dtype).bits // 8, rel=0.1)
 
 
 def test_parameter_count_is_exact_without_building_weights():
@@ -177,7 +182,7 @@ def test_no_decision_without_a_gpu_or_a_readable_model(tmp_path):
 def test_an_unreadable_model_leaves_checkpointing_off_and_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)
     step = StepShape(8, 1024)
-    assert not memory.needs_checkpointing(str(tmp_path / "not-written-yet"), step, 2, False, "stages.sft.train")
+    assert not memory.needs_checkpointing(str(tmp_path / "not-written-yet"), lambda: step, 2, False, "stages.sft.train")
     printed = capsys.readouterr().out
     assert "[stages.sft.train] gradient checkpointing off: could not read the shape of" in printed
     assert "not-written-yet" in printed and "train.gradient_checkpointing: true" in printed

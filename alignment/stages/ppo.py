@@ -252,18 +252,20 @@ class PPOLoop:
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
-        from ..memory import StepShape, needs_checkpointing, usable_gpu_bytes
+        from ..memory import StepShape, needs_checkpointing
         from ..models import default_dtype
 
         if self.t.gradient_checkpointing is not None:
             return self.t.gradient_checkpointing
-        if usable_gpu_bytes() is None:
-            return False  # CPU: checkpointing would only cost time; skip tokenizing every prompt
-        longest = max(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
-        new_tokens = self.cfg.rollout.max_new_tokens
-        step = StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
-                         lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True, logit_length=new_tokens)
-        return needs_checkpointing(self.ctx.start_model, step, default_dtype().itemsize,
+
+        def micro_batch() -> StepShape:
+            longest = max(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
+            new_tokens = self.cfg.rollout.max_new_tokens
+            return StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
+                             lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True,
+                             logit_length=new_tokens)
+
+        return needs_checkpointing(self.ctx.start_model, micro_batch, default_dtype().itemsize,
                                    self.ctx.recipe.trust_remote_code, f"{self.ctx.where}.train")
 
     def total_updates(self) -> int:
