@@ -1,6 +1,6 @@
 """The `align` command line (typer).
 
-  align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval]
+  align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval] [--jobs N]
   align check RECIPE [key=value ...]
   align merge SOURCE OUT
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
@@ -41,6 +41,8 @@ def run(
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only this stage (repeatable)"),
     start_from: Optional[str] = typer.Option(None, "--from", help="run this stage and every later one"),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the recipe's evaluate block"),
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="run up to this many independent stages at once, each in "
+                             "its own process with its share of the CPU threads or a GPU of its own"),
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
     from .recipe import load_recipe
@@ -48,9 +50,14 @@ def run(
 
     _quiet_libraries()
     loaded = load_recipe(recipe, overrides or [])
+
+    def one_stage(stage_id: str) -> list[str]:  # what a --jobs child runs: this command, for one stage
+        return [sys.executable, "-m", "alignment", "run", str(recipe), *(overrides or []), "--only", stage_id,
+                "--no-eval"]
+
     try:
         run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
-                   evaluate=not no_eval)
+                   evaluate=not no_eval, jobs=jobs, command_for=one_stage)
     finally:
         close_process_group()
 

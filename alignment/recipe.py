@@ -91,6 +91,13 @@ class Recipe(Strict):
                 return str(self.stage_dir(earlier))
         return self.base_model()
 
+    def dependencies(self, stage_id: str) -> list[str]:
+        """The stages whose output `stage_id` reads, in recipe order: every `${stage}` in its settings and
+        the stage it starts from when it names none."""
+        needed = {ref for _, ref in _refs_in(self.stages[stage_id].model_dump(), stage_id)}
+        needed |= {s for s in self.stages if str(self.stage_dir(s)) == self.start_model(stage_id)}
+        return [s for s in self.stages if s in needed]
+
     def lora_for(self, stage_id: str) -> LoraSpec | None:
         config = self.stages[stage_id]
         return config.lora if "lora" in config.model_fields_set else self.lora

@@ -108,20 +108,31 @@ def _checkable(recipe: Recipe, model: str) -> str:
 
 
 def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
-               evaluate: bool = True, log=print) -> dict[str, dict]:
+               evaluate: bool = True, log=print, jobs: int = 1, command_for=None) -> dict[str, dict]:
+    """Run the selected unfinished stages, then the evaluate block. With `jobs` > 1, independent stages
+    run at once, each as the command `command_for(stage_id)` in its own process (`parallel.py`)."""
     state = distributed_state()
     log = log if state.is_main_process else (lambda *_: None)
     flush_denormals()
+    if jobs > 1 and state.num_processes > 1:
+        raise UserError(f"--jobs {jobs} runs stages as separate one-process runs, so it cannot be combined with "
+                        f"accelerate launch ({state.num_processes} processes); drop one of the two.")
     if state.is_main_process:
         ensure_writable(recipe.out)
     with state.main_process_first():
         recipe.ensure_base_model()
-    results = {}
+    to_run = []
     for stage_id in select_stages(recipe, only, start_from):
         if is_finished(recipe, stage_id) and not force:
             log(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
-            continue
-        results[stage_id] = run_stage(recipe, stage_id, state, log=log)
+        else:
+            to_run.append(stage_id)
+    if jobs > 1 and len(to_run) > 1:
+        from .parallel import run_in_parallel
+
+        results = run_in_parallel(recipe, to_run, jobs, command_for, log=log)
+    else:
+        results = {stage_id: run_stage(recipe, stage_id, state, log=log) for stage_id in to_run}
     if evaluate and recipe.evaluate is not None:
         from .evaluate import run_evaluate_block
 
@@ -258,7 +269,8 @@ def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
     shutil.rmtree(ctx.work_dir, ignore_errors=True)
     for parent in (ctx.out_dir.parent, ctx.work_dir.parent):  # .staging/ and .work/ once empty
         if parent.is_dir() and not any(parent.iterdir()):
-            parent.rmdir()
+            with contextlib.suppress(OSError):  # a stage running beside this one (--jobs) may have just used it
+                parent.rmdir()
 
 
 def _write_json(path: Path, data) -> None:

@@ -1,0 +1,148 @@
+"""`align run --jobs N`: independent stages at once, each in its own process (alignment/parallel.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_cli, write_recipe
+from safetensors.torch import load_file
+
+from alignment import parallel
+from alignment.errors import UserError
+from alignment.recipe import load_recipe
+from alignment.runner import run_recipe
+
+TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
+TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
+         "logging_steps": 5}
+
+
+def branching_recipe(tmp_path, name: str, **branch_b) -> dict:
+    """sft, then two stages that both start from it and read nothing from each other."""
+    branch = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 96}, "train": TRAIN}
+    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 3,
+            "stages": {"sft": {"data": {"task": "arithmetic", "n": 160}, "train": TRAIN},
+                       "a": branch, "b": {**branch, **branch_b}}}
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_dependencies_are_references_and_the_implicit_start():
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    assert {s: recipe.dependencies(s) for s in recipe.stages} == {
+        "sft": [], "rm": ["sft"], "ppo": ["sft", "rm"], "rlvr": ["sft"], "dpo": ["sft"], "rsft": ["sft"]}
+
+
+def test_dependencies_include_the_previous_policy_stage(tmp_path):
+    recipe = load_recipe(write_recipe(tmp_path, {
+        "name": "chain", "model": TINY, "output_dir": str(tmp_path / "out"),
+        "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}},
+                   "dpo": {"data": {"task": "arithmetic", "n": 8}}}}))
+    assert recipe.dependencies("dpo") == ["sft"]
+
+
+def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
+    """The branches overlap in time, write logs, and end bit-identical to running the stages in order."""
+    path = write_recipe(tmp_path / "p", branching_recipe(tmp_path, "par"))
+    result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # one thread per child
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    position = {text: i for i, line in enumerate(lines) for text in ("[a] started", "[b] started", "[a] done",
+                                                                     "[b] done", "[sft] done") if line.startswith(text)}
+    assert position["[sft] done"] < position["[a] started"]
+    assert max(position["[a] started"], position["[b] started"]) < min(position["[a] done"], position["[b] done"])
+    out = tmp_path / "par"
+    assert all((out / s / "stage.json").exists() and (out / "logs" / f"{s}.log").exists() for s in ("sft", "a", "b"))
+    assert "[b] done in" in (out / "logs" / "b.log").read_text()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the children's share of two threads
+    try:
+        run_recipe(load_recipe(write_recipe(tmp_path / "s", branching_recipe(tmp_path, "seq"))))
+    finally:
+        torch.set_num_threads(threads)
+    for stage in ("sft", "a", "b"):
+        ours, reference = weights(out / stage), weights(tmp_path / "seq" / stage)
+        assert all(torch.equal(ours[k], reference[k]) for k in reference), stage
+    assert not torch.equal(weights(out / "a")["model.norm.weight"], weights(out / "sft")["model.norm.weight"])
+
+
+def test_a_failed_stage_names_itself_and_its_log_and_the_other_branch_is_kept(tmp_path):
+    rows = tmp_path / "no_prompts.jsonl"  # found only when the stage loads it, inside its own process
+    rows.write_text('{"question": "1+1=", "reply": "2"}\n' * 8)
+    recipe = branching_recipe(tmp_path, "fail", data={"dataset": str(rows)})
+    result = run_cli("run", write_recipe(tmp_path, recipe), "--jobs", "2", "--no-eval")
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = " ".join(result.stderr.split())
+    log_path = tmp_path / "fail" / "logs" / "b.log"
+    assert "stage 'b' failed (exit code 2)" in error and str(log_path) in error
+    assert "no_prompts.jsonl" in error and "question" in error  # the end of the child's log: the stage's own error
+    assert (tmp_path / "fail" / "a" / "stage.json").exists()
+    assert not (tmp_path / "fail" / "b" / "stage.json").exists()
+
+
+FAKE_STAGE = """
+import json, pathlib, sys, time
+stage, out, seconds = sys.argv[1], pathlib.Path(sys.argv[2]), float(sys.argv[3])
+with open(out / "events.txt", "a") as f: f.write(f"start {stage} {time.time()}\\n")
+time.sleep(seconds)
+(out / stage).mkdir(parents=True, exist_ok=True)
+(out / stage / "stage.json").write_text(json.dumps({"metrics": {"x": 1}, "wall_time_s": seconds}))
+with open(out / "events.txt", "a") as f: f.write(f"end {stage} {time.time()}\\n")
+"""
+
+
+def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking_stages_first(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
+    seconds = {"sft": 0.3, "rm": 0.6, "ppo": 0.3, "rlvr": 0.9, "dpo": 0.3, "rsft": 0.3}
+    command = lambda s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]  # noqa: E731
+    messages = []
+    results = parallel.run_in_parallel(recipe, list(recipe.stages), 2, command, log=messages.append, poll_s=0.02)
+    assert results["rlvr"] == {"metrics": {"x": 1}, "wall_time_s": 0.9}
+    events = [line.split() for line in (tmp_path / "events.txt").read_text().splitlines()]
+    times = {(kind, stage): float(t) for kind, stage, t in events}
+    for stage in recipe.stages:
+        for needed in recipe.dependencies(stage):
+            assert times[("end", needed)] <= times[("start", stage)], (needed, stage)
+    running = max(sum(1 for s in recipe.stages if times[("start", s)] <= t < times[("end", s)])
+                  for (_, _), t in times.items())
+    assert running == 2
+    started = [m.split("]")[0][1:] for m in messages if " started in its own process (1 CPU thread" in m]
+    assert started[:3] == ["sft", "rm", "rlvr"]  # rm unblocks ppo, so it goes before the first leaf
+    assert sorted(started) == sorted(recipe.stages)
+
+
+def test_a_stage_whose_input_was_never_produced_is_refused_before_anything_starts(tmp_path):
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
+    with pytest.raises(UserError, match="stage 'ppo' reads the output of 'sft', which has not been produced"):
+        parallel.run_in_parallel(recipe, ["ppo", "dpo"], 2, lambda s: ["false"])
+    assert not (tmp_path / "logs").exists()
+
+
+def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert parallel.slot_environments(2) == [{"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}] * 2
+    assert parallel.slot_environments(8)[0]["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert parallel.slot_environments(2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(UserError, match="more parallel stages than there are GPUs"):
+        parallel.slot_environments(3)
+
+
+def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypatch):
+    import alignment.runner as runner
+
+    class TwoProcesses:
+        num_processes, is_main_process = 2, True
+
+    monkeypatch.setattr(runner, "distributed_state", lambda: TwoProcesses())
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
+    with pytest.raises(UserError, match="cannot be combined with accelerate launch"):
+        run_recipe(recipe, jobs=2, command_for=lambda s: [])
+
