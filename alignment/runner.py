@@ -127,7 +127,7 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
             log(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
         else:
             to_run.append(stage_id)
-    if jobs > 1 and len(to_run) > 1:
+    if jobs > 1 and to_run:  # even one stage: under --jobs a stage always trains on its share of the threads
         from .parallel import run_in_parallel
 
         results = run_in_parallel(recipe, to_run, jobs, command_for, log=log)

@@ -58,6 +58,10 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     out = tmp_path / "par"
     assert all((out / s / "stage.json").exists() and (out / "logs" / f"{s}.log").exists() for s in ("sft", "a", "b"))
     assert "[b] done in" in (out / "logs" / "b.log").read_text()
+    first = weights(out / "a")
+    rerun = run_cli("run", path, "--jobs", "2", "--only", "a", env={"OMP_NUM_THREADS": "2"})
+    assert "[a] started in its own process (1 CPU thread)" in rerun.stdout  # alone, still on its share
+    assert all(torch.equal(first[k], v) for k, v in weights(out / "a").items())
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the children's share of two threads
