@@ -17,12 +17,13 @@ finish (their work is kept) and the run stops with the failed stage's error and 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .errors import UserError
 from .recipe import Recipe
@@ -33,16 +34,12 @@ class Job:
     stage_id: str
     process: subprocess.Popen
     log_path: Path
-    slot: int
-    started: float
 
 
 def slot_environments(jobs: int) -> list[dict[str, str]]:
     """The environment variables that give each of `jobs` children its share of the machine."""
     import torch
 
-    if jobs < 1:
-        raise UserError(f"--jobs must be at least 1 (got {jobs}).")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         if jobs > gpus:
@@ -62,22 +59,11 @@ def describe(env: dict[str, str]) -> str:
     return f"{threads} CPU thread{'s' if threads != '1' else ''}"
 
 
-def check_inputs_exist(recipe: Recipe, stage_ids: list[str]) -> None:
-    """Every stage a scheduled stage reads is either scheduled too or finished on disk."""
-    from .runner import is_finished
-
-    for stage_id in stage_ids:
-        for needed in recipe.dependencies(stage_id):
-            if needed not in stage_ids and not is_finished(recipe, needed):
-                raise UserError(f"stage '{stage_id}' reads the output of '{needed}', which has not been produced; run "
-                                "the earlier stage first (drop --only/--from).")
-
-
 def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for: Callable[[str], list[str]],
                     log=print, poll_s: float = 0.2) -> dict[str, dict]:
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
-    finished stage's record (metrics, wall time) as `run_stage` does."""
-    check_inputs_exist(recipe, stage_ids)
+    finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
+    stage they read is among them or finished."""
     envs = slot_environments(jobs)
     log_dir = recipe.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +81,7 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for
         with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
             process = subprocess.Popen(command_for(stage_id), stdout=out, stderr=subprocess.STDOUT, env=env)
         log(f"[{stage_id}] started in its own process ({describe(envs[slot])}); log: {log_path}")
-        return Job(stage_id, process, log_path, slot, time.time())
+        return Job(stage_id, process, log_path)
 
     try:
         while pending or running:
@@ -115,7 +101,7 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for
                     continue
                 del running[slot]
                 if code == 0:
-                    results[job.stage_id] = finished_record(recipe, job)
+                    results[job.stage_id] = finished_record(recipe, job.stage_id)
                     log(f"[{job.stage_id}] done in {results[job.stage_id]['wall_time_s']:.1f}s -> "
                         f"{recipe.stage_dir(job.stage_id)}")
                 else:
@@ -140,11 +126,10 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for
     return results
 
 
-def finished_record(recipe: Recipe, job: Job) -> dict:
-    import json
-
-    record = json.loads((recipe.stage_dir(job.stage_id) / "stage.json").read_text())
-    return {"metrics": record.get("metrics", {}), "wall_time_s": record.get("wall_time_s", time.time() - job.started)}
+def finished_record(recipe: Recipe, stage_id: str) -> dict:
+    """The record `run_stage` returns, read back from the `stage.json` the child wrote."""
+    record = json.loads((recipe.stage_dir(stage_id) / "stage.json").read_text())
+    return {"metrics": record["metrics"], "wall_time_s": record["wall_time_s"]}
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

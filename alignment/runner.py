@@ -127,6 +127,7 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
             log(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
         else:
             to_run.append(stage_id)
+    check_inputs_produced(recipe, to_run)
     if jobs > 1 and to_run:  # even one stage: under --jobs a stage always trains on its share of the threads
         from .parallel import run_in_parallel
 
@@ -139,6 +140,16 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
         run_evaluate_block(recipe, log=log)
     state.wait_for_everyone()
     return results
+
+
+def check_inputs_produced(recipe: Recipe, stage_ids: list[str]) -> None:
+    """Before any stage runs: every stage that one of `stage_ids` reads (`Recipe.dependencies`) runs too
+    or has finished."""
+    for stage_id in stage_ids:
+        for needed in recipe.dependencies(stage_id):
+            if needed not in stage_ids and not is_finished(recipe, needed):
+                raise UserError(f"stage '{stage_id}' reads the output of '{needed}', which has not been produced; run "
+                                "the earlier stage first (drop --only/--from).")
 
 
 def flush_denormals() -> bool:
@@ -165,9 +176,6 @@ def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
     state = state or distributed_state()
     log = log if state.is_main_process else (lambda *_: None)
     ctx = make_context(recipe, stage_id, is_main=state.is_main_process)
-    if _is_stage_output(recipe, ctx.start_model) and not Path(ctx.start_model).exists():
-        raise UserError(f"stage '{stage_id}' starts from '{ctx.start_model}', which has not been produced; run "
-                        "the earlier stage first (drop --only/--from).")
     if state.is_main_process:
         shutil.rmtree(ctx.out_dir, ignore_errors=True)
         ctx.out_dir.mkdir(parents=True)

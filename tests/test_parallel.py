@@ -103,7 +103,7 @@ with open(out / "events.txt", "a") as f: f.write(f"end {stage} {time.time()}\\n"
 def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking_stages_first(tmp_path):
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     seconds = {"sft": 0.3, "rm": 0.6, "ppo": 0.3, "rlvr": 0.9, "dpo": 0.3, "rsft": 0.3}
-    command = lambda s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]  # noqa: E731
+    command = lambda s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]
     messages = []
     results = parallel.run_in_parallel(recipe, list(recipe.stages), 2, command, log=messages.append, poll_s=0.02)
     assert results["rlvr"] == {"metrics": {"x": 1}, "wall_time_s": 0.9}
@@ -120,11 +120,14 @@ def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking
     assert sorted(started) == sorted(recipe.stages)
 
 
-def test_a_stage_whose_input_was_never_produced_is_refused_before_anything_starts(tmp_path):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_stage_whose_input_was_never_produced_is_refused_before_anything_starts(tmp_path, jobs):
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     with pytest.raises(UserError, match="stage 'ppo' reads the output of 'sft', which has not been produced"):
-        parallel.run_in_parallel(recipe, ["ppo", "dpo"], 2, lambda s: ["false"])
-    assert not (tmp_path / "logs").exists()
+        run_recipe(recipe, only=["ppo", "dpo"], jobs=jobs, command_for=lambda s: ["false"])
+    with pytest.raises(UserError, match="stage 'ppo' reads the output of 'rm', which has not been produced"):
+        run_recipe(recipe, only=["sft", "ppo"], jobs=jobs, command_for=lambda s: ["false"])
+    assert not (tmp_path / "logs").exists() and not (tmp_path / ".staging").exists()
 
 
 def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
@@ -140,7 +143,7 @@ def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
 
 
 def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypatch):
-    import alignment.runner as runner
+    from alignment import runner
 
     class TwoProcesses:
         num_processes, is_main_process = 2, True
