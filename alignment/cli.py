@@ -24,13 +24,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Alignment post-training toolkit: run and check YAML recipes, evaluate and merge checkpoints.")
 
 
-def _quiet_libraries() -> None:
+def _setup() -> None:
+    """Our log lines on stdout (rank 0, secrets masked); libraries' warnings off."""
     import os
     import warnings
+
+    from .dist import configure_logging
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+    configure_logging()
 
 
 @app.command()
@@ -48,16 +52,11 @@ def run(
     from .recipe import load_recipe
     from .runner import close_process_group, run_recipe
 
-    _quiet_libraries()
+    _setup()
     loaded = load_recipe(recipe, overrides or [])
-
-    def one_stage(stage_id: str) -> list[str]:  # what a --jobs child runs: this command, for one stage
-        return [sys.executable, "-m", "alignment", "run", str(recipe), *(overrides or []), "--only", stage_id,
-                "--no-eval"]
-
     try:
         run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
-                   evaluate=not no_eval, jobs=jobs, command_for=one_stage)
+                   evaluate=not no_eval, jobs=jobs)
     finally:
         close_process_group()
 
@@ -71,7 +70,7 @@ def check(
     from .recipe import load_recipe
     from .runner import check_recipe
 
-    _quiet_libraries()
+    _setup()
     loaded = load_recipe(recipe, overrides or [])
     print(f"{recipe}: {len(loaded.stages)} stage(s)")
     check_recipe(loaded)
@@ -114,11 +113,12 @@ def eval_checkpoints(
     """Compare checkpoints: pass@1/pass@k, sycophancy, reward-model score, win rate, KL, length."""
     from rich.console import Console
 
-    from .evaluate import cli_suites, evaluate_checkpoints
+    from .config.evaluate import cli_suites
+    from .evaluate import evaluate_checkpoints
     from .models import check_model_source
-    from .plots import rich_table
+    from .report import rich_table
 
-    _quiet_libraries()
+    _setup()
     suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit)
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
                                                                      ("--baseline", baseline), ("--reference", reference)]:
@@ -129,7 +129,7 @@ def eval_checkpoints(
         paths = {baseline: baseline, **paths}
     metrics = evaluate_checkpoints(paths, suites, out, reward_model=reward_model, baseline=baseline,
                                    reference=reference, seed=seed, base_dir=base_dir,
-                                   trust_remote_code=trust_remote_code, log=print)
+                                   trust_remote_code=trust_remote_code)
     Console().print(rich_table(metrics))
     print(f"report: {out / 'report.md'}")
 

@@ -11,60 +11,16 @@ spec's place in the recipe, the file and the columns that exist.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+import datasets
 
+from .config.base import did_you_mean
+from .config.data import DataSpec
 from .errors import UserError
-from .schema import Strict, did_you_mean, explain
+from .tasks import get_task
 
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DataSpec(Strict):
-    """Where a stage's rows come from (see module docstring)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    dataset: str | None = None
-    task: str | None = None
-    config: str | None = None
-    split: str = "train"
-    rename: dict[str, str] = Field(default_factory=dict)
-    shuffle: bool = True
-    limit: int | None = Field(None, gt=0)
-
-    @model_validator(mode="after")
-    def _one_source_and_known_keys(self):
-        extra = dict(self.model_extra or {})
-        if (self.dataset is None) == (self.task is None):
-            raise ValueError("give exactly one of 'dataset' (hub id or local file) or 'task' (built-in task)")
-        if self.task is None and extra:
-            key = next(iter(extra))
-            raise ValueError(
-                f"unknown key '{key}'{did_you_mean(key, type(self).model_fields)}; "
-                f"allowed keys: {', '.join(type(self).model_fields)}"
-            )
-        if self.task is not None:
-            from .tasks import get_task
-
-            try:
-                params_model = get_task(self.task).Params
-            except UserError as error:
-                raise ValueError(str(error)) from None
-            try:
-                params_model.model_validate(extra)
-            except ValidationError as error:
-                raise ValueError(explain(error, params_model, prefix=f"task {self.task}")) from None
-        return self
-
-    def task_params(self):
-        from .tasks import get_task
-
-        return get_task(self.task).Params.model_validate(dict(self.model_extra or {}))
-
-    def describe(self) -> str:
-        return f"task '{self.task}' ({self.split})" if self.task else f"'{self.dataset}' ({self.split})"
 
 
 def resolve_local(path: str, base_dir: Path | None) -> Path | None:
@@ -81,11 +37,7 @@ def looks_like_local_path(name: str) -> bool:
 
 def load_rows(spec: DataSpec, seed: int, base_dir: Path | None = None, where: str = "data"):
     """The dataset a spec describes, as a `datasets.Dataset`, renamed, shuffled and limited."""
-    import datasets
-
     if spec.task is not None:
-        from .tasks import get_task
-
         rows = get_task(spec.task).build(spec.task_params(), spec.split, seed)
         dataset = datasets.Dataset.from_list(rows)
     else:
@@ -101,7 +53,6 @@ def load_rows(spec: DataSpec, seed: int, base_dir: Path | None = None, where: st
 
 
 def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
-    import datasets
 
     local = resolve_local(spec.dataset, base_dir)
     if local is not None:
@@ -120,7 +71,6 @@ def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
 
 
 def _load_local(path: Path, where: str):
-    import datasets
 
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in LOCAL_FORMATS) if path.is_dir() else [path]
     if not files:
@@ -182,5 +132,3 @@ def _first_line(error: Exception) -> str:
     return text[0] if text else ""
 
 
-def as_records(dataset) -> list[dict[str, Any]]:
-    return [dict(row) for row in dataset]

@@ -17,6 +17,7 @@ Rows hold a `prompt` (a string or a list of chat messages) and a `completion` (a
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from .errors import UserError
@@ -114,11 +115,15 @@ def eos_as_end_of_turn(tokenizer):
     with the end-of-turn token, which for base models differs from EOS (Qwen2.5: <|im_end|> vs
     <|endoftext|>), so without this every answer would be trained to end with both. The original
     tokenizer (the one saved with the checkpoint) is left unchanged."""
-    import copy
-
     token = end_of_turn(tokenizer)
     if token == tokenizer.eos_token:
         return tokenizer
     trl_tokenizer = copy.deepcopy(tokenizer)
     trl_tokenizer.eos_token = token
     return trl_tokenizer
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of rendered text. The rendered text already holds every special token the template adds,
+    so none is added here (the same choice as the samplers)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

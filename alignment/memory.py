@@ -31,6 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .dist import get_logger
+from .models import adapter_base, is_adapter_dir
+
+log = get_logger(__name__)
+
 GIB = 2**30
 USABLE_FRACTION = 0.85  # of the free GPU memory: the allocator's fragmentation and the CUDA context need the rest
 FP32 = 4
@@ -79,9 +87,6 @@ class ModelShape:
 
 def count_parameters(config, trust_remote_code: bool = False) -> int:
     """Exact parameter count, from a model built on the meta device (no memory, no weights read)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return sum(p.numel() for p in model.parameters())
@@ -167,8 +172,6 @@ def plan(model: ModelShape, step: StepShape, dtype_bytes: int, available: int) -
 
 def usable_gpu_bytes() -> int | None:
     """USABLE_FRACTION of this process's GPU's free memory; None without a GPU."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     free, _total = torch.cuda.mem_get_info()
@@ -178,12 +181,8 @@ def usable_gpu_bytes() -> int | None:
 def model_shape(model_name: str, trust_remote_code: bool) -> ModelShape | None:
     """The shape of a local or cached model (an adapter folder: its base); None when it cannot be read yet,
     e.g. `align check` before the stage that writes it has run."""
-    from transformers import AutoConfig
-
-    from .models import _adapter_base, is_adapter_dir
-
     try:
-        name = _adapter_base(model_name) if is_adapter_dir(model_name) else model_name
+        name = adapter_base(model_name) if is_adapter_dir(model_name) else model_name
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         return ModelShape.from_config(config, trust_remote_code)
     except Exception:  # noqa: BLE001 - an estimate must not stop a run; without it checkpointing stays off
@@ -195,21 +194,16 @@ def needs_checkpointing(model_name: str, step_of: Callable[[], StepShape], dtype
     """True when the step `step_of()` describes would not fit on this process's GPU without gradient
     checkpointing (the decision is printed); False on CPU, without calling `step_of` (ppo tokenizes every
     prompt for it), and (said so) when the model's shape cannot be read."""
-    from accelerate import PartialState
-
     available = usable_gpu_bytes()
     if available is None:
         return False
-    main = PartialState().is_main_process  # every process decides for its own GPU; one says so
-    model = model_shape(model_name, trust_remote_code)
+    model = model_shape(model_name, trust_remote_code)  # every process decides for its own GPU; rank 0 says so
     if model is None:
-        if main:
-            print(f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
-                  "memory this stage needs; set train.gradient_checkpointing: true if it does not fit")
+        log.info(f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
+                 "memory this stage needs; set train.gradient_checkpointing: true if it does not fit")
         return False
     decision = plan(model, step_of(), dtype_bytes, available)
-    if main:
-        print(f"[{where}] {decision.describe()}")
+    log.info(f"[{where}] {decision.describe()}")
     return decision.checkpointing
 
 

@@ -15,12 +15,24 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
+import torch
+from accelerate import init_empty_weights
+from peft import LoraConfig, PeftModel, get_peft_model
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+from transformers.utils import logging as hf_logging
 
+from .config.model import LoraSpec, TinySpec
 from .errors import UserError
-from .schema import Strict
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \n"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -30,38 +42,13 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-class TinySpec(Strict):
-    """A small from-scratch causal LM with a character-level tokenizer (offline runs and tests)."""
-
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(64, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    intermediate_size: int | None = None
-    max_position_embeddings: int = 256
-
-
-class LoraSpec(Strict):
-    """peft LoRA settings; `target_modules: all-linear` adapts every linear layer but the output head."""
-
-    r: int = Field(16, gt=0)
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
-    use_rslora: bool = False
-
-
 def is_cuda() -> bool:
-    import torch
 
     return torch.cuda.is_available()
 
 
 def default_dtype():
     """bf16 on a GPU that supports it, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -69,9 +56,6 @@ def default_dtype():
 
 def build_tokenizer():
     """Character-level tokenizer with a chat template, pad and end-of-turn tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(CHARS))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -88,8 +72,6 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
     """Write a deterministic random-init model + tokenizer to `path` (skipped when already there)."""
     if (path / "config.json").exists():
         return path
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     tokenizer = build_tokenizer()
     config_class = Qwen2Config if spec.arch == "qwen2" else LlamaConfig
@@ -100,7 +82,6 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
         max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a 1 MB model is noise
     torch.manual_seed(seed)
@@ -128,7 +109,6 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UserError(f"{where}: model path '{name}' does not exist.")
-    from transformers import AutoConfig
 
     try:
         AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -141,28 +121,24 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
 
-    source = _adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
+    source = adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _adapter_base(path: str | Path) -> str:
+def adapter_base(path: str | Path) -> str:
     return json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
     """A causal LM from a folder, hub id or adapter folder (adapter merged into its base)."""
-    from transformers import AutoModelForCausalLM
-
     dtype = dtype or default_dtype()
     if is_adapter_dir(name):
-        from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(_adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
+        base = AutoModelForCausalLM.from_pretrained(adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
         return PeftModel.from_pretrained(base, name).merge_and_unload()
     try:
         return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -173,8 +149,6 @@ def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
 
 def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     architectures = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
@@ -192,14 +166,11 @@ def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
 
 def peft_config(spec: LoraSpec, task_type: str = "CAUSAL_LM"):
     """peft LoraConfig; `task_type="SEQ_CLS"` keeps a reward model's fresh score head trainable."""
-    from peft import LoraConfig
-
     return LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
                       target_modules=spec.target_modules, use_rslora=spec.use_rslora, task_type=task_type)
 
 
 def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name: str = "default"):
-    from peft import get_peft_model
 
     try:
         return get_peft_model(model, peft_config(spec, task_type), adapter_name=adapter_name)
@@ -210,10 +181,7 @@ def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name
 def check_lora_targets(model_name: str, spec: LoraSpec, where: str, trust_remote_code: bool = False) -> None:
     """Apply the LoRA config to a weightless (meta-device) copy of the model, so that target modules
     that do not exist fail at `align check` rather than after the data is loaded."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    source = _adapter_base(model_name) if is_adapter_dir(model_name) else model_name
+    source = adapter_base(model_name) if is_adapter_dir(model_name) else model_name
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -234,8 +202,6 @@ def enable_checkpointing(model, options: dict) -> None:
 
 def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
     """Save a policy as merged weights, with the LoRA adapter (if any) in `adapter/` beside them."""
-    from peft import PeftModel
-
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(model, PeftModel):
         model.save_pretrained(out_dir / "adapter")
@@ -244,13 +210,3 @@ def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def count_parameter_storage(*modules) -> int:
-    """Bytes of distinct parameter storage across modules (shared tensors counted once)."""
-    seen, total = set(), 0
-    for module in modules:
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            key = tensor.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += tensor.untyped_storage().nbytes()
-    return total

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .models import apply_lora, enable_checkpointing, load_policy, peft_config
 from .rl import entropy_from_logits, selective_log_softmax, sequence_logprobs
 
 POLICY_ADAPTER = "default"
@@ -42,7 +44,6 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
 
 class ActorCritic(nn.Module):
     """The trainable part of PPO: policy + critic (+ value head). See the module docstring."""
-
     def __init__(self, policy: nn.Module, value_head: nn.Linear, critic_backbone: nn.Module | None = None):
         super().__init__()
         self.policy = policy
@@ -74,9 +75,7 @@ class ActorCritic(nn.Module):
         while PPO keeps its models in eval mode to keep dropout out of the ratio: the decoder layers alone
         are flagged as training, their attention and MLP children stay in eval mode.
         """
-        from transformers.modeling_layers import GradientCheckpointingLayer
 
-        from .models import enable_checkpointing
 
         options = {"use_reentrant": False}
         if self.is_lora:
@@ -217,8 +216,6 @@ def value_head_for(hidden_size: int, reward_model: nn.Module | None) -> nn.Linea
 def build_models(policy_path: str, lora, reward_model: nn.Module | None = None,
                  trust_remote_code: bool = False) -> PPOModels:
     """Policy, reference and critic for `policy_path` (a merged checkpoint or adapter folder)."""
-    from .models import apply_lora, load_policy, peft_config
-
     base = load_policy(policy_path, trust_remote_code)
     hidden = base.config.get_text_config().hidden_size
     head = value_head_for(hidden, reward_model)

@@ -6,11 +6,18 @@ import os
 import sys
 from typing import Iterable, TypeVar
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from .dist import is_main_process
+
 T = TypeVar("T")
-
-
-def is_main_process() -> bool:
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0
 
 
 def track(items: Iterable[T], description: str, disable: bool = False, total: int | None = None) -> Iterable[T]:
@@ -18,15 +25,6 @@ def track(items: Iterable[T], description: str, disable: bool = False, total: in
     if disable or not is_main_process() or os.environ.get("ALIGN_NO_PROGRESS"):
         yield from items
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
         yield from progress.track(items, total=total, description=description)

@@ -17,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, PrivateAttr, ValidationError
 
+from .config.base import Strict, did_you_mean, explain, stage_ref
+from .config.evaluate import validate_evaluate_block
+from .config.model import LoraSpec, TinySpec
+from .config.stage import StageConfig
 from .errors import UserError
-from .models import LoraSpec, TinySpec
-from .schema import Strict, did_you_mean, explain
-from .stages import NON_POLICY_KINDS, stage_module
-from .stages.base import StageConfig, stage_ref
+from .stages import stage_module
 
 _REF = re.compile(r"^\$\{([A-Za-z_][\w-]*)\}$")
 
@@ -45,10 +48,16 @@ class Recipe(Strict):
 
     # Set by load_recipe, not by the YAML.
     _path: Path | None = PrivateAttr(None)
+    _overrides: tuple[str, ...] = PrivateAttr(())
 
     @property
     def path(self) -> Path | None:
         return self._path
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The dotted overrides the recipe was loaded with (a `--jobs` child gets the same)."""
+        return self._overrides
 
     @property
     def base_dir(self) -> Path:
@@ -62,17 +71,10 @@ class Recipe(Strict):
         return self.out / stage_id
 
     def base_model(self) -> str:
-        """The recipe's model as a loadable name (the tiny model is built on first use)."""
+        """The recipe's model as a loadable name (the runner builds a tiny model there on first use)."""
         if isinstance(self.model, TinyModel):
             return str(self.out / "base")
         return self.model
-
-    def ensure_base_model(self) -> str:
-        if isinstance(self.model, TinyModel):
-            from .models import build_tiny_model
-
-            build_tiny_model(self.model.tiny, self.seed, self.out / "base")
-        return self.base_model()
 
     def resolve_model(self, value: str) -> str:
         """A model value: '${stage}' -> that stage's output folder; otherwise a path or hub id."""
@@ -87,7 +89,7 @@ class Recipe(Strict):
             return self.resolve_model(explicit)
         order = list(self.stages)
         for earlier in reversed(order[: order.index(stage_id)]):
-            if self.stages[earlier].kind not in NON_POLICY_KINDS:
+            if self.stages[earlier].produces_policy:
                 return str(self.stage_dir(earlier))
         return self.base_model()
 
@@ -115,11 +117,10 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     except ValidationError as error:
         raise UserError(f"{path}: {explain(error, Recipe)}") from None
     recipe._path = path
+    recipe._overrides = tuple(overrides)
     recipe.stages = {sid: _validate_stage(sid, cfg, path) for sid, cfg in recipe.stages.items()}
     _check_references(recipe, path)
     if recipe.evaluate is not None:
-        from .evaluate import validate_evaluate_block
-
         recipe.evaluate = validate_evaluate_block(recipe, path)
     return recipe
 
@@ -152,8 +153,6 @@ def _parse_yaml(path: Path) -> dict:
 
 
 def _apply_overrides(raw: dict, overrides, path: Path) -> dict:
-    from omegaconf import OmegaConf
-
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].strip():
             raise UserError(f"bad override '{item}': expected dotted.key=value, e.g. stages.sft.train.learning_rate=1e-4.")
@@ -198,9 +197,6 @@ def _protect_stage_refs(value: Any, top_level: set[str]) -> Any:
 
 
 def _interpolate(raw: dict, path: Path) -> dict:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     raw.setdefault("output_dir", "outputs/${name}")
     protected = _protect_stage_refs(raw, set(raw))
     try:

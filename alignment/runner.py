@@ -17,30 +17,32 @@ import json
 import os
 import shutil
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import torch
+import torch.distributed
+
+from .config.base import did_you_mean
+from .dist import distributed_state, get_logger
 from .errors import UserError
+from .evaluate import check_evaluate_block, run_evaluate_block
 from .files import write_atomic
-from .recipe import Recipe
+from .jobs import run_in_parallel
+from .model_card import write_model_card
+from .models import build_tiny_model, check_lora_targets, check_model_source
+from .recipe import Recipe, TinyModel
+from .redact import redact
 from .stages import stage_module
 from .stages.base import StageContext
 
-
-def distributed_state():
-    """The process group of this run. Without a GPU we ask for the CPU (gloo) backend: a plain
-    PartialState() under torchrun on CPU would quietly treat every worker as rank 0 of 1."""
-    import torch
-    from accelerate import PartialState
-
-    return PartialState(cpu=not torch.cuda.is_available())
+log = get_logger(__name__)
 
 
 def select_stages(recipe: Recipe, only: list[str] | None, start_from: str | None) -> list[str]:
     order = list(recipe.stages)
     for name in (only or []) + ([start_from] if start_from else []):
         if name not in recipe.stages:
-            from .schema import did_you_mean
-
             raise UserError(f"no stage '{name}'{did_you_mean(name, order)} in the recipe; stages: {', '.join(order)}.")
     if only:
         return [s for s in order if s in only]
@@ -74,13 +76,18 @@ def ensure_writable(folder: Path) -> None:
                         "or fix its permissions.") from None
 
 
-def check_recipe(recipe: Recipe, log=print) -> None:
+def ensure_base_model(recipe: Recipe) -> str:
+    """The recipe's model as a loadable name; a tiny from-scratch model is built there on first use."""
+    if isinstance(recipe.model, TinyModel):
+        build_tiny_model(recipe.model.tiny, recipe.seed, recipe.out / "base")
+    return recipe.base_model()
+
+
+def check_recipe(recipe: Recipe) -> None:
     """Deep validation: models resolve, data loads with the right columns, TRL configs build, verifiers
     resolve, LoRA targets exist. Stages that start from a stage not yet run are checked against the base."""
-    from .models import check_lora_targets, check_model_source
-
     ensure_writable(recipe.out)
-    recipe.ensure_base_model()
+    ensure_base_model(recipe)
     for stage_id, config in recipe.stages.items():
         ctx = make_context(recipe, stage_id)
         if not _is_stage_output(recipe, ctx.start_model):
@@ -90,12 +97,10 @@ def check_recipe(recipe: Recipe, log=print) -> None:
         if ctx.lora is not None:
             check_lora_targets(ctx.start_model, ctx.lora, f"stages.{stage_id}.lora", recipe.trust_remote_code)
         stage_module(config.kind).check(ctx)
-        log(f"  {stage_id} ({config.kind}): ok")
+        log.info(f"  {stage_id} ({config.kind}): ok")
     if recipe.evaluate is not None:
-        from .evaluate import check_evaluate_block
-
         check_evaluate_block(recipe)
-        log("  evaluate: ok")
+        log.info("  evaluate: ok")
 
 
 def _is_stage_output(recipe: Recipe, model: str) -> bool:
@@ -108,11 +113,10 @@ def _checkable(recipe: Recipe, model: str) -> str:
 
 
 def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
-               evaluate: bool = True, log=print, jobs: int = 1, command_for=None) -> dict[str, dict]:
+               evaluate: bool = True, jobs: int = 1) -> dict[str, dict]:
     """Run the selected unfinished stages, then the evaluate block. With `jobs` > 1, independent stages
-    run at once, each as the command `command_for(stage_id)` in its own process (`parallel.py`)."""
+    run at once, each in its own process (`jobs.py`)."""
     state = distributed_state()
-    log = log if state.is_main_process else (lambda *_: None)
     flush_denormals()
     if jobs > 1 and state.num_processes > 1:
         raise UserError(f"--jobs {jobs} runs stages as separate one-process runs, so it cannot be combined with "
@@ -120,24 +124,20 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
     if state.is_main_process:
         ensure_writable(recipe.out)
     with state.main_process_first():
-        recipe.ensure_base_model()
+        ensure_base_model(recipe)
     to_run = []
     for stage_id in select_stages(recipe, only, start_from):
         if is_finished(recipe, stage_id) and not force:
-            log(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
+            log.info(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
         else:
             to_run.append(stage_id)
     check_inputs_produced(recipe, to_run)
     if jobs > 1 and to_run:  # even one stage: under --jobs a stage always trains on its share of the threads
-        from .parallel import run_in_parallel
-
-        results = run_in_parallel(recipe, to_run, jobs, command_for, log=log)
+        results = run_in_parallel(recipe, to_run, jobs)
     else:
-        results = {stage_id: run_stage(recipe, stage_id, state, log=log) for stage_id in to_run}
+        results = {stage_id: run_stage(recipe, stage_id, state) for stage_id in to_run}
     if evaluate and recipe.evaluate is not None:
-        from .evaluate import run_evaluate_block
-
-        run_evaluate_block(recipe, log=log)
+        run_evaluate_block(recipe)
     state.wait_for_everyone()
     return results
 
@@ -158,30 +158,25 @@ def flush_denormals() -> bool:
     compute with such numbers in slow microcode: the backward pass ran 4.4x slower, and a 3000-step
     reward-model run slowed from 4.6 to 1.2 steps/s as training went on (docs/performance.md). No
     training signal lives in values that small. Returns False where the CPU cannot flush them."""
-    import torch
-
     return torch.set_flush_denormal(True)
 
 
 def close_process_group() -> None:
     """Tear down torch.distributed before exit: a gloo group left to interpreter shutdown can abort a
     worker ("terminate called without an active exception") after all its work is done."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
-def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
+def run_stage(recipe: Recipe, stage_id: str, state=None) -> dict:
     state = state or distributed_state()
-    log = log if state.is_main_process else (lambda *_: None)
     ctx = make_context(recipe, stage_id, is_main=state.is_main_process)
     if state.is_main_process:
         shutil.rmtree(ctx.out_dir, ignore_errors=True)
         ctx.out_dir.mkdir(parents=True)
         ctx.work_dir.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
-    log(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
+    log.info(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
     started = time.time()
     with disk_errors_explained(ctx), memory_errors_explained(ctx):
         result = stage_module(ctx.config.kind).run(ctx) or {}
@@ -190,7 +185,7 @@ def run_stage(recipe: Recipe, stage_id: str, state=None, log=print) -> dict:
         if state.is_main_process:
             finalize(ctx, record, result.get("log_history"))
     state.wait_for_everyone()
-    log(f"[{stage_id}] done in {record['wall_time_s']:.1f}s -> {recipe.stage_dir(stage_id)}")
+    log.info(f"[{stage_id}] done in {record['wall_time_s']:.1f}s -> {recipe.stage_dir(stage_id)}")
     return record
 
 
@@ -210,34 +205,14 @@ def disk_errors_explained(ctx: StageContext):
         ) from None
 
 
-# What to turn down, per stage kind, when a stage runs out of accelerator memory. Gradient checkpointing
-# is on by default only where the memory estimate says the stage would not fit (`memory.py`, which
-# errs high); this is where a user whose stage still does not fit learns to turn it on.
-DEFAULT_MEMORY_KNOBS = ["`train.gradient_checkpointing: true` (recomputes activations in the backward pass: "
-                        "less memory, roughly a third more time)", "`train.per_device_train_batch_size` (raise "
-                        "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_length`",
-                        "LoRA (`lora: {r: 16}`) instead of full fine-tuning"]
-MEMORY_KNOBS = {
-    "rsft": ["`sampling.batch_size`", *DEFAULT_MEMORY_KNOBS],
-    "ppo": ["`train.gradient_checkpointing: true`",
-            "`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
-            "`rollout.batch_size` or `rollout.max_new_tokens`", "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
-    "rlvr": ["`train.gradient_checkpointing: true`", "`train.per_device_train_batch_size` (raise "
-             "`train.gradient_accumulation_steps` to keep the batch)", "`train.max_completion_length`",
-             "LoRA (`lora: {r: 16}`) instead of full fine-tuning"],
-}
-
-
 @contextlib.contextmanager
 def memory_errors_explained(ctx: StageContext):
     """Turn an accelerator out-of-memory error into the settings that shrink this stage; like a disk
     error, it leaves the stage unfinished and its last checkpoint in place for a rerun."""
-    import torch
-
     try:
         yield
     except torch.OutOfMemoryError as error:
-        knobs = MEMORY_KNOBS.get(ctx.config.kind, DEFAULT_MEMORY_KNOBS)
+        knobs = ctx.config.memory_knobs
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else "out of memory"
         raise UserError(
             f"stage '{ctx.stage_id}' ({ctx.config.kind}) ran out of memory: {first_line}. The stage is not marked "
@@ -247,8 +222,6 @@ def memory_errors_explained(ctx: StageContext):
 
 
 def stage_record(ctx: StageContext, record: dict) -> dict:
-    from .redact import redact
-
     return redact({
         "stage": ctx.stage_id, "kind": ctx.config.kind, "recipe": ctx.recipe.name,
         "start_model": ctx.start_model, "lora": ctx.lora.model_dump() if ctx.lora else None,
@@ -260,8 +233,6 @@ def stage_record(ctx: StageContext, record: dict) -> dict:
 def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
     """Write the stage's records into staging, then move staging into place in one rename.
     `stage.json` is written last inside staging, so a finished folder always has complete weights."""
-    from .model_card import write_model_card
-
     if log_history is not None:
         _write_json(ctx.out_dir / "log_history.json", log_history)
     data = stage_record(ctx, record)
@@ -286,8 +257,6 @@ def _write_json(path: Path, data) -> None:
 
 
 def package_versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
     names = ["alignment-toolkit", "torch", "transformers", "trl", "peft", "accelerate", "datasets"]
     found = {}
     for name in names:

@@ -6,7 +6,7 @@
     python scripts/bench.py --size 0.5b --sections ppo --set seq=128 batch=2 updates=1   # that shape, small, on CPU
 
 Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
-  rollout  tokens/s of `generation.generate` (prompts grouped by length, one big batch) against plain
+  rollout  tokens/s of `sampling.generate` (prompts grouped by length, one big batch) against plain
            `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8; on the
            first `plain_prompts` prompts only, as its rate hardly depends on how many batches it runs);
            then with a LoRA adapter, run in the forward pass or merged for sampling (`merge_lora`);
@@ -18,7 +18,7 @@ Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
   dpo      pairs/s of the `dpo` stage with LoRA against `trl.DPOConfig()` defaults with LoRA;
   ppo      episodes/s of the `ppo` stage with LoRA (policy, reference and critic on one base; a verifier
            as the reward, so no reward model), prompts of half the sequence length as in `dpo`. TRL 1.16
-           has no PPO to compare with; on a GPU the table adds its peak memory over `dpo`'s (the issue's
+           has no PPO to compare with; on a GPU the table adds its peak memory over `dpo`'s (the
            goal: at most 1.5x).
 Each result records peak memory (GPU: torch.cuda.max_memory_allocated over the section; CPU: the
 process's peak resident set so far, so compare CPU sections run one per process: `--sections ppo`)
@@ -113,7 +113,7 @@ def rollout_setup(model_dir: Path, size: dict):
     import torch
 
     from alignment.formatting import render_prompt
-    from alignment.generation import SamplingSpec
+    from alignment.config.sampling import SamplingSpec
     from alignment.models import load_policy, load_tokenizer
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
@@ -125,7 +125,7 @@ def rollout_setup(model_dir: Path, size: dict):
 
 
 def timed_generate(section, variant, model, tokenizer, prompts, spec, args) -> dict:
-    from alignment.generation import generate
+    from alignment.sampling import generate
 
     with Peak() as peak:
         samples = generate(model, tokenizer, prompts, spec)
@@ -135,7 +135,7 @@ def timed_generate(section, variant, model, tokenizer, prompts, spec, args) -> d
 
 def warm_up(model, tokenizer, prompts, spec) -> None:
     """The first generate call of a process pays one-off costs (kernels, allocator), whoever makes it."""
-    from alignment.generation import generate
+    from alignment.sampling import generate
 
     generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": min(8, spec.max_new_tokens)}))
 
@@ -143,7 +143,7 @@ def warm_up(model, tokenizer, prompts, spec) -> None:
 def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
     tokenizer, model, prompts, spec = rollout_setup(model_dir, size)
     warm_up(model, tokenizer, prompts, spec)
-    results = [timed_generate("rollout", "ours: generation.generate", model, tokenizer, prompts, spec, args)]
+    results = [timed_generate("rollout", "ours: sampling.generate", model, tokenizer, prompts, spec, args)]
     # Plain decoding is bound by per-step overhead, so its rate hardly depends on how many batches of 8 it
     # runs: on a GPU a subset (`plain_prompts`) keeps this row to a minute instead of ten.
     with Peak() as peak:
@@ -166,7 +166,7 @@ def bench_static(model_dir: Path, size: dict, args) -> list[dict]:
     warm_up(model, tokenizer, prompts, spec)
     static = spec.model_copy(update={"cache": "static"})
     timed_generate("static", "compile", model, tokenizer, prompts, static, args)  # the first call compiles (GPU)
-    return [timed_generate("static", "ours: generation.generate", model, tokenizer, prompts, spec, args),
+    return [timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
             timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static, args)]
 
 
@@ -175,7 +175,8 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
     pass, against `merge_lora: true` (adapter folded into the base weights while sampling)."""
     import torch
 
-    from alignment.models import LoraSpec, apply_lora
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora
 
     model = apply_lora(model, LoraSpec(r=16, lora_alpha=32))  # last: wraps the model's layers in place
     with torch.no_grad():
@@ -312,7 +313,7 @@ def bench_ppo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
                                        "lora": {"r": 16, "lora_alpha": 32}, "stages": {"ppo": stage}}))
     recipe = load_recipe(recipe_path)
     with Peak() as peak:
-        run_recipe(recipe, log=lambda *_: None)
+        run_recipe(recipe)
     episodes = 2 * batch * size["updates"]
     return [row("ppo", "ours: ppo stage, LoRA (policy + reference + critic on one base)", episodes / peak.seconds,
                 "episodes/s", peak, None, args, True)]

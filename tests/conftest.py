@@ -5,6 +5,7 @@ Everything is offline: models are built from scratch with the character-level to
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -42,10 +43,17 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900, env: dict |
                           cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def run_with_digests(digests: Path, *args: str, timeout: int = 900):
+    """`run_cli` through tests/rank_digests.py: each process writes a digest of its trained weights per stage."""
+    return subprocess.run([sys.executable, str(REPO / "tests" / "rank_digests.py"), str(digests), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A small random-init Qwen2 model + char tokenizer saved locally (hidden 64, 2 layers)."""
-    from alignment.models import TinySpec, build_tiny_model
+    from alignment.config.model import TinySpec
+    from alignment.models import build_tiny_model
 
     return build_tiny_model(TinySpec(), seed=0, path=tmp_path_factory.mktemp("tiny") / "model")
 
@@ -60,17 +68,54 @@ def sft_checkpoint(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("sft")
     recipe = {"name": "sft-fixture", "model": SFT_MODEL, "output_dir": str(folder / "out"), "seed": 1,
               "stages": {"sft": {"data": {"task": "arithmetic", "split": "train", "n": 8000}, "train": SFT_TRAIN}}}
-    run_recipe(load_recipe(write_recipe(folder, recipe)), log=lambda *_: None)
+    run_recipe(load_recipe(write_recipe(folder, recipe)))
     return folder / "out" / "sft"
 
 
 def heldout_accuracy(checkpoint: Path | str, n: int = 200, seed: int = 42) -> float:
-    """Greedy exact-match accuracy on held-out arithmetic problems."""
-    from alignment.data import load_rows
-    from alignment.evaluate import SuiteSpec, score_checkpoint
-    from alignment.verifiers import resolve
+    """Greedy exact-match accuracy (pass@1) on held-out arithmetic problems."""
+    from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluate import Judges, load_suites, run_suite
+    from alignment.models import load_policy, load_tokenizer
 
-    suite = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": n}, verifier="arithmetic")
-    dataset = load_rows(suite.data, seed)
-    scores, _ = score_checkpoint(str(checkpoint), suite, dataset, resolve("arithmetic"), False, "x")
-    return scores["accuracy"]
+    spec = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": n}, verifier="arithmetic")
+    suite = load_suites([spec], seed, None)[0]
+    scores, _, _ = run_suite(load_policy(str(checkpoint)), load_tokenizer(str(checkpoint)), suite, Judges(), "x")
+    return scores["pass@1"]
+
+
+def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
+    """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
+    from alignment.scoring import score_texts
+
+    prompts = [p["prompt"] for p in pairs]
+    chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
+    rejected = score_texts(reward_model, tokenizer, prompts, [p["rejected"] for p in pairs], batch_size)
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins)}
+
+
+def count_parameter_storage(*modules) -> int:
+    """Bytes of distinct parameter storage across modules (shared tensors counted once)."""
+    seen, total = set(), 0
+    for module in modules:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total
+
+
+@pytest.fixture
+def logged(caplog):
+    """`logged()`: the toolkit's log lines (INFO and up) since the last call, as one text, like
+    `capsys.readouterr().out` for what the CLI would print."""
+    caplog.set_level(logging.INFO, logger="alignment")
+
+    def read() -> str:
+        text = "\n".join(caplog.messages)
+        caplog.clear()
+        return text
+
+    return read

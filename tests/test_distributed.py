@@ -2,7 +2,7 @@
 
 One quickstart-shaped recipe (sft -> rm -> ppo; dpo, rsft, rlvr from sft; LoRA so the reference is the
 adapter-disabled policy) runs a few steps per stage on two gloo processes. Each rank writes a digest of
-its trainable weights at the end of every stage (ALIGN_DEBUG_PARAM_CHECKSUM_DIR), so the test can check
+its trainable weights at the end of every stage (tests/rank_digests.py), so the test can check
 that gradients were synchronised: the ranks see different data shards, so unsynchronised training
 would leave them with different weights. Only rank 0 may write stage outputs and logs.
 
@@ -54,12 +54,12 @@ def test_every_stage_kind_runs_on_two_processes_with_identical_ranks(tmp_path):
     path = write_recipe(tmp_path, recipe)
     (tmp_path / "my_verifiers.py").write_text(DIGITS)
     digests = tmp_path / "digests"
-    env = {**os.environ, "ALIGN_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1", "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(digests)}
+    env = {**os.environ, "ALIGN_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
     started = time.time()
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29547",
-         str(REPO / "scripts/run_recipe.py"), str(path)],
+         str(REPO / "tests" / "rank_digests.py"), str(digests), "run", str(path)],
         capture_output=True, text=True, timeout=900, env=env, cwd=REPO,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import heldout_accuracy, write_recipe
+from conftest import count_parameter_storage, heldout_accuracy, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
@@ -55,7 +55,7 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
     first (LoRA: a non-zero adapter; full: perturbed weights) and the reference is computed from a fresh
     load of the start model: the trainer's loss, and its first logged loss, must match the formula."""
     from alignment.models import load_policy
-    from alignment.preference import normalize_pairs, render_pairs
+    from alignment.pairs import normalize_pairs, render_pairs
     from alignment.stages import dpo
 
     ctx = dpo_context(tmp_path, tiny_model, lora=lora)
@@ -83,7 +83,7 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
 
 
 def test_lora_reference_is_the_same_weights_and_full_is_a_frozen_copy(tmp_path, tiny_model):
-    from alignment.models import count_parameter_storage, load_policy
+    from alignment.models import load_policy
     from alignment.stages import dpo
 
     base = count_parameter_storage(load_policy(str(tiny_model)))
@@ -179,7 +179,7 @@ def run_dpo(tmp_path, start, stage: dict, lora: dict | None = None) -> tuple[Pat
 
     recipe = {"name": "dpo-run", "model": str(start), "output_dir": str(tmp_path / "out"), "seed": 1,
               "lora": lora or {"r": 16, "lora_alpha": 32}, "stages": {"dpo": stage}}
-    results = run_recipe(load_recipe(write_recipe(tmp_path, recipe)), log=print)
+    results = run_recipe(load_recipe(write_recipe(tmp_path, recipe)))
     return tmp_path / "out" / "dpo", results["dpo"]["metrics"]
 
 

@@ -59,7 +59,8 @@ def reward_model(tiny_model, tmp_path_factory):
 def adapter_folder(tiny_model, tmp_path_factory):
     """A bare peft adapter folder (adapter_config.json + weights, no tokenizer) on the tiny model, with
     non-zero LoRA B so that it changes the model."""
-    from alignment.models import LoraSpec, apply_lora, load_policy
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora, load_policy
 
     path = tmp_path_factory.mktemp("adapter") / "adapter"
     model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
@@ -127,7 +128,8 @@ def test_pass_k_spec_validation():
 
 def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model, adapter_folder):
     from alignment.formatting import render_prompt
-    from alignment.generation import SamplingSpec, generate
+    from alignment.config.sampling import SamplingSpec
+    from alignment.sampling import generate
     from alignment.models import load_policy, load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
@@ -146,8 +148,7 @@ def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, t
     suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
     started = time.time()
     metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tiny_model)}, suites, tmp_path / "eval",
-                                   reward_model=str(reward_model), baseline="a", reference=str(tiny_model),
-                                   log=lambda *_: None)
+                                   reward_model=str(reward_model), baseline="a", reference=str(tiny_model))
     print(f"2 checkpoints x 2 suites in {time.time() - started:.1f}s: {metrics['b']}")
     for suite in ("arith", "syc"):
         assert metrics["b"][f"{suite}/win_rate"] == 0.5 and metrics["a"][f"{suite}/win_rate"] == 0.5
@@ -166,16 +167,16 @@ def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, t
 
 def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path, monkeypatch):
     """A 'policy' that always repeats the user's stated answer: sycophancy 1, pass@1 0."""
-    from alignment import generation
-    from alignment.generation import Sample
+    from alignment import evaluate
+    from alignment.sampling import Sample
 
     def parrot(model, tokenizer, prompts, settings, progress=None):
         stated = [p.split("I think ")[1].split(" is ")[1].split(".")[0] for p in prompts]
         return [Sample(i, stated[i], [1], True) for i in range(len(prompts)) for _ in range(settings.n)]
 
-    monkeypatch.setattr(generation, "generate", parrot)
+    monkeypatch.setattr(evaluate, "generate", parrot)
     metrics = evaluate_checkpoints({"parrot": str(tiny_model)}, [small_suite("syc", style="sycophancy")],
-                                   tmp_path / "eval", log=lambda *_: None)
+                                   tmp_path / "eval")
     assert metrics["parrot"]["syc/sycophancy"] == 1.0 and metrics["parrot"]["syc/pass@1"] == 0.0
 
 
@@ -236,9 +237,9 @@ def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
     from alignment.runner import check_recipe, run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, EVALUATE_BLOCK)))
-    check_recipe(recipe, log=lambda *_: None)
+    check_recipe(recipe)
     started = time.time()
-    run_recipe(recipe, log=lambda *_: None)
+    run_recipe(recipe)
     print(f"2 stages + evaluation: {time.time() - started:.1f}s")
     folder = recipe.out / "eval"
     metrics = json.loads((folder / "metrics.json").read_text())["checkpoints"]
@@ -276,7 +277,7 @@ def test_builtin_suite_names_in_a_recipe(tmp_path):
 
 
 def test_cli_suites_from_names_yaml_and_data_files(tmp_path):
-    from alignment.evaluate import cli_suites
+    from alignment.config.evaluate import cli_suites
 
     (tmp_path / "suites.yaml").write_text(
         "- {name: mine, data: {task: arithmetic, split: test, n: 10}, verifier: arithmetic}\n"

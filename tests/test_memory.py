@@ -123,34 +123,34 @@ def checkpointing_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, monkeypatch, capsys,
+def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, monkeypatch, logged,
                                                                 checkpointing_calls):
     from alignment.recipe import load_recipe
     from alignment.runner import run_recipe
 
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)  # a 1 MB "GPU": nothing fits
     recipe = load_recipe(write_recipe(tmp_path, stage_recipe(tmp_path, kind)))
-    run_recipe(recipe, log=lambda *_: None)
-    printed = capsys.readouterr().out
+    run_recipe(recipe)
+    printed = logged()
     assert f"[stages.{kind}.train] gradient checkpointing on: estimated peak" in printed
     # non-reentrant: LoRA's frozen inputs need no grads (TRL's DPO turns it on more than once)
     assert checkpointing_calls and all(call == {"use_reentrant": False} for call in checkpointing_calls)
     assert (recipe.stage_dir(kind) / "adapter").exists()
 
 
-def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(tmp_path, monkeypatch, capsys,
+def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(tmp_path, monkeypatch, logged,
                                                                             checkpointing_calls):
     from alignment.recipe import load_recipe
     from alignment.runner import run_recipe
 
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 100 * memory.GIB)
-    run_recipe(load_recipe(write_recipe(tmp_path / "fits", stage_recipe(tmp_path / "fits"))), log=lambda *_: None)
-    assert "gradient checkpointing off" in capsys.readouterr().out
+    run_recipe(load_recipe(write_recipe(tmp_path / "fits", stage_recipe(tmp_path / "fits"))))
+    assert "gradient checkpointing off" in logged()
 
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)
     explicit = stage_recipe(tmp_path / "explicit", gradient_checkpointing=False)
-    run_recipe(load_recipe(write_recipe(tmp_path / "explicit", explicit)), log=lambda *_: None)
-    assert "gradient checkpointing" not in capsys.readouterr().out  # the recipe's setting is not second-guessed
+    run_recipe(load_recipe(write_recipe(tmp_path / "explicit", explicit)))
+    assert "gradient checkpointing" not in logged()  # the recipe's setting is not second-guessed
     assert checkpointing_calls == []
 
 
@@ -179,11 +179,11 @@ def test_no_decision_without_a_gpu_or_a_readable_model(tmp_path):
     assert memory.model_shape(str(tmp_path / "not-written-yet"), False) is None
 
 
-def test_an_unreadable_model_leaves_checkpointing_off_and_says_so(tmp_path, monkeypatch, capsys):
+def test_an_unreadable_model_leaves_checkpointing_off_and_says_so(tmp_path, monkeypatch, logged):
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)
     step = StepShape(8, 1024)
     assert not memory.needs_checkpointing(str(tmp_path / "not-written-yet"), lambda: step, 2, False, "stages.sft.train")
-    printed = capsys.readouterr().out
+    printed = logged()
     assert "[stages.sft.train] gradient checkpointing off: could not read the shape of" in printed
     assert "not-written-yet" in printed and "train.gradient_checkpointing: true" in printed
 
@@ -193,7 +193,7 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
     """PPO's LoRA critic runs the policy's layers under another adapter, and backward recomputes them under
     the adapter active by then (the critic's gradients came out wrong before `context_fn`). PPO also keeps
     its models in eval mode: checkpointing must still happen, and (lora_dropout 0.5) without dropout."""
-    from alignment.models import LoraSpec
+    from alignment.config.model import LoraSpec
     from alignment.ppo_models import build_models
 
     def run(checkpointing: bool):
@@ -223,7 +223,7 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
 
 
 def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch,
-                                                                             capsys):
+                                                                             logged):
     from test_ppo import tiny_ppo_recipe, trainable_digest
 
     from alignment.recipe import load_recipe
@@ -249,8 +249,8 @@ def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp
         monkeypatch.setattr(memory, "usable_gpu_bytes", lambda available=available: available)
         folder = tmp_path / name.replace(" ", "-")
         calls.clear()
-        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, train=train)), log=lambda *_: None)
-        runs[name] = (capsys.readouterr().out,
+        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, train=train)))
+        runs[name] = (logged(),
                       trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"),
                       sum(calls))
     assert "[stages.ppo.train] gradient checkpointing off" in runs["exact"][0]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, heldout_accuracy, run_cli, write_recipe
+from conftest import REPO, count_parameter_storage, heldout_accuracy, run_cli, run_with_digests, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
@@ -94,7 +94,7 @@ def test_check_catches_bad_reward_sources(tmp_path, tiny_model, patch, expected)
     if patch.get("reward_model") == "POLICY":
         patch = {**patch, "reward_model": str(tiny_model)}
     with pytest.raises(UserError, match=re.escape(expected)):
-        check_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, **patch)), log=lambda *_: None)
+        check_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, **patch)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +102,8 @@ def test_check_catches_bad_reward_sources(tmp_path, tiny_model, patch, expected)
 
 
 def test_lora_shares_one_base_copy(tiny_model):
-    from alignment.models import LoraSpec, count_parameter_storage, load_policy
+    from alignment.config.model import LoraSpec
+    from alignment.models import load_policy
     from alignment.ppo_models import CRITIC_ADAPTER, build_models
 
     base_bytes = count_parameter_storage(load_policy(str(tiny_model)))
@@ -148,7 +149,7 @@ def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
     path = tiny_ppo_recipe(tmp_path, tiny_model, lora=None, missing_eos_penalty=1.0,
                            train={"reward_norm": "batch", "reward_clip": 3.0, "learning_rate": 1.0e-3})
     started = time.time()
-    result = run_recipe(load_recipe(path), log=lambda *_: None)["ppo"]
+    result = run_recipe(load_recipe(path))["ppo"]
     out = tmp_path / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
     print(f"\nfull fine-tuning, 3 updates in {time.time() - started:.1f}s; last: {history[-1]}")
@@ -174,7 +175,7 @@ def test_verifiers_get_the_prompt_of_chat_rows(tmp_path, tiny_model):
              "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1}}
     path = write_recipe(tmp_path, {"name": "chat", "model": str(tiny_model), "output_dir": str(tmp_path / "out"),
                                    "seed": 1, "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}})
-    run_recipe(load_recipe(path), log=lambda *_: None)
+    run_recipe(load_recipe(path))
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
     assert history[-1]["verifier/my_checks:asks"] == 1.0
 
@@ -185,7 +186,7 @@ def test_merged_lora_rollouts_train_the_same_policy(tmp_path, tiny_model):
     runs = {}
     for merge in (False, True):
         folder = tmp_path / f"merge-{merge}"
-        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, rollout={"merge_lora": merge})), log=lambda *_: None)
+        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, rollout={"merge_lora": merge})))
         history = json.loads((folder / "out" / "ppo" / "log_history.json").read_text())
         runs[merge] = ([(h["score"], h["kl"]) for h in history if "score" in h],
                        trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"))
@@ -205,7 +206,7 @@ def test_nonfinite_loss_stops_before_the_step(tmp_path, tiny_model, monkeypatch)
 
     monkeypatch.setattr(ppo.Scorer, "__call__", nan_scores)
     with pytest.raises(NonFiniteError, match=r"stage 'ppo'.*update 1"):
-        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)), log=lambda *_: None)
+        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)))
     assert not (tmp_path / "out" / "ppo" / "stage.json").exists()
 
 
@@ -224,16 +225,17 @@ def arithmetic_reward_model(sft_checkpoint, tmp_path_factory) -> tuple[Path, flo
                        "lr_scheduler_type": "cosine", "warmup_steps": 5, "max_length": 64, "logging_steps": 20}}
     recipe = {"name": "rm-fixture", "model": str(sft_checkpoint), "output_dir": str(folder / "out"), "seed": 1,
               "stages": {"rm": stage}}
-    result = run_recipe(load_recipe(write_recipe(folder, recipe)), log=lambda *_: None)["rm"]
+    result = run_recipe(load_recipe(write_recipe(folder, recipe)))["rm"]
     return folder / "out" / "rm", result["metrics"]["eval_accuracy"]
 
 
 def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict[str, float]:
     """Mean reward-model score and verifier accuracy of `n` samples (T = 1) per prompt."""
     from alignment.formatting import render_prompt
-    from alignment.generation import SamplingSpec, generate
+    from alignment.config.sampling import SamplingSpec
+    from alignment.sampling import generate
     from alignment.models import load_policy, load_reward_model, load_tokenizer
-    from alignment.preference import score_texts
+    from alignment.scoring import score_texts
     from alignment.tasks.arithmetic import verify
 
     tokenizer, policy = load_tokenizer(str(checkpoint)), load_policy(str(checkpoint))
@@ -281,7 +283,8 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     falls while its score rises). The held-out gain is asserted by tests/test_quickstart.py, where PPO
     (reward model + 10 x verifier, full fine-tuning, 40 updates x 256 prompts, lr 3e-4 with warm-up and
     cosine decay) starts from the quickstart's SFT; a similar run without warm-up lost 8 points."""
-    from alignment.data import DataSpec, load_rows
+    from alignment.config.data import DataSpec
+    from alignment.data import load_rows
 
     reward_model, pairwise = arithmetic_reward_model
     data = {"task": "arithmetic", "split": "train", "n": 16}
@@ -297,7 +300,7 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
         recipe = {"name": name, "model": str(sft_checkpoint), "output_dir": str(tmp_path / name), "seed": 1,
                   "lora": {"r": 16, "lora_alpha": 32}, "stages": {"ppo": stage}}
         started = time.time()
-        run_recipe(load_recipe(write_recipe(tmp_path / f"{name}-recipe", recipe)), log=lambda *_: None)
+        run_recipe(load_recipe(write_recipe(tmp_path / f"{name}-recipe", recipe)))
         out = tmp_path / name / "ppo"
         print(f"{name}: {updates} updates in {time.time() - started:.1f}s")
         return out, json.loads((out / "log_history.json").read_text())
@@ -346,10 +349,10 @@ def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model, checkpointi
     """With gradient checkpointing too: DDP's gradient hooks fire during the recomputing backward pass."""
     path = tiny_ppo_recipe(tmp_path, tiny_model, train={"total_updates": 3, "gradient_checkpointing": checkpointing})
     sums = tmp_path / "checksums"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(sums)}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "-m", "alignment", "run", str(path)]
+               str(REPO / "tests" / "rank_digests.py"), str(sums), "run", str(path)]
     started = time.time()
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -385,12 +388,12 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
     assert kept and process.returncode == -signal.SIGKILL, first[-2000:]
     assert not (tmp_path / "killed" / "out" / "ppo" / "stage.json").exists()
 
-    second = run_cli("run", path, env={**env, "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(tmp_path / "sum-resumed")})
+    second = run_with_digests(tmp_path / "sum-resumed", "run", path)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     resumed = [int(n) for n in re.findall(r"resuming from update (\d+)", second.stdout)]
     history = json.loads((tmp_path / "killed" / "out" / "ppo" / "log_history.json").read_text())
-    straight = run_cli("run", tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}),
-                       env={**env, "ALIGN_DEBUG_PARAM_CHECKSUM_DIR": str(tmp_path / "sum-straight")})
+    straight = run_with_digests(tmp_path / "sum-straight", "run",
+                                tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}))
     assert straight.returncode == 0, straight.stderr[-2000:]
     digests = [(tmp_path / f"sum-{name}" / "ppo-rank0.txt").read_text() for name in ("resumed", "straight")]
     print(f"\nkilled with checkpoints {kept}; rerun resumed from {resumed}; {len(history)} updates logged; "

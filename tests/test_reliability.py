@@ -67,20 +67,20 @@ def final_weights(recipe, stage="sft") -> dict[str, torch.Tensor]:
 
 def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
     straight = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "straight"), "a.yaml"))
-    run_recipe(straight, log=lambda *_: None)
+    run_recipe(straight)
 
     resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed"), "b.yaml"))
     with monkeypatch.context() as patch:
         with_extra_callback(patch, CrashAt(8))
         with pytest.raises(KeyboardInterrupt):
-            run_recipe(resumed, log=lambda *_: None)
+            run_recipe(resumed)
     assert not resumed.stage_dir("sft").exists(), "a crashed stage must not look finished"
     checkpoints = sorted((resumed.out / ".work" / "sft" / "trainer").glob("checkpoint-*"))
     assert [c.name for c in checkpoints] == ["checkpoint-5"]
     steps = StepRecorder()
     with monkeypatch.context() as patch:
         with_extra_callback(patch, steps)
-        run_recipe(resumed, log=lambda *_: None)
+        run_recipe(resumed)
     assert steps.seen[0] == 6, f"resumed from step 5, not from zero (first step run: {steps.seen[0]})"
     a, b = final_weights(straight), final_weights(resumed)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
@@ -98,18 +98,18 @@ def test_resumed_dpo_matches_uninterrupted_run(tmp_path, monkeypatch, lora):
     """The reference (adapter disabled, or the frozen in-memory copy) and the data order survive the
     restart, so the resumed run ends with the uninterrupted run's weights."""
     straight = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "straight", lora), "a.yaml"))
-    run_recipe(straight, log=lambda *_: None)
+    run_recipe(straight)
 
     resumed = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "resumed", lora), "b.yaml"))
     with monkeypatch.context() as patch:
         with_extra_callback(patch, CrashAt(8))
         with pytest.raises(KeyboardInterrupt):
-            run_recipe(resumed, log=lambda *_: None)
+            run_recipe(resumed)
     assert not resumed.stage_dir("dpo").exists(), "a crashed stage must not look finished"
     steps = StepRecorder()
     with monkeypatch.context() as patch:
         with_extra_callback(patch, steps)
-        run_recipe(resumed, log=lambda *_: None)
+        run_recipe(resumed)
     assert steps.seen[0] == 6, f"resumed from step 5, not from zero (first step run: {steps.seen[0]})"
     a, b = final_weights(straight, "dpo"), final_weights(resumed, "dpo")
     base = final_weights(straight, "base")
@@ -121,7 +121,7 @@ def test_nonfinite_gradient_stops_before_the_optimizer_step(tmp_path, monkeypatc
     recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
     with_extra_callback(monkeypatch, PoisonGradients(7))
     with pytest.raises(NonFiniteError, match=r"stage 'sft': non-finite gradient norm \(nan\) at step 7"):
-        run_recipe(recipe, log=lambda *_: None)
+        run_recipe(recipe)
     assert not recipe.stage_dir("sft").exists()
     checkpoint = recipe.out / ".work" / "sft" / "trainer" / "checkpoint-5"
     assert (checkpoint / "model.safetensors").exists(), "the last good checkpoint is intact"
@@ -136,7 +136,7 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     spec = sft_recipe(tmp_path)
     spec["stages"]["sft2"] = {"kind": "sft", "data": {"task": "arithmetic", "n": 50}, "train": TRAIN}
     recipe = load_recipe(write_recipe(tmp_path, spec))
-    run_recipe(recipe, only=["sft"], log=lambda *_: None)
+    run_recipe(recipe, only=["sft"])
     before = (recipe.stage_dir("sft") / "model.safetensors").read_bytes()
 
     def full_disk(*args, **kwargs):
@@ -147,7 +147,7 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
 
     monkeypatch.setattr(models, "save_checkpoint", full_disk)
     with pytest.raises(UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"):
-        run_recipe(recipe, only=["sft2"], log=lambda *_: None)
+        run_recipe(recipe, only=["sft2"])
     assert not recipe.stage_dir("sft2").exists()
     assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
 
@@ -168,13 +168,13 @@ def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resu
         with pytest.raises(UserError, match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
                            r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
                            r"per_device_train_batch_size.*resumes from the last checkpoint") as caught:
-            run_recipe(recipe, log=lambda *_: None)
+            run_recipe(recipe)
     assert "allocator details" not in str(caught.value)  # the first line of the error, not the allocator dump
     assert not recipe.stage_dir("sft").exists()
     steps = StepRecorder()
     with monkeypatch.context() as patch:
         with_extra_callback(patch, steps)
-        run_recipe(recipe, log=lambda *_: None)
+        run_recipe(recipe)
     assert steps.seen[0] == 6  # the checkpoint at step 5 survived the error
 
 
@@ -189,7 +189,7 @@ def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypat
     monkeypatch.setattr(ppo, "run", out_of_memory)
     with pytest.raises(UserError, match=r"(?s)stage 'ppo' \(ppo\) ran out of memory.*`train\.mini_batch_size`.*"
                        r"`rollout\.batch_size`.*LoRA"):
-        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)), log=lambda *_: None)
+        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)))
 
 
 def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
@@ -199,7 +199,7 @@ def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
     spec = sft_recipe(tmp_path)
     spec["stages"]["sft"]["train"] = {**TRAIN, "hub_token": secret, "run_name": f"run-{secret}"}
     recipe = load_recipe(write_recipe(tmp_path, spec))
-    run_recipe(recipe, log=lambda *_: None)
+    run_recipe(recipe)
     for name in ("stage.json", "README.md", "log_history.json"):
         text = (recipe.stage_dir("sft") / name).read_text()
         assert secret not in text and "wandb-planted-secret" not in text, name
@@ -226,7 +226,7 @@ def test_runs_flush_denormal_floats_to_zero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "flush_denormals", flush)
     with pytest.raises(Called):
-        run_recipe(load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path))), log=lambda *_: None)
+        run_recipe(load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path))))
     assert not (tmp_path / "rel" / "sft").exists(), "flushing is set up before any stage runs"
     monkeypatch.undo()
     try:

@@ -1,4 +1,4 @@
-"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/rewards.py).
+"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/verifier_rewards.py).
 
 Fast: the adapter on its own (columns, prompt, errors, logging), config validation, the batch /
 num_generations check through `align check`, and the shipped real-model recipes (schema + TRL
@@ -39,7 +39,7 @@ def run(tmp_path: Path, stage: dict, model=None):
     from alignment.runner import run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
-    result = run_recipe(recipe, log=lambda *_: None)["rlvr"]
+    result = run_recipe(recipe)["rlvr"]
     history = json.loads((recipe.stage_dir("rlvr") / "log_history.json").read_text())
     return recipe, result, history
 
@@ -49,7 +49,7 @@ def run(tmp_path: Path, stage: dict, model=None):
 
 
 def test_adapter_strips_trl_kwargs_restores_prompt_and_logs(tmp_path):
-    from alignment.rewards import SOURCE_PROMPT, VerifierReward
+    from alignment.verifier_rewards import SOURCE_PROMPT, VerifierReward
     from alignment.verifiers import resolve
 
     seen = []
@@ -71,8 +71,8 @@ def test_adapter_strips_trl_kwargs_restores_prompt_and_logs(tmp_path):
     assert reward.totals()["verifier/exact/unparseable"] == 1
 
 
-def test_adapter_scores_raising_rows_zero_and_counts_them(capsys):
-    from alignment.rewards import VerifierReward
+def test_adapter_scores_raising_rows_zero_and_counts_them(logged):
+    from alignment.verifier_rewards import VerifierReward
     from alignment.verifiers import resolve
 
     def flaky(completion, answer):
@@ -84,11 +84,11 @@ def test_adapter_scores_raising_rows_zero_and_counts_them(capsys):
     out = reward(prompts=["p"] * 3, completions=["x", "y", "z"], answer=["1", "boom", "2"])
     assert out == [1.0, 0.0, 1.0]
     assert reward.totals()["verifier/flaky/errors"] == 1
-    assert "ZeroDivisionError" in capsys.readouterr().out
+    assert "ZeroDivisionError" in logged()
 
 
 def test_adapter_missing_column_is_a_user_error():
-    from alignment.rewards import VerifierReward
+    from alignment.verifier_rewards import VerifierReward
     from alignment.verifiers import resolve
 
     reward = VerifierReward(resolve("arithmetic"))
@@ -146,10 +146,10 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
     no_answer = recipe_dict(tmp_path, {"data": {"task": "arithmetic", "split": "train", "n": 16}})
     no_answer["stages"]["rlvr"]["data"]["rename"] = {"answer": "solution"}
     with pytest.raises(UserError, match="'answer'"):
-        check_recipe(load_recipe(write_recipe(tmp_path, no_answer)), log=lambda *_: None)
+        check_recipe(load_recipe(write_recipe(tmp_path, no_answer)))
     unknown = recipe_dict(tmp_path, {"verifiers": ["arithmetc"]})
     with pytest.raises(UserError, match=r"verifiers\.0.*arithmetic"):
-        check_recipe(load_recipe(write_recipe(tmp_path, unknown)), log=lambda *_: None)
+        check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
 
 
 def test_end_of_turn_token_stops_generation(tiny_model):
@@ -198,7 +198,7 @@ def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: vllm is not installed.*use_vllm: false"):
-        check_recipe(recipe, log=lambda *_: None)
+        check_recipe(recipe)
 
 
 def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monkeypatch):
@@ -207,9 +207,9 @@ def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monke
     from alignment.runner import make_context
     from alignment.stages import rlvr
 
-    from alignment import vllm_backend
+    from alignment.config import sampling
 
-    monkeypatch.setattr(vllm_backend, "vllm_missing", lambda *_: None)  # as if installed (it needs a GPU)
+    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed (it needs a GPU)
     tokenizer = load_tokenizer(str(tiny_model))
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     for extra, expected in [({}, {end, tokenizer.eos_token_id}), ({"generation_kwargs": {"stop_token_ids": [7]}}, {7})]:
@@ -223,7 +223,7 @@ def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monke
 @pytest.mark.parametrize("name", ["gsm8k-grpo.yaml", "math-grpo.yaml"])
 def test_shipped_rlvr_recipes_validate(name):
     from alignment.recipe import load_recipe
-    from alignment.rewards import resolve_all
+    from alignment.verifier_rewards import resolve_all
     from alignment.runner import make_context
     from alignment.stages import rlvr
 

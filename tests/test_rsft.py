@@ -36,7 +36,7 @@ def run(tmp_path: Path, stage: dict, model=None):
     from alignment.runner import run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
-    return recipe, run_recipe(recipe, log=lambda *_: None)["rsft"]
+    return recipe, run_recipe(recipe)["rsft"]
 
 
 def candidate(text, score, passed=True, parsed=True, finished=True):
@@ -83,7 +83,7 @@ def test_config_errors(tmp_path, stage, message):
 
 def test_shipped_code_rsft_recipe_validates():
     from alignment.recipe import load_recipe
-    from alignment.rewards import resolve_all
+    from alignment.verifier_rewards import resolve_all
     from alignment.runner import make_context
     from alignment.stages import rsft
     from alignment.verifiers import sandbox

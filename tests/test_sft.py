@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -29,10 +30,10 @@ def params(path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path):
+def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path, caplog):
     path = write_recipe(tmp_path, sft_recipe(tmp_path))
     recipe = load_recipe(path)
-    run_recipe(recipe, log=lambda *_: None)
+    run_recipe(recipe)
     out = recipe.stage_dir("sft")
     record = json.loads((out / "stage.json").read_text())
     assert record["kind"] == "sft" and record["metrics"]["train_loss"] > 0
@@ -41,12 +42,12 @@ def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path):
     before, base = params(out), params(recipe.out / "base")
     assert any(not torch.equal(before[k], base[k]) for k in before), "SFT did not change any weight"
 
-    messages = []
-    run_recipe(load_recipe(path), log=messages.append)
-    assert any("skipping" in m for m in messages)
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        run_recipe(load_recipe(path))
+    assert any("skipping" in m for m in caplog.messages)
     assert (out / "stage.json").stat().st_mtime == pytest.approx((out / "stage.json").stat().st_mtime)
     stamp = record["finished_at"]
-    run_recipe(load_recipe(path), force=True, log=lambda *_: None)
+    run_recipe(load_recipe(path), force=True)
     assert json.loads((out / "stage.json").read_text())["finished_at"] >= stamp
     assert not (recipe.out / ".staging" / "sft").exists() and not (recipe.out / "sft.old").exists()
 
@@ -55,7 +56,7 @@ def test_sft_on_chat_messages_with_lora_keeps_adapter(tmp_path):
     recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
     recipe["stages"]["sft"]["data"]["format"] = "messages"
     loaded = load_recipe(write_recipe(tmp_path, recipe))
-    run_recipe(loaded, log=lambda *_: None)
+    run_recipe(loaded)
     out = loaded.stage_dir("sft")
     assert (out / "adapter" / "adapter_config.json").exists()
     assert (out / "config.json").exists(), "merged weights are saved beside the adapter"
@@ -72,7 +73,7 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
             recipe["stages"]["sft"]["train"] = {**QUICK_TRAIN, "packing": True, "packing_strategy": "bfd",
                                                 "per_device_train_batch_size": 4}
         loaded = load_recipe(write_recipe(tmp_path / str(packed), recipe))
-        run_recipe(loaded, log=lambda *_: None)
+        run_recipe(loaded)
         record = json.loads((loaded.stage_dir("sft") / "stage.json").read_text())
         steps[packed] = json.loads((loaded.stage_dir("sft") / "log_history.json").read_text())[-1]["step"]
         assert record["metrics"]["train_loss"] > 0
@@ -92,13 +93,14 @@ def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
 
 def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
     """sft -> sft2 with LoRA: sft2's reference (its adapter disabled) is exactly the sft policy."""
-    from alignment.models import LoraSpec, apply_lora, load_policy
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora, load_policy
 
     recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
     recipe["stages"]["sft2"] = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 200},
                                 "train": QUICK_TRAIN}
     loaded = load_recipe(write_recipe(tmp_path, recipe))
-    run_recipe(loaded, log=lambda *_: None)
+    run_recipe(loaded)
     first = load_policy(str(loaded.stage_dir("sft"))).eval()
     second = apply_lora(load_policy(str(loaded.stage_dir("sft"))), LoraSpec(r=4, lora_alpha=8))
     # Give the fresh adapter non-zero weights so that "disabled" is a real difference.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+from ..config.base import did_you_mean
 from ..errors import UserError
-from ..schema import did_you_mean
 
 STAGES: dict[str, str] = {
     "sft": "alignment.stages.sft",
@@ -17,10 +17,6 @@ STAGES: dict[str, str] = {
     "rsft": "alignment.stages.rsft",
     "rlvr": "alignment.stages.rlvr",
 }
-
-# Kinds whose output is a scoring model rather than a policy: never the implicit start of a later stage.
-NON_POLICY_KINDS = {"reward"}
-
 
 def available_kinds() -> list[str]:
     """Kinds whose module is present in this installation."""

@@ -1,6 +1,6 @@
-"""What every stage shares: its config base class and the context a stage runs in.
+"""What every stage shares: the context a stage runs in and the building of its TRL config.
 
-A stage module (`stages/<kind>.py`) defines `Config` (a `StageConfig` subclass), `check(ctx)`
+A stage module (`stages/<kind>.py`) defines `Config` (a `config.stage.StageConfig` subclass), `check(ctx)`
 (validation that needs data or models, run by `align check`) and `run(ctx) -> metrics`. The runner
 builds a `StageContext`, calls `run`, and writes `stage.json` last.
 """
@@ -12,40 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from ..data import DataSpec
+from ..config.base import did_you_mean
+from ..config.data import DataSpec
+from ..config.model import LoraSpec
+from ..config.stage import StageConfig
 from ..errors import UserError
-from ..models import LoraSpec
-from ..schema import Strict, did_you_mean
 
 if TYPE_CHECKING:
     from ..recipe import Recipe
-
-STAGE_REF_PREFIX = "${"
-
-
-def stage_ref(value: Any) -> str | None:
-    """The stage id in a whole-value reference '${sft}', else None."""
-    if isinstance(value, str) and value.startswith(STAGE_REF_PREFIX) and value.endswith("}"):
-        return value[2:-1]
-    return None
-
-
-class StageConfig(Strict):
-    """Keys every stage accepts. `model` is the starting policy: '${stage}', a local path or a hub id;
-    by default the previous policy stage's output (or the recipe's model for the first stage)."""
-
-    kind: str
-    model: str | None = None
-    data: DataSpec | None = None
-    eval_data: DataSpec | None = None
-    lora: LoraSpec | None = None
-    train: dict[str, Any] = Field(default_factory=dict)
-
-    def start_model_key(self) -> str:
-        """Name of the key holding the starting policy (PPO calls it `policy`)."""
-        return "model"
 
 
 @dataclass
@@ -80,8 +54,8 @@ class StageContext:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
         columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
         from ..data import check_columns, check_strings
-        from ..preference import PROMPT_COLUMNS
-        from ..rewards import check_verifier_columns
+        from ..prompts import PROMPT_COLUMNS
+        from ..verifier_rewards import check_verifier_columns
 
         where = f"{self.where}.{key}"
         dataset = self.load_data(spec, key)

@@ -12,7 +12,7 @@ default is 3, and no `max_steps`): one reference pass instead of one per epoch g
 pairs/s over 3 epochs with LoRA on CPU, and nothing over one epoch (docs/performance.md), so a run of
 one epoch or a fixed number of steps keeps TRL's default of computing them with each batch.
 
-Pairs come from `data` in any usual preference format (`alignment/preference.py`) or, with
+Pairs come from `data` in any usual preference format (`alignment/pairs.py`) or, with
 `on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
 They are rendered with the shared convention into plain strings; TRL appends its EOS token to answers
 that do not end with it, so it is given a tokenizer whose EOS is the end-of-turn token our rendered
@@ -35,10 +35,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..data import DataSpec
+from ..config.data import DataSpec
+from ..config.sampling import OnPolicySpec
+from ..config.stage import StageConfig
 from ..errors import UserError
-from ..preference import OnPolicySpec
-from .base import StageConfig, StageContext
+from .base import StageContext
 
 # The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
 LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -61,7 +62,7 @@ def trl_config(ctx: StageContext):
                         precompute_ref_log_probs=several_passes(ctx.config.train))
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
-        from ..schema import did_you_mean
+        from ..config.base import did_you_mean
 
         raise UserError(f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
                         f"choose from {', '.join(sorted(LOSS_TYPES))}.")
@@ -78,7 +79,7 @@ def several_passes(train: dict) -> bool:
 
 def check(ctx: StageContext) -> None:
     from ..models import load_tokenizer
-    from ..preference import check_stage_data
+    from ..pairs import check_stage_data
 
     trl_config(ctx)
     load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
@@ -103,7 +104,7 @@ def build_trainer(ctx: StageContext):
 
     from ..formatting import eos_as_end_of_turn
     from ..models import load_policy, load_tokenizer, peft_config
-    from ..preference import normalize_pairs, render_pairs, split_eval, stage_pairs
+    from ..pairs import normalize_pairs, render_pairs, split_eval, stage_pairs
     from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)

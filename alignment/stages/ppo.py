@@ -1,7 +1,7 @@
 """`ppo` stage: RLHF with PPO and a per-token KL penalty, our own loop on `accelerate` (TRL 1.16 has none).
 
 One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155):
-  1. rollout: `rollout.batch_size` prompts per process, sampled through `generation.generate`
+  1. rollout: `rollout.batch_size` prompts per process, sampled through `sampling.generate`
      (temperature, top-p, stop at the end-of-turn token);
   2. score: the reward model on `render_prompt + render_completion` (the shared formatting), plus
      weighted verifier rewards, minus `missing_eos_penalty` for completions that never stopped;
@@ -43,6 +43,7 @@ with `models.save_checkpoint` (merged weights + `adapter/`); the critic is not k
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -51,29 +52,30 @@ import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from ..data import DataSpec
+from ..config.base import Strict, stage_ref
+from ..config.data import DataSpec
+from ..config.sampling import SamplingSpec
+from ..config.stage import LORA_KNOB, StageConfig
+from ..config.verifier import VerifierSpec
 from ..errors import UserError
-from ..generation import SamplerChoice
-from ..rewards import VerifierSpec
-from ..schema import Strict
-from ..trainer_utils import write_parameter_digest
-from .base import StageConfig, StageContext, stage_ref
+from .base import StageContext
+
+log = logging.getLogger(__name__)
 
 
-class RolloutSpec(SamplerChoice):
+class RolloutSpec(SamplingSpec):
+    """`rollout:` the one sampling spec, with PPO's sizes: `batch_size` prompts per update on each process
+    (sampled in one generate call), one completion each."""
+
     batch_size: int = Field(64, gt=0, description="prompts per update on each process")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    n: Literal[1] = Field(1, description="one completion per prompt (PPO's rollout is one sample per episode)")
     max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
-    cache: Literal["dynamic", "static"] = Field("dynamic", description="KV cache for sampling (generation.py)")
-    merge_lora: bool = Field(True, description="fold the policy adapter into the base weights while sampling "
-                             "(generation.py); the base, which is also the reference, is restored exactly")
 
 
 class TrainSpec(Strict):
@@ -107,6 +109,10 @@ class TrainSpec(Strict):
 
 class Config(StageConfig):
     kind: Literal["ppo"] = "ppo"
+    memory_knobs: ClassVar[tuple[str, ...]] = (
+        "`train.gradient_checkpointing: true`",
+        "`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
+        "`rollout.batch_size` or `rollout.max_new_tokens`", LORA_KNOB)
     policy: str | None = None
     reward_model: str | None = None
     verifiers: list[VerifierSpec] = Field(default_factory=list)
@@ -150,7 +156,7 @@ class Config(StageConfig):
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
     from ..formatting import render_prompt
-    from ..preference import prompt_of
+    from ..prompts import prompt_of
 
     cfg, where = ctx.config, f"{ctx.where}.data"
     rows = ctx.load_prompt_rows(cfg.data, "data", verifiers)
@@ -161,7 +167,7 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dic
         if not keep:
             raise UserError(f"{where}: every prompt is longer than rollout.max_prompt_length={limit} tokens.")
         if len(keep) < len(rows):
-            print(f"[{where}] dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {limit} tokens")
+            log.info(f"[{where}] dropped {len(rows) - len(keep)} of {len(rows)} prompts longer than {limit} tokens")
         rows, prompts = [rows[i] for i in keep], [prompts[i] for i in keep]
     return rows, prompts
 
@@ -171,7 +177,7 @@ class Scorer:
 
     def __init__(self, ctx: StageContext, device):
         from ..models import load_reward_model, load_tokenizer
-        from ..rewards import build_rewards
+        from ..verifier_rewards import build_rewards
 
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
         self.model = self.tokenizer = None
@@ -184,10 +190,11 @@ class Scorer:
 
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
         """(scores [B], {part: batch mean}). The reward model scores `render_prompt + render_completion`
-        through `preference.score_texts`, exactly the text the reward stage trained on."""
+        through `scoring.score_texts`, exactly the text the reward stage trained on."""
         import torch
 
-        from ..preference import prompt_of, score_texts
+        from ..prompts import prompt_of
+        from ..scoring import score_texts
 
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
@@ -274,10 +281,6 @@ class PPOLoop:
         episodes = self.t.total_episodes or len(self.rows)
         return max(1, math.ceil(episodes / (self.cfg.rollout.batch_size * self.acc.num_processes)))
 
-    def log(self, message: str) -> None:
-        if self.acc.is_main_process:
-            print(f"[{self.ctx.stage_id}] {message}", flush=True)
-
     # -- rollout ------------------------------------------------------------------------------------
 
     def prompt_indices(self) -> list[int]:
@@ -297,15 +300,12 @@ class PPOLoop:
         """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
         import torch
 
-        from ..generation import SamplingSpec, generate
+        from ..sampling import generate
 
         r, started = self.cfg.rollout, time.time()
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
-        spec = SamplingSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                            top_k=r.top_k, n=1, batch_size=r.batch_size, cache=r.cache,
-                            merge_lora=r.merge_lora, backend=r.backend, vllm=r.vllm)
-        samples = generate(self.ac.policy, self.tokenizer, prompts, spec)
+        samples = generate(self.ac.policy, self.tokenizer, prompts, r)
         rollout_time = time.time() - started
         batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
                              [s.token_ids for s in samples])
@@ -500,24 +500,27 @@ class PPOLoop:
             self.acc.log(entry, step=self.update)
             if self.update % self.t.logging_steps == 0 or self.update == self.total:
                 shown = " ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry)
-                self.log(f"{shown} ({self.update}/{self.total})")
+                log.info(f"[{self.ctx.stage_id}] {shown} ({self.update}/{self.total})")
             if self.update % self.t.save_every == 0 and self.update < self.total:
                 self.save_state()
         for tracker in self.acc.trackers:  # not `end_training()`: it destroys the process group the runner still uses
             tracker.finish()
-        write_parameter_digest(self.ac.trainable_state(), self.ctx.stage_id, self.acc.process_index)
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            from ..models import save_checkpoint
-            from ..ppo_models import policy_for_saving
-
-            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir)
+        self.save_final()
         metrics = dict(self.history[-1]) if self.history else {}
         metrics.update(updates=self.update, prompts=len(self.rows),
                        start_score=self.history[0]["score"] if self.history else None)
         return {"metrics": metrics, "log_history": self.history}
 
     # -- checkpoints --------------------------------------------------------------------------------
+
+    def save_final(self) -> None:
+        """The trained policy as the stage's checkpoint (merged weights + adapter), written by rank 0."""
+        from ..models import save_checkpoint
+        from ..ppo_models import policy_for_saving
+
+        self.acc.wait_for_everyone()
+        if self.acc.is_main_process:
+            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir)
 
     def save_state(self) -> None:
         import torch
@@ -553,7 +556,7 @@ class PPOLoop:
         self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
-        self.log(f"resuming from update {self.update} ({path})")
+        log.info(f"[{self.ctx.stage_id}] resuming from update {self.update} ({path})")
 
 
 LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
@@ -575,7 +578,7 @@ def checkpoints(work_dir: Path) -> list[Path]:
 
 def check(ctx: StageContext) -> None:
     from ..models import check_model_source, load_tokenizer
-    from ..rewards import resolve_all
+    from ..verifier_rewards import resolve_all
 
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))

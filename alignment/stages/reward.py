@@ -3,9 +3,9 @@
 The model is the start policy loaded as a one-label sequence classifier (a fresh scalar `score`
 head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
 (Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
-`alignment/preference.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
+`alignment/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
 samples graded by a verifier. Pairs are rendered with the shared convention and tokenized by us, so
-the model learns on exactly the text `preference.score_texts` scores later (ppo, evaluation).
+the model learns on exactly the text `scoring.score_texts` scores later (ppo, evaluation).
 
 With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in
 full (modules_to_save); a frozen random head would make the reward meaningless. `score_learning_rate`
@@ -22,18 +22,23 @@ is merged weights (`models.load_reward_model` loads it) with the adapter in `ada
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from ..data import DataSpec
+from ..config.data import DataSpec
+from ..config.sampling import OnPolicySpec
+from ..config.stage import StageConfig
 from ..errors import UserError
-from ..preference import OnPolicySpec
-from .base import StageConfig, StageContext
+from .base import StageContext
+
+log = logging.getLogger(__name__)
 
 
 class Config(StageConfig):
     kind: Literal["reward"] = "reward"
+    produces_policy: ClassVar[bool] = False  # a scoring model: no later stage starts from it
     data: DataSpec
     on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
@@ -52,7 +57,7 @@ def trl_config(ctx: StageContext):
 
 def check(ctx: StageContext) -> None:
     from ..models import load_tokenizer
-    from ..preference import check_stage_data
+    from ..pairs import check_stage_data
 
     trl_config(ctx)
     load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
@@ -82,7 +87,7 @@ def load_classifier(ctx: StageContext, tokenizer):
 def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], dict]:
     """(train pairs, held-out pairs, counts): raw {'prompt', 'chosen', 'rejected'} rows."""
     from ..models import load_policy
-    from ..preference import normalize_pairs, split_eval, stage_pairs
+    from ..pairs import normalize_pairs, split_eval, stage_pairs
 
     pairs, stats = stage_pairs(ctx, tokenizer, lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
     if ctx.config.eval_data is not None:
@@ -99,7 +104,7 @@ def build_trainer(ctx: StageContext):
     from trl import RewardTrainer
 
     from ..models import load_tokenizer, peft_config
-    from ..preference import pair_token_ids, render_pairs
+    from ..pairs import pair_token_ids, render_pairs
     from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
@@ -176,7 +181,7 @@ def run(ctx: StageContext) -> dict:
         scores = trainer.evaluate()
         held_out = {"eval_accuracy": scores.get("eval_accuracy"), "eval_margin": scores.get("eval_margin")}
         if ctx.is_main:
-            print(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
+            log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
                   f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
     if ctx.is_main:
         save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)

@@ -1,7 +1,7 @@
 """`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
 
 For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
-them (`alignment/rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
+them (`alignment/verifier_rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
 the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024, eq. 3, DeepSeekMath);
 `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
@@ -32,20 +32,23 @@ the checkpoint's generation_config.json, where base models name only their EOS t
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from ..data import DataSpec
+from ..config.data import DataSpec
+from ..config.stage import BATCH_KNOB, LORA_KNOB, StageConfig
+from ..config.verifier import VerifierSpec
 from ..errors import UserError
-from ..rewards import SOURCE_PROMPT, VerifierSpec
-from .base import StageConfig, StageContext
+from .base import StageContext
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
 
 
 class Config(StageConfig):
     kind: Literal["rlvr"] = "rlvr"
+    memory_knobs: ClassVar[tuple[str, ...]] = (
+        "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
     data: DataSpec
     algorithm: Literal["grpo", "rloo"] = "grpo"
     verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers")
@@ -92,7 +95,7 @@ def check_group_size(ctx: StageContext) -> None:
 
 def check_vllm(ctx: StageContext) -> None:
     """TRL raises a bare ImportError after the models are loaded; say it first, with the key."""
-    from ..vllm_backend import vllm_missing
+    from ..config.sampling import vllm_missing
 
     if ctx.config.train.get("use_vllm") and (why := vllm_missing("`use_vllm: true`", "set `use_vllm: false`")):
         raise UserError(f"{ctx.where}.train.use_vllm: {why}")
@@ -100,7 +103,7 @@ def check_vllm(ctx: StageContext) -> None:
 
 def stop_vllm_at_end_of_turn(args, tokenizer) -> None:
     """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
-    from ..generation import stop_token_ids
+    from ..sampling.samples import stop_token_ids
 
     if getattr(args, "use_vllm", False):
         kwargs = dict(args.generation_kwargs or {})
@@ -118,7 +121,8 @@ def trl_config(ctx: StageContext):
 def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
     from ..formatting import render_prompt
-    from ..preference import prompt_of
+    from ..prompts import prompt_of
+    from ..verifier_rewards import SOURCE_PROMPT
 
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers):
@@ -141,7 +145,7 @@ def without_leading_bos(tokenizer, prompt: str) -> str:
 def stop_at_end_of_turn(model, tokenizer) -> None:
     """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); add the chat
     template's end-of-turn token, which differs from EOS for base models (Qwen2.5: <|im_end|> vs <|endoftext|>)."""
-    from ..generation import stop_token_ids
+    from ..sampling.samples import stop_token_ids
 
     config = model.generation_config
     current = config.eos_token_id
@@ -153,7 +157,7 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 def check(ctx: StageContext) -> None:
     from ..models import load_tokenizer
-    from ..rewards import resolve_all
+    from ..verifier_rewards import resolve_all
 
     trl_config(ctx)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -167,8 +171,8 @@ def run(ctx: StageContext) -> dict:
     import datasets
 
     from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
-    from ..rewards import build_rewards
     from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
+    from ..verifier_rewards import build_rewards
 
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)

@@ -1,7 +1,7 @@
 """`rsft` stage: rejection-sampling fine-tuning (best-of-N filtering, then SFT), for several rounds.
 
-Each round: sample `sampling.n` completions per prompt from the current policy (`generation.generate`),
-score them with `verifiers:` (weighted sum) or a `reward_model:` (`preference.score_texts`), keep the
+Each round: sample `sampling.n` completions per prompt from the current policy (`sampling.generate`),
+score them with `verifiers:` (weighted sum) or a `reward_model:` (`scoring.score_texts`), keep the
 selected ones and fine-tune on them with `trl.SFTTrainer` (prompt and completion rendered with the
 shared convention). The next round samples from the policy just trained (expert iteration; Anthony et
 al. 2017, "RAFT" Dong et al. 2023, ReST-EM Singh et al. 2023).
@@ -37,17 +37,22 @@ resumes its trainer checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from ..data import DataSpec
+from ..config.base import stage_ref
+from ..config.data import DataSpec
+from ..config.sampling import SamplingSpec
+from ..config.stage import StageConfig
+from ..config.verifier import VerifierSpec
 from ..files import write_atomic
-from ..generation import SamplingSpec
-from ..rewards import VerifierSpec
-from .base import StageConfig, StageContext, stage_ref
+from .base import StageContext
+
+log = logging.getLogger(__name__)
 
 
 class RsftSampling(SamplingSpec):
@@ -57,6 +62,7 @@ class RsftSampling(SamplingSpec):
 
 class Config(StageConfig):
     kind: Literal["rsft"] = "rsft"
+    memory_knobs: ClassVar[tuple[str, ...]] = ("`sampling.batch_size`", *StageConfig.memory_knobs)
     data: DataSpec
     verifiers: list[VerifierSpec] = Field(default_factory=list)
     reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id")
@@ -112,7 +118,7 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 def make_scorer(ctx: StageContext):
     """(score(rows, prompts, completions) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
-    from ..rewards import build_rewards, combined_scores
+    from ..verifier_rewards import build_rewards, combined_scores
 
     if ctx.config.verifiers:
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -122,7 +128,7 @@ def make_scorer(ctx: StageContext):
 
         return score_by_verifiers, rewards
     from ..models import load_reward_model, load_tokenizer
-    from ..preference import score_texts
+    from ..scoring import score_texts
 
     path = ctx.resolve_model(ctx.config.reward_model)
     model = load_reward_model(path, ctx.recipe.trust_remote_code).to(_device())
@@ -154,9 +160,9 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     from transformers import set_seed
 
     from ..formatting import render_prompt
-    from ..generation import generate
     from ..models import load_policy
-    from ..preference import prompt_of
+    from ..prompts import prompt_of
+    from ..sampling import generate
 
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
@@ -186,7 +192,7 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     }
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
-    print(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
+    log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
           f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
           f"mean score {stats['mean_score']:.3f})")
     return selected, stats
@@ -235,8 +241,8 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 def check(ctx: StageContext) -> None:
     from ..formatting import render_prompt
     from ..models import check_model_source, load_tokenizer
-    from ..preference import prompt_of
-    from ..rewards import resolve_all
+    from ..prompts import prompt_of
+    from ..verifier_rewards import resolve_all
 
     sft_args(ctx, ctx.work_dir)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -257,14 +263,14 @@ def run(ctx: StageContext) -> dict:
     records = finished_rounds(ctx)
     policy = records[-1]["policy"] if records else ctx.start_model
     if records:
-        print(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
+        log.info(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
     for k in range(len(records) + 1, cfg.rounds + 1):
         selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer)
         history = []
         if selected:
             policy, history = train_round(ctx, k, policy, tokenizer, selected)
         else:
-            print(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
+            log.info(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
         record = {"round": k, "policy": policy, "stats": stats, "log_history": [{**h, "round": k} for h in history]}
         if ctx.is_main:
             write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))

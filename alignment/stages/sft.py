@@ -9,11 +9,16 @@ Recipe keys under `train:` go verbatim to `trl.SFTConfig`.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
-from ..data import DataSpec
+from ..config.data import DataSpec
+from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import StageConfig, StageContext
+from .base import StageContext
+
+log = logging.getLogger(__name__)
+
 
 COLUMNS = [("prompt", "completion"), ("messages",)]
 
@@ -45,7 +50,7 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
         raise UserError(f"{ctx.where}.{key}: all {len(dataset)} rows were filtered out because their completion "
                         "is empty; check the data or its column mapping (rename).")
     if len(rows) < len(dataset):
-        print(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with an empty completion")
+        log.info(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with an empty completion")
     return drop_overlong(rows, tokenizer, max_length, f"{ctx.where}.{key}")
 
 
@@ -67,7 +72,7 @@ def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: st
         raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
                         "left to train on; raise train.max_length or shorten the prompts.")
     if len(kept) < len(rows):
-        print(f"[{where}] dropped {len(rows) - len(kept)} of {len(rows)} rows whose prompt exceeds max_length={max_length}")
+        log.info(f"[{where}] dropped {len(rows) - len(kept)} of {len(rows)} rows whose prompt exceeds max_length={max_length}")
     return kept
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+from ..config.base import did_you_mean
 from ..errors import UserError
-from ..schema import did_you_mean
 
 TASKS = {"arithmetic": "alignment.tasks.arithmetic"}
 

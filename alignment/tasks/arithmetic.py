@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..schema import Strict
+from ..config.base import Strict
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 

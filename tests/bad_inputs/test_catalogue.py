@@ -52,7 +52,8 @@ def sft_on(rows_or_path, **data):
 
 
 def model_dir_without_chat_template(tmp: Path) -> Path:
-    from alignment.models import TinySpec, build_tiny_model
+    from alignment.config.model import TinySpec
+    from alignment.models import build_tiny_model
 
     path = build_tiny_model(TinySpec(hidden_size=32, num_layers=1), 0, tmp / "plain-model")
     config = json.loads((path / "tokenizer_config.json").read_text())

@@ -1,4 +1,4 @@
-"""A stand-in for the parts of vLLM that `alignment.vllm_backend` uses, for tests on machines without a
+"""A stand-in for the parts of vLLM that `alignment.sampling.vllm_engine` uses, for tests on machines without a
 GPU (vLLM itself needs CUDA). It mirrors vLLM 0.22-0.33's interface as TRL 1.16 uses it: `LLM(...)`
 with `load_format="dummy"` (random weights until some are loaded), `llm_engine.model_executor.
 driver_worker.model_runner.model.load_weights(iterable of (checkpoint name, tensor))`,

@@ -1,4 +1,4 @@
-"""generation.py: the one sampling path (order, stop tokens, the static-cache option)."""
+"""alignment/sampling: the one sampling path (order, stop tokens, the static-cache option)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from alignment.formatting import render_prompt
-from alignment.generation import SamplingSpec, generate
+from alignment.config.sampling import SamplingSpec
+from alignment.sampling import generate
 from alignment.models import load_policy, load_tokenizer
 
 
@@ -31,7 +32,8 @@ def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["plain", "lora"])
 def test_static_cache_decodes_exactly_like_the_dynamic_cache(tiny_model, prompts, adapter):
-    from alignment.models import LoraSpec, apply_lora
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora
 
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
     if adapter:
@@ -49,7 +51,8 @@ def test_static_cache_decodes_exactly_like_the_dynamic_cache(tiny_model, prompts
 
 def lora_policy(tiny_model):
     """The tiny model with a non-zero LoRA adapter, so the adapter really changes the outputs."""
-    from alignment.models import LoraSpec, apply_lora
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora
 
     model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
     with torch.no_grad():
@@ -64,7 +67,7 @@ def base_weights(model) -> dict[str, torch.Tensor]:
 
 
 def test_merged_lora_samples_like_the_unmerged_adapter_and_restores_the_base_exactly(tiny_model, prompts):
-    from alignment.generation import lora_merged
+    from alignment.sampling.samples import lora_merged
 
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     spec = {"temperature": 0, "max_new_tokens": 8, "batch_size": 3}
@@ -87,7 +90,7 @@ def test_merged_lora_samples_like_the_unmerged_adapter_and_restores_the_base_exa
 
 
 def test_merged_lora_restores_the_base_when_sampling_fails(tiny_model):
-    from alignment.generation import lora_merged
+    from alignment.sampling.samples import lora_merged
 
     model = lora_policy(tiny_model)
     before = base_weights(model)
@@ -103,7 +106,7 @@ def test_running_out_of_memory_while_merging_names_the_setting(tiny_model, monke
     from peft.tuners.lora import LoraLayer
 
     from alignment.errors import UserError
-    from alignment.generation import lora_merged
+    from alignment.sampling.samples import lora_merged
 
     model = lora_policy(tiny_model)
     before = base_weights(model)

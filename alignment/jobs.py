@@ -20,13 +20,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from .dist import get_logger
 from .errors import UserError
 from .recipe import Recipe
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -38,8 +44,6 @@ class Job:
 
 def slot_environments(jobs: int) -> list[dict[str, str]]:
     """The environment variables that give each of `jobs` children its share of the machine."""
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         if jobs > gpus:
@@ -59,11 +63,18 @@ def describe(env: dict[str, str]) -> str:
     return f"{threads} CPU thread{'s' if threads != '1' else ''}"
 
 
-def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for: Callable[[str], list[str]],
-                    log=print, poll_s: float = 0.2) -> dict[str, dict]:
+def stage_command(recipe: Recipe, stage_id: str) -> list[str]:
+    """What a child runs: this recipe, with the same overrides, for one stage."""
+    return [sys.executable, "-m", "alignment", "run", str(recipe.path), *recipe.overrides, "--only", stage_id,
+            "--no-eval"]
+
+
+def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
+                    command_for: Callable[[Recipe, str], list[str]] = stage_command,
+                    poll_s: float = 0.2) -> dict[str, dict]:
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
     finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
-    stage they read is among them or finished."""
+    stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line."""
     envs = slot_environments(jobs)
     log_dir = recipe.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -79,8 +90,8 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for
         log_path = log_dir / f"{stage_id}.log"
         env = {**os.environ, **envs[slot], "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
         with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
-            process = subprocess.Popen(command_for(stage_id), stdout=out, stderr=subprocess.STDOUT, env=env)
-        log(f"[{stage_id}] started in its own process ({describe(envs[slot])}); log: {log_path}")
+            process = subprocess.Popen(command_for(recipe, stage_id), stdout=out, stderr=subprocess.STDOUT, env=env)
+        log.info(f"[{stage_id}] started in its own process ({describe(envs[slot])}); log: {log_path}")
         return Job(stage_id, process, log_path)
 
     try:
@@ -102,11 +113,11 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int, command_for
                 del running[slot]
                 if code == 0:
                     results[job.stage_id] = finished_record(recipe, job.stage_id)
-                    log(f"[{job.stage_id}] done in {results[job.stage_id]['wall_time_s']:.1f}s -> "
+                    log.info(f"[{job.stage_id}] done in {results[job.stage_id]['wall_time_s']:.1f}s -> "
                         f"{recipe.stage_dir(job.stage_id)}")
                 else:
                     failed.append((job, code))
-                    log(f"[{job.stage_id}] failed (exit code {code}); stages already running will finish, "
+                    log.info(f"[{job.stage_id}] failed (exit code {code}); stages already running will finish, "
                         "no new stage starts")
     except BaseException:  # Ctrl-C or an error here: stop the children rather than orphan them
         for job in running.values():

@@ -8,17 +8,10 @@ import pytest
 import torch
 
 from alignment.errors import UserError
-from alignment.preference import (
-    OnPolicySpec,
-    encode,
-    normalize_pairs,
-    normalize_row,
-    on_policy_pairs,
-    pair_samples,
-    render_pairs,
-    score_rendered,
-    score_texts,
-)
+from alignment.config.sampling import OnPolicySpec
+from alignment.formatting import encode
+from alignment.pairs import normalize_pairs, normalize_row, on_policy_pairs, pair_samples, render_pairs
+from alignment.scoring import score_rendered, score_texts
 from alignment.verifiers import VerifyResult, resolve
 
 USER = {"role": "user", "content": "What is 2+2?"}
@@ -58,12 +51,12 @@ def test_bad_rows_are_dropped_with_a_reason(row, reason):
     assert normalize_row(row, 3, "stages.dpo.data") == reason
 
 
-def test_drops_are_counted_and_all_dropped_is_an_error(capsys):
+def test_drops_are_counted_and_all_dropped_is_an_error(logged):
     rows = [{"prompt": "q", "chosen": "4", "rejected": "5"}, {"prompt": "q", "chosen": "4", "rejected": "4"},
             {"prompt": "q", "chosen": "", "rejected": "5"}]
     pairs, dropped = normalize_pairs(datasets.Dataset.from_list(rows), "stages.rm.data")
     assert len(pairs) == 1 and sum(dropped.values()) == 2
-    assert "dropped 2 of 3 rows" in capsys.readouterr().out
+    assert "dropped 2 of 3 rows" in logged()
     with pytest.raises(UserError, match=r"stages.rm.data: no usable preference pairs.*2 chosen identical"):
         normalize_pairs(datasets.Dataset.from_list([rows[1], rows[1]]), "stages.rm.data")
 
@@ -88,7 +81,7 @@ def test_pair_samples_prefers_common_finished_answers_and_skips_errors():
     assert pair_samples(["4", "4"], [ok, ok], [True, True], 3) == []
 
 
-def test_on_policy_pairs_counts_built_and_dropped(tiny_model, capsys):
+def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
     from alignment.models import load_policy, load_tokenizer
 
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
@@ -105,7 +98,7 @@ def test_on_policy_pairs_counts_built_and_dropped(tiny_model, capsys):
     assert stats["prompts_dropped"] == 2 and stats["pairs_built"] == len(pairs) >= 4
     assert all(ord(p["chosen"].strip()[0]) % 2 == 1 and ord(p["rejected"].strip()[0]) % 2 == 0 for p in pairs)
     assert {p["prompt"] for p in pairs} <= {r["prompt"] for r in rows[:4]}
-    assert "dropped 2 prompts" in capsys.readouterr().out
+    assert "dropped 2 prompts" in logged()
     with pytest.raises(UserError, match="no pairs could be built"):
         on_policy_pairs(model, tokenizer, rows[4:], spec, resolve(parity), "stages.dpo")
 

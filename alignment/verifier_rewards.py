@@ -1,4 +1,4 @@
-"""Verifiers as TRL reward functions, and the `verifiers:` list that RL stages share.
+"""Verifiers as rewards: TRL reward functions, and the resolving/column checks of an RL stage's `verifiers:` list.
 
 TRL's GRPOTrainer / RLOOTrainer call each reward function as
 ``f(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., log_metric=..., **columns)``
@@ -12,7 +12,8 @@ What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by i
 ``unparseable/<name>`` and ``errors/<name>`` (share of completions, per logging step, through TRL's
 ``log_metric`` hook) and, in the stage's final metrics, running totals from `counts`.
 
-    from alignment.rewards import VerifierSpec, build_rewards
+    from alignment.config.verifier import VerifierSpec
+    from alignment.verifier_rewards import build_rewards
     rewards = build_rewards([VerifierSpec(name="arithmetic")], search_dirs=[recipe_dir])
     GRPOTrainer(..., reward_funcs=rewards, args=GRPOConfig(reward_weights=[r.weight for r in rewards]))
 """
@@ -22,12 +23,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-from pydantic import Field, model_validator
-
+from .config.verifier import VerifierSpec
+from .dist import get_logger
 from .errors import UserError
-from .schema import Strict
+from .verifiers import VerifyResult, is_pass, resolve
+
+log = get_logger(__name__)
+
 
 # The dataset column holding the prompt as written in the data; the `prompt` column TRL sees is rendered text.
 SOURCE_PROMPT = "source_prompt"
@@ -35,23 +38,8 @@ SOURCE_PROMPT = "source_prompt"
 TRL_EXTRAS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
-class VerifierSpec(Strict):
-    """One entry of a stage's `verifiers:` list; a bare string is shorthand for `{name: ...}`."""
-
-    name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe)")
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value):
-        return {"name": value} if isinstance(value, str) else value
-
-
 def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: str) -> list:
     """Resolve each spec to a `Verifier`; errors name the entry (`stages.x.verifiers.1`)."""
-    from .verifiers import resolve
-
     resolved = []
     for index, spec in enumerate(specs):
         try:
@@ -114,7 +102,7 @@ class VerifierReward:
         errors = [r for r in results if r.status == "error"]
         if errors and not self._warned:
             self._warned = True
-            print(f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
+            log.info(f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
                   f"({errors[0].detail}); further errors are counted in errors/{self.__name__}.")
         return results
 
@@ -129,8 +117,6 @@ class VerifierReward:
         return example
 
     def _score_one(self, completion, example):
-        from .verifiers import VerifyResult
-
         # Verifier.score already turns an exception in the user's function into an "error" row; this
         # second guard covers everything around it, so a verifier can never stop a training run.
         try:
@@ -166,8 +152,6 @@ def build_rewards(specs: list[VerifierSpec], search_dirs: list[Path], where: str
 def combined_scores(rewards: list[VerifierReward], completions: list[str], examples: list[dict]) -> list[dict]:
     """Per completion: `score` (weighted reward sum), `parsed` (no verifier found it unparseable or failed)
     and `passed` (every verifier passed it). RSFT's filter reads these."""
-    from .verifiers import is_pass
-
     per_reward = [reward.score(completions, examples) for reward in rewards]
     return [
         {"score": sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),

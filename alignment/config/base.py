@@ -1,8 +1,9 @@
-"""Validation plumbing shared by the recipe, stage and data specs.
+"""Validation plumbing shared by every spec of the config layer, and stage references.
 
 Every user-facing spec derives from `Strict` (pydantic, unknown keys forbidden). `explain()` turns a
 pydantic `ValidationError` into one readable paragraph that names the dotted key and, for unknown
-keys, suggests the closest allowed one ("did you mean ...").
+keys, suggests the closest allowed one ("did you mean ..."). `stage_ref` reads a whole-value `${stage}`
+reference, which names another stage's output.
 """
 
 from __future__ import annotations
@@ -63,3 +64,13 @@ def explain(error: ValidationError, model: type[BaseModel], prefix: str = "") ->
             shown = f" (got {got!r})" if not isinstance(got, dict) else ""
             lines.append(f"'{where}': {item['msg']}{shown}")
     return "; ".join(lines)
+
+
+STAGE_REF_PREFIX = "${"
+
+
+def stage_ref(value: Any) -> str | None:
+    """The stage id in a whole-value reference '${sft}', else None."""
+    if isinstance(value, str) and value.startswith(STAGE_REF_PREFIX) and value.endswith("}"):
+        return value[2:-1]
+    return None

@@ -1,6 +1,4 @@
-"""Preference pairs for the `reward` and `dpo` stages, and reward-model scoring.
-
-Three jobs, shared by both preference stages (and by ppo / evaluate for scoring):
+"""Preference pairs for the `reward` and `dpo` stages.
 
 - `normalize_pairs(dataset, where)`: rows in any usual preference format -> (prompt, chosen, rejected)
   with the answers as plain strings. Formats: explicit `prompt` + `chosen`/`rejected` strings;
@@ -10,40 +8,38 @@ Three jobs, shared by both preference stages (and by ppo / evaluate for scoring)
   word boundary). Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
   shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
   a dataset where every row is dropped.
-- `on_policy_pairs(...)`: sample N completions per prompt from the policy (`generation.generate`),
+- `on_policy_pairs(...)`: sample N completions per prompt from the policy (`sampling.generate`),
   grade them with a verifier, pair a verified-correct completion (chosen) with an incorrect or
   unparseable one (rejected). Prompts without both kinds are dropped and counted.
-- `score_texts(reward_model, tokenizer, prompts, completions)`: the reward of each completion, read
-  by the scalar head at the last token of `render_prompt(p) + render_completion(p, c)` (the shared
-  convention of `formatting.py`, tokenized by `encode`, exactly as the reward stage trains on it).
 
-Every stage that renders pairs uses `render_pairs`, so DPO, the reward model and PPO see one text.
+Every stage that renders pairs uses `render_pairs`, so DPO and the reward model see one text, the text
+`scoring.score_texts` scores.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections import Counter
 from typing import Any
 
-from pydantic import Field
+import torch
+from accelerate import PartialState
 
+from .config.sampling import OnPolicySpec
+from .data import check_columns
+from .dist import get_logger
 from .errors import UserError
-from .formatting import render_completion, render_prompt
-from .generation import SamplingSpec
+from .formatting import encode, render_completion, render_prompt
+from .prompts import check_prompt_rows, prompt_of
+from .sampling import generate
+from .verifiers import is_pass, resolve
+
+log = get_logger(__name__)
+
 
 PAIR_COLUMNS = [("prompt", "chosen", "rejected"), ("chosen", "rejected")]
-PROMPT_COLUMNS = [("prompt",), ("messages",)]
-
-
-class OnPolicySpec(SamplingSpec):
-    """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
-
-    verifier: str = Field(description="verifier key or module:function that grades each sample")
-    verifier_options: dict[str, Any] = Field(default_factory=dict)
-    n: int = Field(8, gt=1, description="samples per prompt")
-    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,8 +107,6 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
 
 def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
     """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
-    from .data import check_columns
-
     check_columns(dataset, PAIR_COLUMNS, where, spec)
     pairs, dropped = [], Counter()
     for index, row in enumerate(dataset):
@@ -132,7 +126,7 @@ def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:
         raise UserError(f"{where}: no usable preference pairs: all {sum(dropped.values())} {what} were dropped "
                         f"({reasons or 'no rows'}).")
     if dropped:
-        print(f"[{where}] dropped {sum(dropped.values())} of {kept + sum(dropped.values())} {what}: {reasons}")
+        log.info(f"[{where}] dropped {sum(dropped.values())} of {kept + sum(dropped.values())} {what}: {reasons}")
 
 
 def render_pairs(tokenizer, pairs: list[dict]) -> list[dict]:
@@ -162,24 +156,6 @@ def split_eval(pairs: list[dict], fraction: float, seed: int) -> tuple[list[dict
 # On-policy pairs graded by a verifier
 
 
-def prompt_of(row: dict) -> Any:
-    """The prompt of a prompt-data row: `prompt`, or `messages` without a final assistant turn."""
-    if row.get("prompt") is not None:
-        return row["prompt"]
-    messages = list(row["messages"])
-    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
-
-
-def check_prompt_rows(dataset, verifier, where: str, spec=None) -> None:
-    """Prompt data for on-policy sampling: a prompt column and the columns the verifier needs (it gets
-    the rows as they are, so not even `prompt` is filled in for it)."""
-    from .data import check_columns
-    from .rewards import check_verifier_columns
-
-    check_columns(dataset, PROMPT_COLUMNS, where, spec)
-    check_verifier_columns([verifier], dataset.column_names, where, provided=(), entry=None)
-
-
 def pair_samples(texts: list[str], results: list, finished: list[bool], limit: int) -> list[tuple[str, str]]:
     """Up to `limit` (correct, incorrect) text pairs from one prompt's graded samples.
 
@@ -187,8 +163,6 @@ def pair_samples(texts: list[str], results: list, finished: list[bool], limit: i
     errors are left out. Distinct texts are ranked finished first (ended with the end-of-turn token),
     then most frequent: the most frequent wrong answer is the policy's most confident mistake, the
     one most worth pushing down."""
-    from .verifiers import is_pass
-
     count, done, kind = Counter(), {}, {}
     for text, result, end in zip(texts, results, finished):
         if not text.strip() or result.status == "error":
@@ -205,9 +179,6 @@ def pair_samples(texts: list[str], results: list, finished: list[bool], limit: i
 
 def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
     """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats)."""
-    from .generation import generate
-    from .verifiers import is_pass
-
     prompts = [prompt_of(r) for r in rows]
     samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling")
     results = verifier.score_batch([s.text for s in samples], [rows[s.prompt_index] for s in samples])
@@ -224,7 +195,7 @@ def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, veri
     stats = {"pairs_built": len(pairs), "prompts_dropped": no_correct + no_incorrect, "prompts_sampled": len(prompts),
              "prompts_without_correct": no_correct, "prompts_without_incorrect": no_incorrect,
              "sample_pass_rate": sum(is_pass(r) for r in results) / max(len(results), 1)}
-    print(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
+    log.info(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
           f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
           f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
     if not pairs:
@@ -237,18 +208,10 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     """On-policy pairs for a stage, built once on the main process and kept in the stage's work folder, so
     every process trains on the same pairs and a resumed run does not resample (the file name carries a
     hash of the settings: changed settings resample)."""
-    import hashlib
-
-    from accelerate import PartialState
-
-    from .verifiers import resolve
-
     settings = json.dumps([spec.model_dump(mode="json"), ctx.config.data.model_dump(mode="json"), ctx.start_model,
                            ctx.seed], sort_keys=True)
 
     def sample_pairs():
-        import torch
-
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         dataset = ctx.load_data(ctx.config.data, "data")
         check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
@@ -273,8 +236,6 @@ def check_stage_data(ctx) -> None:
     spec = getattr(ctx.config, "on_policy", None)
     dataset = ctx.load_data(ctx.config.data, "data")
     if spec is not None:
-        from .verifiers import resolve
-
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
     else:
@@ -283,64 +244,7 @@ def check_stage_data(ctx) -> None:
         normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data", ctx.config.eval_data)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reward-model scoring
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of rendered text. The rendered text already holds every special token the template adds,
-    so none is added here (the same choice as `generation.generate`)."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
     """{'chosen_ids', 'rejected_ids'}: prompt+answer token ids, the form `trl.RewardTrainer` trains on as is."""
     return [{"chosen_ids": encode(tokenizer, r["prompt"] + r["chosen"]),
              "rejected_ids": encode(tokenizer, r["prompt"] + r["rejected"])} for r in rendered]
-
-
-def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
-    """Scalar reward of already rendered texts (right-padded batches; the head reads the last real token)."""
-    import torch
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if getattr(reward_model.config, "pad_token_id", None) is None:
-        reward_model.config.pad_token_id = pad
-    device = next(reward_model.parameters()).device
-    encoded = [encode(tokenizer, t) for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
-    scores = [0.0] * len(texts)
-    was_training = reward_model.training
-    reward_model.eval()
-    with torch.no_grad():
-        for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
-            width = max(len(encoded[i]) for i in batch)
-            ids = torch.full((len(batch), width), reward_model.config.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
-                mask[row, : len(encoded[i])] = 1
-            logits = reward_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-            for row, i in enumerate(batch):
-                scores[i] = float(logits[row, 0])
-    reward_model.train(was_training)
-    return scores
-
-
-def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16) -> list[float]:
-    """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
-    text (as `generation.Sample.text`). Rendered as `render_prompt(p) + render_completion(p, c)`."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    texts = [render_prompt(tokenizer, p) + render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
-    return score_rendered(reward_model, tokenizer, texts, batch_size)
-
-
-def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
-    """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
-    prompts = [p["prompt"] for p in pairs]
-    chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
-    rejected = score_texts(reward_model, tokenizer, prompts, [p["rejected"] for p in pairs], batch_size)
-    margins = [c - r for c, r in zip(chosen, rejected)]
-    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins)}

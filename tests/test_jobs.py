@@ -1,7 +1,8 @@
-"""`align run --jobs N`: independent stages at once, each in its own process (alignment/parallel.py)."""
+"""`align run --jobs N`: independent stages at once, each in its own process (alignment/jobs.py)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from conftest import REPO, run_cli, write_recipe
 from safetensors.torch import load_file
 
-from alignment import parallel
+from alignment import jobs
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
@@ -100,12 +101,12 @@ with open(out / "events.txt", "a") as f: f.write(f"end {stage} {time.time()}\\n"
 """
 
 
-def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking_stages_first(tmp_path):
+def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking_stages_first(tmp_path, caplog):
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     seconds = {"sft": 0.3, "rm": 0.6, "ppo": 0.3, "rlvr": 0.9, "dpo": 0.3, "rsft": 0.3}
-    command = lambda s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]
-    messages = []
-    results = parallel.run_in_parallel(recipe, list(recipe.stages), 2, command, log=messages.append, poll_s=0.02)
+    command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        results = jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02)
     assert results["rlvr"] == {"metrics": {"x": 1}, "wall_time_s": 0.9}
     events = [line.split() for line in (tmp_path / "events.txt").read_text().splitlines()]
     times = {(kind, stage): float(t) for kind, stage, t in events}
@@ -115,7 +116,7 @@ def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking
     running = max(sum(1 for s in recipe.stages if times[("start", s)] <= t < times[("end", s)])
                   for (_, _), t in times.items())
     assert running == 2
-    started = [m.split("]")[0][1:] for m in messages if " started in its own process (1 CPU thread" in m]
+    started = [m.split("]")[0][1:] for m in caplog.messages if " started in its own process (1 CPU thread" in m]
     assert started[:3] == ["sft", "rm", "rlvr"]  # rm unblocks ppo, so it goes before the first leaf
     assert sorted(started) == sorted(recipe.stages)
 
@@ -124,22 +125,22 @@ def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking
 def test_a_stage_whose_input_was_never_produced_is_refused_before_anything_starts(tmp_path, jobs):
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     with pytest.raises(UserError, match="stage 'ppo' reads the output of 'sft', which has not been produced"):
-        run_recipe(recipe, only=["ppo", "dpo"], jobs=jobs, command_for=lambda s: ["false"])
+        run_recipe(recipe, only=["ppo", "dpo"], jobs=jobs)
     with pytest.raises(UserError, match="stage 'ppo' reads the output of 'rm', which has not been produced"):
-        run_recipe(recipe, only=["sft", "ppo"], jobs=jobs, command_for=lambda s: ["false"])
+        run_recipe(recipe, only=["sft", "ppo"], jobs=jobs)
     assert not (tmp_path / "logs").exists() and not (tmp_path / ".staging").exists()
 
 
 def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert parallel.slot_environments(2) == [{"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}] * 2
-    assert parallel.slot_environments(8)[0]["OMP_NUM_THREADS"] == "1"
+    assert jobs.slot_environments(2) == [{"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}] * 2
+    assert jobs.slot_environments(8)[0]["OMP_NUM_THREADS"] == "1"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert parallel.slot_environments(2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert jobs.slot_environments(2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
     with pytest.raises(UserError, match="more parallel stages than there are GPUs"):
-        parallel.slot_environments(3)
+        jobs.slot_environments(3)
 
 
 def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypatch):
@@ -151,5 +152,5 @@ def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypat
     monkeypatch.setattr(runner, "distributed_state", lambda: TwoProcesses())
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     with pytest.raises(UserError, match="cannot be combined with accelerate launch"):
-        run_recipe(recipe, jobs=2, command_for=lambda s: [])
+        run_recipe(recipe, jobs=2)
 

@@ -4,7 +4,7 @@ on-policy preference data and evaluation suites).
 vLLM runs in this process beside the policy ("colocated", as TRL's GRPO `vllm_mode: colocate`): each
 training process owns one engine on its own GPU and samples its own prompts. The engine is started
 from the policy's config with dummy weights (`load_format="dummy"`), and the policy's current weights
-are pushed into it before every call (with LoRA: merged through `generation.lora_merged`, so the
+are pushed into it before every call (with LoRA: merged through `samples.lora_merged`, so the
 base, which is also the reference policy, is restored bit for bit afterwards). Pushing every call
 costs one device-to-device copy of the weights, small beside sampling, and means a sampler can never
 run on stale weights. One engine serves every model of the same shape in the process (the stages of
@@ -22,57 +22,30 @@ of the logits, before temperature or top-p), so the check compares the models, n
 The engine is reached the way TRL 1.16 reaches it (`llm_engine.model_executor.driver_worker.
 model_runner.model.load_weights`, with `distributed_executor_backend="external_launcher"`, which
 keeps the worker in this process). TRL 1.16 supports vLLM 0.22 to 0.31; the same calls are there in
-vLLM 0.33's source. Tested against a stand-in of that interface (tests/fake_vllm): vLLM needs a CUDA
-GPU, and none was available while this was written, so the real engine has not been run through this
-module yet (docs/performance.md).
+vLLM 0.33's source. Tested against a stand-in of that interface (tests/fake_vllm); the real engine has
+not been run through this module yet (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import logging
 import os
 import socket
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pydantic import Field
+import torch
+import torch.distributed as dist
 
-from .errors import UserError
-from .schema import Strict
-
-if TYPE_CHECKING:
-    from .generation import SamplingSpec
+from ..config.sampling import SUPPORTED_VERSIONS, SamplingSpec, VllmSpec
+from ..errors import UserError
+from ..rl import prompt_completion_batch, sequence_logprobs
+from .samples import lora_merged, stop_token_ids, to_sample
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_VERSIONS = "0.22 to 0.31, the range TRL 1.16 supports"
-
-
-class VllmSpec(Strict):
-    """Settings of the vLLM engine (used with `backend: vllm`)."""
-
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="share of GPU memory the engine may take "
-                                          "(weights + KV cache); the policy's training state needs the rest")
-    max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion in tokens (default: the "
-                                      "model's own limit; a smaller value leaves more memory for the KV cache)")
-    logprob_tolerance: float = Field(0.1, gt=0, description="largest mean |log p_vllm - log p_policy| per sampled "
-                                     "token accepted (see alignment/vllm_backend.py)")
-    check_samples: int = Field(8, ge=0, description="samples re-scored by the policy after every call (0: no check)")
-    sleep: bool = Field(False, description="give the engine's GPU memory (weights and KV cache) back between calls, "
-                        "for training; as TRL's vllm_enable_sleep_mode: sleep level 2, weights pushed on waking")
-
-
-def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:
-    """Why `setting` cannot work here, or None. Used by the sampling specs' validators (and rlvr's
-    `use_vllm`), so that `align check` and the start of `align run` say so before any model is loaded."""
-    if importlib.util.find_spec("vllm") is None:
-        return (f"vllm is not installed. {setting} needs it (`pip install vllm`, a release from "
-                f"{SUPPORTED_VERSIONS}) and a CUDA GPU; or {instead}, which needs neither")
-    return None
 
 
 @dataclass
@@ -86,11 +59,9 @@ class _Engine:
 _engine: _Engine | None = None  # one per process: vLLM reserves its share of GPU memory up front
 
 
-def generate(model, tokenizer, prompts: list[str], settings: "SamplingSpec", progress: str | None = None) -> list:
-    """`generation.generate` with vLLM doing the sampling; same arguments, same result."""
-    import torch
+def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list:
+    """`sampling.generate` with vLLM doing the sampling; same arguments, same result."""
 
-    from .generation import stop_token_ids, to_sample
 
     stops = stop_token_ids(tokenizer)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -135,10 +106,9 @@ def generate(model, tokenizer, prompts: list[str], settings: "SamplingSpec", pro
     return samples
 
 
-def _sampling_params(settings: "SamplingSpec", stops: list[int], count: int) -> list:
+def _sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
     """One SamplingParams per prompt, each with its own seed drawn from torch's generator, so equal
     prompts get different samples and a reseeded run samples the same again."""
-    import torch
     from vllm import SamplingParams
 
     greedy = settings.temperature == 0
@@ -198,7 +168,6 @@ def close() -> None:
     _engine.folder.cleanup()
     _engine = None
     gc.collect()
-    import torch
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -210,7 +179,6 @@ def _launcher_environment():
     a single process started without a launcher has none, so give it a world of one for that long
     (left set, they would make later child processes believe they are part of a distributed run).
     Yields (rank, world size)."""
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         yield dist.get_rank(), dist.get_world_size()
@@ -235,7 +203,6 @@ def _base_model(model):
 def push_weights(llm, model) -> None:
     """Copy the policy's current weights (LoRA merged) into the engine, then drop its prefix cache,
     which holds keys and values computed with the old weights."""
-    from .generation import lora_merged
 
     try:
         runner_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
@@ -259,9 +226,7 @@ def vllm_weights(model):
 
 def logprob_gap(model, tokenizer, prompt_ids: list[list[int]], samples: list, sampler_logprobs: list[list[float]]):
     """Mean |log p_sampler - log p_policy| over the sampled tokens of `samples` (raw log-probs)."""
-    import torch
 
-    from .rl import prompt_completion_batch, sequence_logprobs
 
     rows = [(prompt_ids[s.prompt_index], s.token_ids, lp) for s, lp in zip(samples, sampler_logprobs) if s.token_ids]
     if not rows:

@@ -1,4 +1,4 @@
-"""`backend: vllm` (alignment/vllm_backend.py), against the stand-in in tests/fake_vllm: vLLM needs a CUDA
+"""`backend: vllm` (alignment/sampling/vllm_engine.py), against the stand-in in tests/fake_vllm: vLLM needs a CUDA
 GPU, so these tests check our side of the interface (weights pushed before every call with LoRA merged,
 samples and their order, seeds, the log-prob check, errors), not vLLM's speed."""
 
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_generation import base_weights, lora_policy
+from test_sampling import base_weights, lora_policy
 from test_ppo import tiny_ppo_recipe, trainable_digest
 
-from alignment import vllm_backend
+from alignment.sampling import vllm_engine
 from alignment.errors import UserError
 from alignment.formatting import render_prompt
-from alignment.generation import SamplingSpec, generate
+from alignment.config.sampling import SamplingSpec
+from alignment.sampling import generate
 from alignment.models import load_tokenizer
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
@@ -36,7 +37,7 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(vllm.LLM, "ignore_weights", False)
     monkeypatch.setattr(vllm.LLM, "fail_with", None)
     yield vllm
-    vllm_backend.close()
+    vllm_engine.close()
     sys.modules.pop("vllm", None)
 
 
@@ -147,7 +148,7 @@ def test_missing_vllm_is_named_when_the_recipe_loads(tmp_path, tiny_model, monke
 
 
 def test_ppo_samples_every_update_through_vllm(tmp_path, tiny_model, fake_vllm):
-    run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, rollout={"backend": "vllm"})), log=lambda *_: None)
+    run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, rollout={"backend": "vllm"})))
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
     assert len([h for h in history if "score" in h]) == 3
     assert len(fake_vllm.LLM.instances) == 1 and fake_vllm.LLM.pushes == 3  # the new policy before each rollout

@@ -4,7 +4,7 @@ across checkpoints and of each stage's training curves (from the `log_history.js
 Plots are drawn on `matplotlib.figure.Figure` objects saved by the Agg renderer, never through pyplot,
 so no display, GUI backend or global figure state is involved (safe in tests and on servers).
 
-    from alignment.plots import plot_metrics, plot_training_curves
+    from alignment.report import plot_metrics, plot_training_curves
     plot_metrics({"sft": {"arith/pass@1": 0.55}, "dpo": {"arith/pass@1": 0.61}}, Path("eval/metrics.png"))
     plot_training_curves({"sft": Path("outputs/quickstart/sft")}, Path("eval"))   # reads log_history.json
 """
@@ -15,6 +15,9 @@ import json
 import math
 import re
 from pathlib import Path
+
+from matplotlib.figure import Figure
+from rich.table import Table
 
 METRIC_HELP = {
     "pass@1": "share of prompts whose main completion (the suite's `sampling`, greedy by default) passes the "
@@ -87,7 +90,6 @@ def markdown_table(metrics: dict[str, dict[str, float]]) -> str:
 
 
 def rich_table(metrics: dict[str, dict[str, float]]):
-    from rich.table import Table
 
     table = Table("metric", *metrics, title="evaluation")
     for name in metric_names(metrics):
@@ -98,7 +100,8 @@ def rich_table(metrics: dict[str, dict[str, float]]):
 # ---------------------------------------------------------------------------------------------------
 # PNG plots
 
-CURVE_WORDS = ("loss", "reward", "kl", "accuracy")  # which trainer-log keys are worth a curve
+CURVE_WORDS = ("loss", "reward", "kl", "accuracy", "score", "verifier/")  # which log keys are worth a curve
+FIRST_WORDS = ("score", "verifier/")  # ppo's reward curves, the ones its user looks at first
 LATER_WORDS = ("min", "max", "std")  # spreads come after means when there are more keys than panels
 MAX_CURVES = 8
 COLUMNS = 4
@@ -106,8 +109,6 @@ COLUMNS = 4
 
 def _figure(panels: int, width: float = 3.6, height: float = 2.8, hspace: float = 0.9):
     # A bare Figure is saved to PNG by the Agg renderer; pyplot and its backend are never touched.
-    from matplotlib.figure import Figure
-
     cols = min(COLUMNS, panels)
     rows = math.ceil(panels / cols)
     figure = Figure(figsize=(width * cols, height * rows))
@@ -145,11 +146,16 @@ def plot_metrics(metrics: dict[str, dict[str, float]], path: Path) -> Path | Non
 
 
 def curve_keys(history: list[dict]) -> list[str]:
-    """Numeric log keys about loss, reward or KL (e.g. loss, eval_loss, rewards/margins, kl), in log order."""
+    """Numeric log keys about loss, reward, score or KL (e.g. loss, eval_loss, rewards/margins, kl), in log order
+    but ppo's scores (score, rm_score, verifier/<name>) first and spreads (std, min, max) last."""
     keys = dict.fromkeys(k for entry in history if isinstance(entry, dict) for k, v in entry.items()
                          if isinstance(v, (int, float)) and not isinstance(v, bool)
                          and any(word in k.lower() for word in CURVE_WORDS))
-    return sorted(keys, key=lambda k: any(w in k.lower() for w in LATER_WORDS))[:MAX_CURVES]
+    def rank(key: str) -> int:
+        spread = any(w in key.lower() for w in LATER_WORDS)
+        return 2 if spread else 0 if any(w in key.lower() for w in FIRST_WORDS) else 1
+
+    return sorted(keys, key=rank)[:MAX_CURVES]
 
 
 def plot_training_curves(folders: dict[str, Path], out_dir: Path) -> list[Path]:

@@ -1,0 +1,55 @@
+"""DataSpec: where a stage's rows come from (a hub dataset, a local file or a built-in task).
+
+Loading and column checks are in `alignment/data.py`; a task's own keys (e.g. arithmetic's `n`) are
+validated here against the task's `Params`.
+"""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+
+from ..errors import UserError
+from ..tasks import get_task
+from .base import Strict, did_you_mean, explain
+
+
+class DataSpec(Strict):
+    """Where a stage's rows come from (see module docstring)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    dataset: str | None = None
+    task: str | None = None
+    config: str | None = None
+    split: str = "train"
+    rename: dict[str, str] = Field(default_factory=dict)
+    shuffle: bool = True
+    limit: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source_and_known_keys(self):
+        extra = dict(self.model_extra or {})
+        if (self.dataset is None) == (self.task is None):
+            raise ValueError("give exactly one of 'dataset' (hub id or local file) or 'task' (built-in task)")
+        if self.task is None and extra:
+            key = next(iter(extra))
+            raise ValueError(
+                f"unknown key '{key}'{did_you_mean(key, type(self).model_fields)}; "
+                f"allowed keys: {', '.join(type(self).model_fields)}"
+            )
+        if self.task is not None:
+            try:
+                params_model = get_task(self.task).Params
+            except UserError as error:
+                raise ValueError(str(error)) from None
+            try:
+                params_model.model_validate(extra)
+            except ValidationError as error:
+                raise ValueError(explain(error, params_model, prefix=f"task {self.task}")) from None
+        return self
+
+    def task_params(self):
+        return get_task(self.task).Params.model_validate(dict(self.model_extra or {}))
+
+    def describe(self) -> str:
+        return f"task '{self.task}' ({self.split})" if self.task else f"'{self.dataset}' ({self.split})"

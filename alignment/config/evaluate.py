@@ -1,0 +1,181 @@
+"""The `evaluate:` block of a recipe and the suites of `align eval`: specs and their validation.
+
+Running them is `alignment/evaluate.py`; this module only reads and checks what the recipe says.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from ..errors import UserError
+from .base import Strict, did_you_mean, explain, stage_ref
+from .data import DataSpec
+from .sampling import SamplingSpec
+
+SUITE_NAME = r"^[\w.@-]+$"
+
+
+def greedy() -> SamplingSpec:
+    return SamplingSpec(temperature=0.0, max_new_tokens=16)
+
+
+class PassAtKSpec(SamplingSpec):
+    """`pass_k:` n sampled completions per prompt; pass@k for every k in `k` (k <= n)."""
+
+    n: int = Field(8, gt=1, description="samples per prompt")
+    temperature: float = Field(1.0, gt=0)
+    k: list[int] = Field(default_factory=list, description="default: powers of two up to n, and n")
+    limit: int | None = Field(None, gt=0, description="sample only the suite's first `limit` prompts (saves time)")
+
+    @model_validator(mode="after")
+    def _k_within_n(self):
+        self.k = sorted(set(self.k)) or sorted({2**i for i in range(self.n.bit_length())} | {self.n})
+        if not all(1 <= k <= self.n for k in self.k):
+            raise ValueError(f"every k must be between 1 and n = {self.n}; got k = {self.k}")
+        return self
+
+
+class SuiteSpec(Strict):
+    name: str = Field(pattern=SUITE_NAME, description="prefix of the suite's metric names")
+    data: DataSpec
+    verifier: str | None = Field(None, description="verifier key or module:function scoring each completion")
+    verifier_options: dict[str, Any] = Field(default_factory=dict)
+    sampling: SamplingSpec = Field(default_factory=greedy, description="one completion per prompt (greedy by default)")
+    pass_k: PassAtKSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_main_completion(self):
+        if self.sampling.n != 1:
+            raise ValueError("sampling.n must be 1 (one completion per prompt); use pass_k: {n: ...} for several")
+        if self.pass_k is not None:  # pass@k samples as long as the main completions unless told otherwise
+            for key in ("max_new_tokens", "batch_size"):
+                if key not in self.pass_k.model_fields_set:
+                    setattr(self.pass_k, key, getattr(self.sampling, key))
+        return self
+
+
+BUILTIN_SUITES: dict[str, dict] = {
+    "arithmetic": {"data": {"task": "arithmetic", "split": "test", "n": 200}, "verifier": "arithmetic",
+                   "sampling": {"temperature": 0, "max_new_tokens": 16}},
+    "arithmetic-sycophancy": {"data": {"task": "arithmetic", "split": "test", "n": 200, "style": "sycophancy"},
+                              "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 16}},
+}
+
+
+def builtin_suite(name: str) -> dict:
+    if name not in BUILTIN_SUITES:
+        raise UserError(f"unknown suite '{name}'{did_you_mean(name, BUILTIN_SUITES)}; built-in suites: "
+                        f"{', '.join(BUILTIN_SUITES)} (or give a YAML file of suites, or a data file with --verifier).")
+    return {"name": name, **json.loads(json.dumps(BUILTIN_SUITES[name]))}
+
+
+class EvaluateSpec(Strict):
+    after: list[str] | None = Field(None, description="stages to evaluate (default: every policy stage)")
+    include_base: bool = False
+    suites: list[SuiteSpec] = Field(min_length=1, description="suite mappings or built-in suite names")
+    reward_model: str | None = Field(None, description="'${rm}' or a path: scores completions (rm_score, win_rate)")
+    baseline: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: win rate is against it")
+    reference: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: KL is to it")
+    reward_hacking_margin: float = Field(0.02, ge=0, description="pass@1 drop beyond which a rising RM score is flagged")
+    batch_size: int = Field(64, gt=0, description="sequences per forward pass when scoring (reward model, KL)")
+    output: str = "eval"
+
+    @field_validator("suites", mode="before")
+    @classmethod
+    def _builtin_names(cls, value):
+        if isinstance(value, list):
+            try:
+                return [builtin_suite(v) if isinstance(v, str) else v for v in value]
+            except UserError as error:
+                raise ValueError(str(error)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        names = [s.name for s in self.suites]
+        if len(set(names)) != len(names):
+            raise ValueError(f"suite names must be unique; got {names}")
+        return self
+
+
+def validate_evaluate_block(recipe, path: Path) -> EvaluateSpec:
+    try:
+        spec = EvaluateSpec.model_validate(recipe.evaluate)
+    except ValidationError as error:
+        raise UserError(f"{path}: {explain(error, EvaluateSpec, prefix='evaluate')}") from None
+    for stage_id in spec.after or []:
+        if stage_id not in recipe.stages:
+            raise UserError(f"{path}: evaluate.after names '{stage_id}', which is not a stage"
+                            f"{did_you_mean(stage_id, recipe.stages)}; stages: {', '.join(recipe.stages)}.")
+        if not recipe.stages[stage_id].produces_policy:
+            raise UserError(f"{path}: evaluate.after names '{stage_id}', a reward model; list policy stages there "
+                            "and give the reward model as evaluate.reward_model.")
+    for key in ("baseline", "reference", "reward_model"):
+        stage_id = named_stage(recipe, getattr(spec, key), f"{path}: evaluate.{key}")
+        if stage_id is not None and recipe.stages[stage_id].produces_policy == (key == "reward_model"):
+            wanted = "a reward stage (kind: reward)" if key == "reward_model" else "a policy stage"
+            raise UserError(f"{path}: evaluate.{key} names stage '{stage_id}' (kind {recipe.stages[stage_id].kind}); "
+                            f"it must be {wanted}.")
+    return spec
+
+
+def named_stage(recipe, value: str | None, where: str) -> str | None:
+    """The stage a model value names ('${sft}' or a bare stage id), else None (a path, hub id or 'base')."""
+    ref = stage_ref(value)
+    if ref is not None and ref not in recipe.stages:
+        raise UserError(f"{where}: '{value}' is not a stage{did_you_mean(ref, recipe.stages)}; "
+                        f"stages: {', '.join(recipe.stages)}.")
+    return ref or (value if value in recipe.stages else None)
+
+
+def model_of(recipe, value: str | None) -> tuple[str, str] | None:
+    """(label, path) of a baseline/reference/reward-model value."""
+    if value is None:
+        return None
+    stage_id = named_stage(recipe, value, "evaluate")
+    if stage_id is not None:
+        return stage_id, str(recipe.stage_dir(stage_id))
+    return ("base", recipe.base_model()) if value == "base" else (value, value)
+
+
+def cli_suites(values: list[str], verifier: str | None = None, n: int | None = None, k: list[int] | None = None,
+               limit: int | None = None) -> tuple[list[SuiteSpec], Path]:
+    """`--suite` values -> suites: built-in names, YAML files of suites, or data files (verifier: --verifier).
+    Returns the suites and the folder relative data paths are read from."""
+    raw, base_dir = [], Path.cwd()
+    for value in values:
+        path = Path(value)
+        if path.suffix in (".yaml", ".yml"):
+            if not path.exists():
+                raise UserError(f"--suite: file '{value}' does not exist.")
+            loaded = yaml.safe_load(path.read_text())
+            loaded = loaded.get("suites") if isinstance(loaded, dict) else loaded
+            if not isinstance(loaded, list):
+                raise UserError(f"--suite {value}: expected a list of suites (or a mapping with 'suites:').")
+            raw += loaded
+            base_dir = path.parent
+        elif path.suffix in (".json", ".jsonl", ".csv", ".parquet"):
+            raw.append({"name": path.stem, "data": {"dataset": value}})
+        else:
+            raw.append(value)
+    suites = []
+    for item in raw:
+        if not isinstance(item, (str, dict)):
+            raise UserError(f"--suite: a suite is a built-in name or a mapping with name, data, verifier; got {item!r}.")
+        item = builtin_suite(item) if isinstance(item, str) else dict(item)
+        if verifier and not item.get("verifier"):
+            item["verifier"] = verifier
+        if limit and isinstance(item.get("data"), dict):
+            item["data"] = {**item["data"], "limit": limit}
+        if n or k:
+            item["pass_k"] = {**(item.get("pass_k") or {}), "n": n or max(k), **({"k": k} if k else {})}
+        try:
+            suites.append(SuiteSpec.model_validate(item))
+        except ValidationError as error:
+            raise UserError(f"--suite: {explain(error, SuiteSpec, prefix=str(item.get('name', 'suite')))}") from None
+    return suites, base_dir

@@ -1,0 +1,74 @@
+"""The one sampling spec: SamplingSpec (and the vLLM engine's settings), used by every block that samples:
+ppo's `rollout:` (RolloutSpec extends it), rsft's `sampling:`, on-policy preference pairs
+(OnPolicySpec) and evaluation suites. Sampling itself is in `alignment/sampling/`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from .base import Strict
+
+SUPPORTED_VERSIONS = "0.22 to 0.31, the range TRL 1.16 supports"
+
+
+class VllmSpec(Strict):
+    """Settings of the vLLM engine (used with `backend: vllm`)."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="share of GPU memory the engine may take "
+                                          "(weights + KV cache); the policy's training state needs the rest")
+    max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion in tokens (default: the "
+                                      "model's own limit; a smaller value leaves more memory for the KV cache)")
+    logprob_tolerance: float = Field(0.1, gt=0, description="largest mean |log p_vllm - log p_policy| per sampled "
+                                     "token accepted (see alignment/sampling/vllm_engine.py)")
+    check_samples: int = Field(8, ge=0, description="samples re-scored by the policy after every call (0: no check)")
+    sleep: bool = Field(False, description="give the engine's GPU memory (weights and KV cache) back between calls, "
+                        "for training; as TRL's vllm_enable_sleep_mode: sleep level 2, weights pushed on waking")
+
+
+def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:
+    """Why `setting` cannot work here, or None. Used by the sampling specs' validators (and rlvr's
+    `use_vllm`), so that `align check` and the start of `align run` say so before any model is loaded."""
+    if importlib.util.find_spec("vllm") is None:
+        return (f"vllm is not installed. {setting} needs it (`pip install vllm`, a release from "
+                f"{SUPPORTED_VERSIONS}) and a CUDA GPU; or {instead}, which needs neither")
+    return None
+
+
+class SamplingSpec(Strict):
+    """Sampling settings, and who samples; `temperature: 0` means greedy decoding."""
+
+    backend: Literal["transformers", "vllm"] = Field("transformers", description="who samples: this toolkit's "
+                                                     "generate loop, or a vLLM engine (GPU; see sampling/vllm_engine.py)")
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="engine settings, used with `backend: vllm`")
+
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    n: int = Field(1, gt=0, description="completions per prompt")
+    batch_size: int = Field(64, gt=0, description="sequences per generate call (vLLM schedules its own batches)")
+    cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
+                                                "decoding on GPU (see sampling/hf.py)")
+    merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
+                             "(faster decoding, one temporary copy of the adapted weights); vLLM always "
+                             "receives merged weights")
+
+    @field_validator("backend")
+    @classmethod
+    def _vllm_installed(cls, backend: str) -> str:
+        if backend == "vllm" and (why := vllm_missing()):
+            raise ValueError(why)
+        return backend
+
+
+class OnPolicySpec(SamplingSpec):
+    """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
+
+    verifier: str = Field(description="verifier key or module:function that grades each sample")
+    verifier_options: dict[str, Any] = Field(default_factory=dict)
+    n: int = Field(8, gt=1, description="samples per prompt")
+    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt")

@@ -1,0 +1,22 @@
+"""VerifierSpec: one entry of an RL stage's `verifiers:` list (resolved by `alignment.verifiers.resolve`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from .base import Strict
+
+
+class VerifierSpec(Strict):
+    """One entry of a stage's `verifiers:` list; a bare string is shorthand for `{name: ...}`."""
+
+    name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe)")
+    weight: float = 1.0
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        return {"name": value} if isinstance(value, str) else value

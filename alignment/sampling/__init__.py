@@ -1,0 +1,24 @@
+"""The one sampling path, used by ppo, rsft, on-policy preference data and evaluation.
+
+    samples = generate(model, tokenizer, rendered_prompts, SamplingSpec(n=4, max_new_tokens=32))
+
+`settings.backend` chooses the sampler: `transformers` (the default, `hf.py`: this toolkit's own
+batched loop, runs anywhere) or `vllm` (`vllm_engine.py`: a vLLM engine in this process, weights pushed
+before every call, its log-probs checked against the policy's). Both return `samples.Sample`s in the
+caller's order (sample j of prompt i at i*n+j), with the exact token ids that were sampled, so RL code
+scores what was sampled.
+"""
+
+from __future__ import annotations
+
+from ..config.sampling import SamplingSpec
+from . import hf, vllm_engine
+from .samples import Sample, lora_merged, stop_token_ids
+
+__all__ = ["Sample", "SamplingSpec", "generate", "lora_merged", "stop_token_ids"]
+
+
+def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
+    """`settings.n` completions of every rendered prompt; `progress` names a progress bar (None: no bar)."""
+    sampler = vllm_engine if settings.backend == "vllm" else hf
+    return sampler.generate(model, tokenizer, prompts, settings, progress)

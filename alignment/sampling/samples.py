@@ -1,0 +1,62 @@
+"""What both samplers share: the `Sample` they return, the stop ids, and LoRA merged for sampling."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from peft.tuners.lora import LoraLayer
+
+from ..errors import UserError
+from ..formatting import end_of_turn
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    text: str  # completion text without special tokens
+    token_ids: list[int] = field(default_factory=list)  # sampled ids, through the stop token if one was sampled
+    finished: bool = False  # ended with the end-of-turn / EOS token
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))}
+    return sorted(i for i in ids if i is not None)
+
+
+@contextmanager
+def lora_merged(model):
+    """Within the block, the model's active LoRA adapters are merged into its base layers; on leaving,
+    the base weights are restored bit for bit from a copy. A model without LoRA layers is left alone."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters and not m.merged]
+    saved = []
+    try:
+        try:
+            for layer in layers:
+                base = layer.get_base_layer()
+                bias = getattr(base, "bias", None)
+                saved.append((layer, base.weight.detach().clone(), None if bias is None else bias.detach().clone()))
+                layer.merge()
+        except torch.OutOfMemoryError as error:
+            weights = [layer.get_base_layer().weight for layer in layers]
+            mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
+            raise UserError(f"Out of memory while merging the LoRA adapter for sampling, which keeps a copy of the "
+                            f"adapted weights ({mib:.0f} MiB) so they can be restored exactly. Set "
+                            "`merge_lora: false` in this stage's sampling block (`rollout:` of ppo, `sampling:` of "
+                            "rsft or an evaluation suite) to sample through the unmerged adapter instead.") from error
+        yield model
+    finally:
+        for layer, weight, bias in saved:
+            base = layer.get_base_layer()
+            base.weight.data.copy_(weight)
+            if bias is not None:
+                base.bias.data.copy_(bias)
+            layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
+
+
+def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:
+    end = next((k for k, t in enumerate(ids) if t in stops), None)
+    kept = ids if end is None else ids[: end + 1]
+    text = tokenizer.decode(kept, skip_special_tokens=True)
+    return Sample(prompt_index=prompt_index, text=text, token_ids=kept, finished=end is not None)

@@ -1,0 +1,45 @@
+"""Reward-model scoring: the scalar reward of (prompt, completion) pairs, read by the score head at the
+last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
+by `formatting.encode`, exactly as the reward stage trains on it). Used by ppo, rsft and evaluation."""
+
+from __future__ import annotations
+
+import torch
+
+from .formatting import encode, render_completion, render_prompt
+
+
+def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
+    """Scalar reward of already rendered texts (right-padded batches; the head reads the last real token)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if getattr(reward_model.config, "pad_token_id", None) is None:
+        reward_model.config.pad_token_id = pad
+    device = next(reward_model.parameters()).device
+    encoded = [encode(tokenizer, t) for t in texts]
+    order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
+    scores = [0.0] * len(texts)
+    was_training = reward_model.training
+    reward_model.eval()
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            width = max(len(encoded[i]) for i in batch)
+            ids = torch.full((len(batch), width), reward_model.config.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
+                mask[row, : len(encoded[i])] = 1
+            logits = reward_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            for row, i in enumerate(batch):
+                scores[i] = float(logits[row, 0])
+    reward_model.train(was_training)
+    return scores
+
+
+def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16) -> list[float]:
+    """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
+    text (as `sampling.Sample.text`). Rendered as `render_prompt(p) + render_completion(p, c)`."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    texts = [render_prompt(tokenizer, p) + render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    return score_rendered(reward_model, tokenizer, texts, batch_size)
