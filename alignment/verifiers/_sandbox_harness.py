@@ -2,7 +2,7 @@
 
 Never imported by the package. Standard library only (``-S`` leaves site-packages out).
 Arguments: RESULT_FD PAYLOAD_PATH. The payload (JSON, deleted once read) holds the code, the tests,
-a per-run nonce and the isolation plan.
+a per-run nonce, the isolation plan and the source of safe_compare.py.
 
 Two processes:
 
@@ -14,15 +14,20 @@ Two processes:
   down the pid namespace, which SIGKILLs whatever the program left behind. Being pid 1 it cannot
   be killed from inside the namespace, so ``os.kill(os.getppid(), 9)`` only hurts the program.
   Without namespaces ("none" mode) it is a child subreaper and kills leftover children itself.
-- the *runner* drops to an unprivileged uid (root mode), sets RLIMIT_NPROC and no_new_privs, runs
-  the solution, then the tests, and only if both finished writes the nonce to RESULT_FD. The
-  caller counts a pass only for exit status 0 plus the nonce, so ``sys.exit(0)``/``os._exit(0)``
-  before or during the tests is a failure.
+- the *runner* drops to an unprivileged uid (root mode), sets RLIMIT_NPROC, no_new_privs and
+  non-dumpable, compiles the solution and the tests (rewritten by safe_compare.py, which the payload
+  carries), seals the process (`_seal_process`, `_guard`), runs the solution, then the tests, and
+  only if both finished raises the PASS audit event, on which the hook writes the nonce to
+  RESULT_FD. The caller counts a pass only for exit status 0 plus the nonce, so
+  ``sys.exit(0)``/``os._exit(0)`` before or during the tests is a failure. What this does and does
+  not close is listed in `sandbox.py` ("In-process tricks").
 
 Exit codes: 0 tests passed (nonce written), 1 failed, 3 the solution is not valid Python,
 70 the sandbox could not be set up.
 """
 
+import _imp
+import _thread
 import builtins
 import ctypes
 import json
@@ -31,7 +36,13 @@ import re
 import signal
 import sys
 import traceback
+import types
 import unittest
+
+# the harness's functions look builtins up in this copy, taken before any untrusted code runs, so
+# patching the builtins module (builtins.len = ...) does not change what the verdict code calls
+_PRISTINE_BUILTINS = dict(vars(builtins))
+globals()["__builtins__"] = dict(_PRISTINE_BUILTINS)
 
 EXIT_FAIL, EXIT_SYNTAX, EXIT_SETUP = 1, 3, 70
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
@@ -40,7 +51,7 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 1638
 _LOCKED_FLAGS = [(getattr(os, f"ST_{name}", 0), ms) for name, ms in
                  [("NODEV", MS_NODEV), ("NOEXEC", MS_NOEXEC), ("NOATIME", MS_NOATIME),
                   ("NODIRATIME", MS_NODIRATIME), ("RELATIME", MS_RELATIME)]]
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -174,12 +185,32 @@ def _drop_privileges(plan):
         os.setuid(plan["uid"])
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot gain privileges
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+    _prctl(PR_SET_DUMPABLE, 0)  # other processes (its own children too) cannot read its memory
     os.chdir(plan["workdir"])
 
 
 # what the verdict depends on: a solution that patches these could turn failures into passes
-_GUARDED = (unittest.TestCase, unittest.TestResult, unittest.TextTestResult, unittest.TextTestRunner,
-            unittest.TestSuite, unittest.TestLoader)
+_GUARDED = (unittest.TestCase, unittest.TestResult, unittest.TestSuite, unittest.TestLoader)
+FAIL_EVENT, PASS_EVENT = "alignment.sandbox.fail", "alignment.sandbox.pass"
+# audit events that hand out frames, every live object or raw memory: the ways from the untrusted
+# code to the harness's state and to the tests' expected values. sys._getframe fails with
+# ValueError, as on too shallow a stack, which namedtuple, typing and logging tolerate.
+_DENIED = {"sys._getframe": ValueError, "sys._current_frames": RuntimeError,
+           "sys._current_exceptions": RuntimeError, "sys.settrace": RuntimeError,
+           "sys.setprofile": RuntimeError, "sys.addaudithook": RuntimeError,
+           "gc.get_objects": RuntimeError, "gc.get_referrers": RuntimeError,
+           "gc.get_referents": RuntimeError}
+# object.__getattr__ events: frames are always denied (f_back leads to every caller); a code
+# object only if it is the tests', the helpers' or this harness's (its constants are the answers)
+_FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+_TRUSTED_FILES = frozenset({"tests.py", "safe_compare.py", "isolated.py"})
+# object.__setattr__ events: what safe_compare's isolated functions keep their state in
+_SEALED_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
+_DENIED_PREFIXES = ("ctypes.", "sys.monitoring.")
+# loaded before the solution so that the tests see these as they were (safe_compare.freeze_modules);
+# a module first imported by the solution is taken as the solution left it
+_PRELOADED = ("math", "cmath", "re", "collections", "itertools", "functools", "operator", "heapq",
+              "bisect", "string", "random", "fractions", "decimal", "statistics", "copy")
 
 
 def _snapshot(with_builtins=True):
@@ -196,55 +227,167 @@ def _tampered(before, with_builtins=True):
     return False
 
 
-def _run(code, tests, nonce, result_fd):
-    """Runner body: solution, then tests, then the nonce. Returns an exit code."""
-    exec_, write, print_exc = exec, os.write, traceback.print_exc  # kept before user code runs
+def _guard(nonce, result_fd, solution, tests):
+    """Install the audit hook that denies introspection and alone holds the nonce.
+
+    The nonce is written when the PASS event comes from the very frame that exec'd the solution
+    (recorded from the "exec" event), after it exec'd the tests, and before any FAIL event: the
+    untrusted code can neither read the nonce (no frames, gc or memory) nor raise the event from
+    that frame. After a FAIL nothing can pass, so introspection is allowed again (tracebacks)."""
+    write, getframe, ident, names_mem = os.write, sys._getframe, _thread.get_ident, _names_mem
+    # everything the hook reads is its own: this module's globals are not reachable from inside,
+    # but nothing here relies on that
+    always_denied, denied_prefixes, trusted_files = dict(_DENIED), _DENIED_PREFIXES, _TRUSTED_FILES
+    frame_attributes, sealed_attributes = _FRAME_ATTRIBUTES, _SEALED_ATTRIBUTES
+    state = {"failed": False, "frame": None, "tests": False}
+    inside = set()  # threads inside the hook's own getframe call
+
+    def origin():
+        inside.add(ident())
+        try:
+            return getframe(2)  # 0 origin, 1 hook, 2 the code that raised the event
+        finally:
+            inside.discard(ident())
+
+    def trusted_code(obj, name):
+        inside.add(ident())
+        try:
+            return getattr(getattr(obj, name), "co_filename", None) in trusted_files
+        finally:
+            inside.discard(ident())
+
+    def hook(event, args):
+        if ident() in inside:
+            return
+        if event == "exec" and args[0] is solution and state["frame"] is None:
+            state["frame"] = origin()
+        elif event == "exec" and args[0] is tests and origin() is state["frame"]:
+            state["tests"] = True
+        elif event == PASS_EVENT:
+            if not state["failed"] and state["tests"] and origin() is state["frame"]:
+                write(result_fd, nonce)
+            state["failed"] = True  # once only
+        elif event == FAIL_EVENT:
+            state["failed"] = True
+        if state["failed"]:
+            return
+        denied = always_denied.get(event) or (RuntimeError if event.startswith(denied_prefixes) else None)
+        if event == "object.__getattr__" and (args[1] in frame_attributes or trusted_code(*args)):
+            denied = AttributeError
+        if event == "object.__setattr__" and args[1] in sealed_attributes:
+            denied = AttributeError
+        if event == "open" and names_mem(args[0]):
+            denied = PermissionError  # /proc/self/mem, also opened relative to a dir_fd
+        if denied is not None:
+            raise denied(f"{event} is not available in the sandbox")
+
+    sys.addaudithook(hook)
+
+
+def _names_mem(path):
+    if isinstance(path, bytes):
+        path = path.decode("utf-8", "replace")
+    return isinstance(path, str) and path.rstrip("/").rsplit("/", 1)[-1] == "mem"
+
+
+def _one_signal_module(spec):
+    # a second _signal module would bring back an unwrapped signal(); a fixed spec, so that a
+    # spec whose name changes between reads cannot get one
+    name = spec.name
+    if type(name) is not str or name == "_signal":
+        raise ImportError(f"module {name!r} cannot be created again in the sandbox")
+    return (types.SimpleNamespace(name=name, origin="built-in"),), {}
+
+
+def _seal_process(tools):
+    """What runs before the untrusted code besides the audit hook: no frames through signal
+    handlers, no unittest.main() exit, no way back to this harness's globals through __main__.
+    `tools`: safe_compare.isolated(), whose functions lead nowhere (see there)."""
+    import _signal
+
+    def frameless(args, kwargs):
+        # a Python signal handler is called with the interrupted frame, which no audit event
+        # covers and from which every frame below is one f_back away: handlers get None instead
+        signum, handler = args
+        return (signum, tools["frameless"](handler) if callable(handler) else handler), {}
+
+    _signal.signal = signal.signal = tools["seal"](_signal.signal, frameless)
+    _imp.create_builtin = tools["seal"](_imp.create_builtin, lambda args, kwargs: _one_signal_module(*args))
+    # an unguarded unittest.main() in the tests must not exit; a lambda of the harness would lead
+    # to its globals, this one to an empty dict
+    unittest.main = eval("lambda *a, **k: None", {"__builtins__": {}})
+    sys.modules["__main__"] = types.ModuleType("__main__")
+
+
+def _trusted_helpers(source):
+    """safe_compare.py run in a namespace of its own, with its own copy of the builtins."""
+    namespace = {"__name__": "alignment_safe_compare", "__builtins__": dict(_PRISTINE_BUILTINS)}
+    exec(compile(source, "safe_compare.py", "exec"), namespace)
+    return namespace
+
+
+def _run(payload, result_fd):
+    """Runner body: compile, guard, solution, tests, verdict. Returns an exit code."""
+    exec_, audit, write, print_exc = exec, sys.audit, os.write, traceback.print_exc
+    format_exception, TestCase = traceback.format_exception, unittest.TestCase
     try:
-        solution = compile(code, "solution.py", "exec")
+        solution = compile(payload.pop("code"), "solution.py", "exec")
     except (SyntaxError, ValueError):
         print_exc()
         return EXIT_SYNTAX
+    trusted = _trusted_helpers(payload.pop("safe_compare"))
+    source = payload.pop("tests")
+    tests = trusted["compile_tests"](source)
     namespace = {"__name__": "__solution__", "__builtins__": builtins}
+    _seal_process(trusted["isolated"]())
+    for name in _PRELOADED:
+        __import__(name)
+    trusted["freeze_modules"](sys.modules)
+    tests_builtins = trusted["tests_builtins"](_PRISTINE_BUILTINS, builtins.__import__)
     before = _snapshot()
+    _guard(payload.pop("nonce").encode(), result_fd, solution, tests)
+
+    def fail(message=None):
+        audit(FAIL_EVENT)  # from here on nothing can pass, so the traceback may walk the frames
+        if message is None:
+            print_exc()
+        else:
+            write(2, message.encode("utf-8", "replace"))
+        return EXIT_FAIL
+
+    def report(title, exc):
+        audit(FAIL_EVENT)
+        write(2, (title + "\n" + ("".join(format_exception(exc)) if exc else "")).encode("utf-8", "replace"))
+
     try:
         exec_(solution, namespace)
     except BaseException:  # SystemExit too: exiting before the tests is not passing them
-        print_exc()
-        return EXIT_FAIL
-    if _tampered(before):
-        write(2, b"sandbox: the solution modified builtins or unittest; tests not run\n")
-        return EXIT_FAIL
-    unittest.main = lambda *a, **k: None  # an unguarded unittest.main() in the tests must not exit
-    existing = {id(v) for v in namespace.values()}
+        return fail()
+    changed = trusted["modules_tampered"]() + trusted["shadowed_builtins"](source, namespace)
+    if _tampered(before) or changed:
+        return fail(f"sandbox: the solution modified {', '.join(changed) or 'builtins or unittest'}; tests not run\n")
+    namespace["__builtins__"] = tests_builtins
     try:
-        exec_(compile(tests, "tests.py", "exec"), namespace)
-        cases = [
-            v for v in list(namespace.values())
-            if isinstance(v, type) and issubclass(v, unittest.TestCase) and id(v) not in existing
-        ]
-        if cases:
-            suite = unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(c) for c in cases)
-            result = unittest.TextTestRunner(stream=sys.stderr, verbosity=1).run(suite)
-            if not result.wasSuccessful() or result.testsRun == 0:
-                return EXIT_FAIL
+        exec_(tests, namespace)
+        cases = trusted["test_cases"](TestCase)
+        if cases and not trusted["run_cases"](cases, report):
+            return fail("")
     except BaseException:
-        print_exc()
-        return EXIT_FAIL
-    if _tampered(before, with_builtins=False):  # e.g. a tested function patched TestResult
-        write(2, b"sandbox: unittest was modified while the tests ran; not counted as a pass\n")
-        return EXIT_FAIL
-    write(result_fd, nonce)
+        return fail()
+    if _tampered(before, with_builtins=False) or not trusted["builtins_intact"](namespace):
+        return fail("sandbox: unittest or the tests' builtins were modified while the tests ran\n")
+    audit(PASS_EVENT)
     return 0
 
 
-def _runner(plan, code, tests, nonce, result_fd):
+def _runner(plan, payload, result_fd):
     try:
         _drop_privileges(plan)
     except BaseException:
         print_exc = traceback.print_exc
         print_exc()
         os._exit(EXIT_SETUP)
-    status = _run(code, tests, nonce, result_fd)
+    status = _run(payload, result_fd)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -270,7 +413,7 @@ def main():
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
-        _runner(plan, payload["code"], payload["tests"], payload["nonce"].encode(), result_fd)
+        _runner(plan, payload, result_fd)
     os.close(result_fd)  # only the runner may write the nonce
     if plan["mode"] == "none":  # the caller's SIGTERM on timeout: clean up before it SIGKILLs us
         signal.signal(signal.SIGTERM, lambda *_: _terminate(pid))

@@ -15,6 +15,12 @@ Options: ``timeout`` (s, default 5), ``memory_mb`` (1024), ``max_processes`` (32
 if no isolation works here, unless allow_unsandboxed is true. See `sandbox` for exactly what is and
 is not contained.
 
+The tests judge the solution's values, not objects that claim to be equal: their comparisons,
+conditions and unittest asserts go through `safe_compare` (builtin data compared by value, ``3 ==
+3.0``; a subclass by the builtin data it holds; an object with its own ``__eq__`` never equals a
+builtin value). Reward hacks from inside the process (patching what the tests call, exiting early,
+reading the harness's frames) are closed as listed in `sandbox`.
+
     v = resolve("python_tests", options={"timeout": 2})
     v.score("```python\\ndef add(a, b):\\n    return a + b\\n```", {"tests": "assert add(1, 2) == 3"})
 """
@@ -26,7 +32,7 @@ from numbers import Real
 from typing import Any
 
 from alignment.errors import UserError
-from alignment.verifiers import sandbox
+from alignment.verifiers import safe_compare, sandbox
 from alignment.verifiers.base import VerifyResult
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
@@ -47,7 +53,7 @@ def _tests_source(tests: Any) -> str:
     if not source.strip():
         raise ValueError("the tests column is empty: nothing to check the code against")
     try:
-        compile(source, "tests.py", "exec")  # our data, not the model's: compiling it here is safe
+        safe_compare.compile_tests(source)  # our data, not the model's: compiling it here is safe
     except SyntaxError as exc:
         raise ValueError(f"the tests column is not valid Python: {exc}") from None
     return source

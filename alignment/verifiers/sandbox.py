@@ -18,7 +18,9 @@ always after the run, the whole process group is SIGKILLed; the pid namespace gu
 processes which left the group (setsid, double fork) die with the namespace.
 
 A run passes only if the process exits 0 *and* writes a per-run random nonce to a private pipe
-after the tests ran, so ``sys.exit(0)``/``os._exit(0)`` in the solution or tests fail.
+after the tests ran, so ``sys.exit(0)``/``os._exit(0)`` in the solution or tests fail. Inside the
+process the nonce is held only by an audit hook, which writes it when the harness's own frame says
+the tests passed; see "In-process tricks" below and `_sandbox_harness.py`.
 
 Isolation modes, probed once per process (`isolation()`):
 
@@ -45,18 +47,45 @@ machine-wide, shared by concurrent runs), any network access (an empty network n
 files in /tmp, the caller's home and root-only files, writing or chmod-ing anything on the host,
 signalling or killing the caller (other pid namespace, other session; the sandbox is never the
 caller's direct child), processes outliving the run (the pid namespace dies with its init), core
-dumps, setuid escalation, and the cheap ways to fake a pass (exit(0), os._exit(0), SystemExit
-from a tested function; redefining AssertionError does nothing since ``assert`` does not look the
-name up; the solution changing builtins, or anything changing unittest's TestCase, TestResult,
-runner, suite or loader classes, is detected and fails the run).
+dumps, setuid escalation.
 
 What it does NOT protect against: kernel exploits and container escapes (this is namespaces plus
 rlimits, not a VM or gVisor; use one for hostile code at scale); reading world-readable files
 outside the hidden directories (/etc/passwd, the source tree, site-packages); the total memory of
 many processes (RLIMIT_AS is per process: max_processes x memory_mb is the worst case; there are no
-cgroups); CPU starvation of the host during the timeout; in-process tricks aimed at this harness
-(walking frames to find the nonce, objects whose ``__eq__`` is always True, patching the functions
-the tests call); pathological work in the caller (only the tests column is compiled there).
+cgroups); CPU starvation of the host during the timeout; pathological work in the caller (only the
+tests column is compiled there).
+
+In-process tricks (the solution and the tests share one interpreter). Closed, each with a row in
+tests/test_code_verifier_hacks.py:
+
+- values that claim equality: the tests' comparisons, conditions, ``isinstance`` and unittest's
+  ``assertEqual`` family are rewritten to judge builtin data only (`safe_compare`): objects with a
+  lying ``__eq__``/``__ne__``/ordering/``__bool__``/``__class__``, subclasses of int/str/list/dict
+  that override them, exceptions (SystemExit, KeyboardInterrupt, BaseException) raised from them;
+- exiting early or printing success: exit(0), os._exit(0) from the code, a thread or atexit, and
+  any output, are not the nonce; unittest.SkipTest raised by the code fails the test;
+- patching what the tests call: builtins (the tests get a private copy, checked at every
+  comparison), module functions (math.isclose is read as it was before the solution ran, for the
+  modules loaded then), sys.modules entries (the tests' imports return the frozen modules), builtins
+  shadowed in the shared namespace, unittest (its classes checked; the tests run without its runner
+  and result classes; a TestCase deleted from the namespace still runs);
+- reaching the harness: frames (sys._getframe, tracebacks, generators, settrace/setprofile, signal
+  handlers' frame argument, a second _signal module), gc.get_objects/get_referrers, ctypes,
+  /proc/self/mem, the tests' code objects (their constants are the answers), extra audit hooks,
+  __main__ and the globals of every function the harness hands out; forging the pass event.
+
+Open: a solution that computes the answers some other way than solving (hard-coding the examples
+it was shown, special-casing the test inputs); comparisons of two objects of the same non-builtin
+type use that type's ``==`` (the tests trust the class, as they must for one the task defines);
+solution classes answer ``in`` when they define ``__contains__``; a Python class's instance is
+truthy by its own ``__bool__`` (it cannot claim anything a plain True or False could not); modules
+first imported by the solution, and ``from m import f`` bindings made after a mid-run patch, are
+taken as they are; unittest helpers other than the comparison asserts and assertRaises
+(assertWarns, assertLogs, fail, setUp...) run as the solution may have left them; interpreter bugs and C-level
+escapes not reachable through ctypes (e.g. a crafted code object); in "unshare-userns" mode a
+child process can read the runner's memory (it holds CAP_SYS_PTRACE in the user namespace); in
+"none" mode, whatever the caller's uid can do from outside the process.
 """
 
 from __future__ import annotations
@@ -88,6 +117,7 @@ _WORKDIR_INSIDE = "/tmp/work"  # on the sandbox's own tmpfs
 _WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 _SYSTEM_DIRS = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/opt", "/var", "/proc", "/dev", "/sys"}
 _HARNESS = Path(__file__).with_name("_sandbox_harness.py")
+_SAFE_COMPARE = Path(__file__).with_name("safe_compare.py")  # run by the harness, not imported
 _PR_SET_PDEATHSIG = 1
 try:
     _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded here: dlopen in preexec_fn could deadlock
@@ -286,7 +316,8 @@ def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
         nonce = secrets.token_hex(16)
         payload = os.path.join(host, "payload.json")
         with open(os.open(payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
-            json.dump({"plan": plan, "code": code, "tests": tests, "nonce": nonce}, f)
+            json.dump({"plan": plan, "code": code, "tests": tests, "nonce": nonce,
+                       "safe_compare": _SAFE_COMPARE.read_text(encoding="utf-8")}, f)
         out_path = os.path.join(host, "output")
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(
