@@ -214,8 +214,9 @@ def test_bad_input_is_rejected_clearly(tmp_path, capsys, case_id, setup, argv, e
     assert {k: v for k, v in after.items() if k.startswith("earlier")} == before, "earlier output damaged"
 
 
-def test_catalogue_has_at_least_40_cases():
-    assert len(CASES) >= 40
+def test_case_ids_are_unique():
+    ids = [case[0] for case in CASES]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
 USAGE_CASES = {case[0]: case for case in CASES if case[0] in {"unknown-command", "run-without-recipe", "option-missing-value",
