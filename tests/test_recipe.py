@@ -98,8 +98,16 @@ def test_yaml_syntax_error_names_line(tmp_path):
 def test_duplicate_stage_ids_are_rejected(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("name: x\nmodel: m\nstages:\n  sft: {kind: sft}\n  sft: {kind: sft}\n")
-    with pytest.raises(UserError, match="duplicate key 'sft' at line 5"):
+    with pytest.raises(UserError, match=r"duplicate key 'sft' at line 5 \(first at line 4\)"):
         load_recipe(path)
+
+
+def test_merge_key_override_is_not_a_duplicate(tmp_path):
+    from alignment.recipe import _parse_yaml
+
+    path = tmp_path / "anchors.yaml"
+    path.write_text("base: &base {x: 1, y: 2}\nother:\n  <<: *base\n  x: 3\n")
+    assert _parse_yaml(path)["other"] == {"x": 3, "y": 2}
 
 
 @pytest.mark.parametrize("override", ["noequals", "=3", "a.b=[1,"])

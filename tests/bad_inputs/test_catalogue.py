@@ -107,7 +107,21 @@ CASES = [
     ("self-reference", with_recipe(lambda t: recipe(t, {"a": {"kind": "sft", "model": "${a}", "data": SFT_DATA}})),
      CHECK, ["reference cycle (a -> a)"]),
     ("duplicate-stage", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n  sft: {}\n  sft: {}\n")},
-     CHECK, ["duplicate key 'sft' at line 5"]),
+     CHECK, ["duplicate key 'sft' at line 5 (first at line 4)"]),
+    ("duplicate-top-key", lambda t: {"recipe": put(t, "r.yaml", "name: x\nseed: 1\nmodel: m\nseed: 2\nstages: {}\n")},
+     CHECK, ["duplicate key 'seed' at line 4 (first at line 2)"]),
+    ("duplicate-train-knob", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n  sft:\n    train:\n"
+                                                      "      learning_rate: 1.0e-4\n      max_length: 64\n"
+                                                      "      learning_rate: 2.0e-4\n")},
+     CHECK, ["duplicate key 'learning_rate' at line 8 (first at line 6)"]),
+    ("duplicate-key-flow-style", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n"
+                                                          "  sft: {data: {task: arithmetic, n: 5, n: 6}}\n")},
+     CHECK, ["duplicate key 'n' at line 4, column 40 (first at line 4, column 34)"]),
+    ("duplicate-key-in-list-item", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages: {}\nevaluate:\n"
+                                                            "  suites:\n    - name: a\n      verifier: numeric\n"
+                                                            "    - name: b\n      verifier: numeric\n"
+                                                            "      name: c\n")},
+     CHECK, ["duplicate key 'name' at line 10 (first at line 8)"]),
     ("bad-interpolation", with_recipe(lambda t: recipe(t, output_dir="${nowhere}/x")), CHECK,
      ["cannot resolve interpolation", "nowhere"]),
     ("bad-override-syntax", with_recipe(recipe), ["check", "{recipe}", "stages.sft.train"], ["bad override 'stages.sft.train'"]),
