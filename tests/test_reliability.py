@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import write_recipe
@@ -192,10 +194,21 @@ def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypat
         run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)), log=lambda *_: None)
 
 
-def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
+class SecretInLogs(TrainerCallback):
+    """Puts `secret` into every trainer log entry, as a logging integration echoing its URL or config would."""
+
+    def __init__(self, secret: str):
+        self.secret = secret
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        state.log_history[-1]["note"] = f"synced with {self.secret}"
+
+
+def test_secrets_never_reach_stage_json_model_card_or_log_history(tmp_path, monkeypatch):
     secret = "hf_plantedSECRETvalue1234567"
     monkeypatch.setenv("HF_TOKEN", secret)
     monkeypatch.setenv("WANDB_API_KEY", "wandb-planted-secret-0987654321")
+    with_extra_callback(monkeypatch, SecretInLogs(secret))
     spec = sft_recipe(tmp_path)
     spec["stages"]["sft"]["train"] = {**TRAIN, "hub_token": secret, "run_name": f"run-{secret}"}
     recipe = load_recipe(write_recipe(tmp_path, spec))
@@ -204,6 +217,9 @@ def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
         text = (recipe.stage_dir("sft") / name).read_text()
         assert secret not in text and "wandb-planted-secret" not in text, name
     assert "***" in (recipe.stage_dir("sft") / "stage.json").read_text()
+    history = json.loads((recipe.stage_dir("sft") / "log_history.json").read_text())
+    assert history and all(entry["note"] == "synced with ***" for entry in history), history[:2]
+    assert "loss" in history[0], "redaction must keep the metrics"
 
 
 def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):
