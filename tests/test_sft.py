@@ -41,14 +41,22 @@ def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path):
     before, base = params(out), params(recipe.out / "base")
     assert any(not torch.equal(before[k], base[k]) for k in before), "SFT did not change any weight"
 
+    finished = written(out)
     messages = []
     run_recipe(load_recipe(path), log=messages.append)
     assert any("skipping" in m for m in messages)
-    assert (out / "stage.json").stat().st_mtime == pytest.approx((out / "stage.json").stat().st_mtime)
-    stamp = record["finished_at"]
+    assert written(out) == finished, "a rerun rewrote a finished stage"
     run_recipe(load_recipe(path), force=True, log=lambda *_: None)
-    assert json.loads((out / "stage.json").read_text())["finished_at"] >= stamp
+    rewritten = written(out)
+    for name in ("stage.json", "model.safetensors"):
+        assert rewritten[name][1] != finished[name][1], f"--force did not rewrite {name}"
     assert not (recipe.out / ".staging" / "sft").exists() and not (recipe.out / "sft.old").exists()
+
+
+def written(folder) -> dict[str, tuple[bytes, int]]:
+    """(bytes, mtime in ns) of a stage's stage.json and weights: what a rerun must leave alone."""
+    return {name: ((folder / name).read_bytes(), (folder / name).stat().st_mtime_ns)
+            for name in ("stage.json", "model.safetensors")}
 
 
 def test_sft_on_chat_messages_with_lora_keeps_adapter(tmp_path):
