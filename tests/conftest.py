@@ -23,6 +23,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Recipe `model:` specs, by what a test needs. The smallest model a stage runs on, for tests of the
+# plumbing (errors, scheduling, resume); the default TinySpec (the `tiny_model` fixture's shape), for tests
+# whose training must move the weights measurably.
+SMALLEST_MODEL = {"tiny": {"hidden_size": 32, "num_layers": 1}}
+TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # The model used by end-to-end tests that need a policy that already knows the task a little.
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
 SFT_TRAIN = {"num_train_epochs": 2, "per_device_train_batch_size": 64, "learning_rate": 2.0e-3,

@@ -18,35 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, heldout_accuracy, run_cli, write_recipe
+from helpers import tiny_ppo_recipe, trainable_digest
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
-
-BREVITY = "def brevity(completion):\n    return -len(completion) / 8.0\n"
-
-
-def tiny_ppo_recipe(folder: Path, policy: Path, **ppo) -> Path:
-    """A fast PPO recipe on a tiny model whose reward is a verifier next to the recipe (shorter = better)."""
-    (folder / "my_rewards.py").parent.mkdir(parents=True, exist_ok=True)
-    (folder / "my_rewards.py").write_text(BREVITY)
-    stage = {"policy": str(policy), "verifiers": [{"name": "my_rewards:brevity"}],
-             "data": {"task": "arithmetic", "split": "train", "n": 64},
-             "rollout": {"batch_size": 8, "max_new_tokens": 6},
-             "train": {"total_updates": 3, "mini_batch_size": 4, "gradient_accumulation_steps": 2, "ppo_epochs": 1,
-                       "learning_rate": 5.0e-3, "save_every": 100}}
-    for key, value in ppo.items():
-        stage[key] = {**stage[key], **value} if isinstance(value, dict) and key in stage else value
-    recipe = {"name": "ppo-tiny", "model": str(policy), "output_dir": str(folder / "out"), "seed": 3,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}}
-    return write_recipe(folder, recipe)
-
-
-def trainable_digest(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
 
 # ---------------------------------------------------------------------------------------------------
 # Config

@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_recipe
+from conftest import SMALLEST_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
-
 
 def base_recipe(tmp_path: Path, **stages) -> dict:
-    return {"name": "r", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 3,
+    return {"name": "r", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"), "seed": 3,
             "stages": stages or {"sft": {"data": {"task": "arithmetic", "n": 10}}}}
 
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import write_recipe
+from conftest import SMALLEST_MODEL, write_recipe
+from helpers import tiny_ppo_recipe
 from transformers import TrainerCallback
 
 import alignment.stages.sft as sft_stage
@@ -15,25 +16,25 @@ from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 from alignment.trainer_utils import NonFiniteError
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
          "save_steps": 5, "logging_steps": 1}
 
 
 def sft_recipe(tmp_path, name="rel", **extra):
-    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 200}, "train": TRAIN}}, **extra}
 
 
-class CrashAt(TrainerCallback):
-    """Simulates a kill: raises once training reaches `step` (after the checkpoint before it)."""
+class RaiseAt(TrainerCallback):
+    """Raises `error` once training reaches `step` (after the checkpoint before it): a kill by default."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, error: BaseException | None = None):
         self.step = step
+        self.error = error or KeyboardInterrupt(f"simulated crash at step {step}")
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            raise KeyboardInterrupt(f"simulated crash at step {self.step}")
+            raise self.error
 
 
 class StepRecorder(TrainerCallback):
@@ -73,7 +74,7 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
 
     resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed"), "b.yaml"))
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, CrashAt(8))
+        with_extra_callback(patch, RaiseAt(8))
         with pytest.raises(KeyboardInterrupt):
             run_recipe(resumed, log=lambda *_: None)
     assert not resumed.stage_dir("sft").exists(), "a crashed stage must not look finished"
@@ -89,7 +90,7 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def dpo_recipe(tmp_path, name, lora):
-    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
             "lora": {"r": 4, "lora_alpha": 8} if lora else None,
             "stages": {"dpo": {"data": {"task": "arithmetic", "n": 200},
                                "train": {**TRAIN, "beta": 0.1, "learning_rate": 1e-3}}}}
@@ -104,7 +105,7 @@ def test_resumed_dpo_matches_uninterrupted_run(tmp_path, monkeypatch, lora):
 
     resumed = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "resumed", lora), "b.yaml"))
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, CrashAt(8))
+        with_extra_callback(patch, RaiseAt(8))
         with pytest.raises(KeyboardInterrupt):
             run_recipe(resumed, log=lambda *_: None)
     assert not resumed.stage_dir("dpo").exists(), "a crashed stage must not look finished"
@@ -154,19 +155,11 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
 
 
-class OutOfMemoryAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
-
-
 def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resumes(tmp_path, monkeypatch):
     recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, OutOfMemoryAt(7))
+        with_extra_callback(patch, RaiseAt(7, out_of_memory))
         with pytest.raises(UserError, match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
                            r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
                            r"per_device_train_batch_size.*resumes from the last checkpoint") as caught:
@@ -181,7 +174,6 @@ def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resu
 
 
 def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypatch):
-    from test_ppo import tiny_ppo_recipe
 
     from alignment.stages import ppo
 

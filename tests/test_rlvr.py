@@ -18,18 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import heldout_accuracy, run_cli, write_recipe
+from conftest import REPO, TINY_MODEL, heldout_accuracy, run_cli, write_recipe
 
 from alignment.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 FAST_TRAIN = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 6,
               "logging_steps": 1, "learning_rate": 1.0e-4}
 
 
 def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
-    return {"name": "rlvr-test", "model": model or TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+    return {"name": "rlvr-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
             "stages": {"rlvr": {"data": {"task": "arithmetic", "split": "train", "n": 64}, "verifiers": ["arithmetic"],
                                 "train": FAST_TRAIN, **stage}}}
 

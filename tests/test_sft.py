@@ -9,17 +9,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, heldout_accuracy, write_recipe
+from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
 
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 
 
 def sft_recipe(tmp_path, **extra) -> dict:
-    return {"name": "sft-test", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+    return {"name": "sft-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 600}, "train": QUICK_TRAIN}}, **extra}
 
 

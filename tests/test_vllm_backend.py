@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_generation import base_weights, lora_policy
-from test_ppo import tiny_ppo_recipe, trainable_digest
+from helpers import base_weights, lora_policy, tiny_ppo_recipe, trainable_digest
 
 from alignment import vllm_backend
 from alignment.errors import UserError

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import SMALLEST_MODEL
 
 from alignment.cli import main
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 SFT_DATA = {"task": "arithmetic", "n": 20}
 
 
 def recipe(tmp: Path, stages=None, **top) -> dict:
-    return {"name": "bad", "model": TINY, "output_dir": str(tmp / "out"), "seed": 0,
+    return {"name": "bad", "model": SMALLEST_MODEL, "output_dir": str(tmp / "out"), "seed": 0,
             "stages": stages if stages is not None else {"sft": {"data": SFT_DATA}}, **top}
 
 
@@ -54,7 +54,7 @@ def sft_on(rows_or_path, **data):
 def model_dir_without_chat_template(tmp: Path) -> Path:
     from alignment.models import TinySpec, build_tiny_model
 
-    path = build_tiny_model(TinySpec(hidden_size=32, num_layers=1), 0, tmp / "plain-model")
+    path = build_tiny_model(TinySpec(**SMALLEST_MODEL["tiny"]), 0, tmp / "plain-model")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
