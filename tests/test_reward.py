@@ -50,8 +50,8 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
 
     Measured: held-out accuracy ~0.65-0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
     mistakes: in one short epoch at one learning rate the body does not learn to check a digit. The SFT
-    policy's own log-probs rank the same pairs at ~0.90, printed below for comparison. The 0.9 target is
-    met by the longer recipe with a faster score head (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
+    policy's own log-probs rank the same pairs at ~0.90, printed below for comparison. The longer recipe with a
+    faster score head reaches 0.9 (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
     from alignment.data import DataSpec, load_rows
     from alignment.models import load_policy, load_reward_model, load_tokenizer
     from alignment.preference import normalize_pairs, pairwise_accuracy, render_pairs
