@@ -7,7 +7,8 @@
   align verify --verifier NAME --data FILE [--column completion]
 
 User errors (bad recipe, data, paths, verifiers) print one paragraph on stderr and exit 2, without a
-traceback. Under `accelerate launch -m alignment run RECIPE` every process runs the recipe.
+traceback; so do command-line mistakes (unknown command or option, missing or ill-typed value), after
+the command's usage line. Under `accelerate launch -m alignment run RECIPE` every process runs the recipe.
 """
 
 from __future__ import annotations
@@ -178,23 +179,71 @@ def _parse_option(text: str) -> tuple[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False, prog_name="align")
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(error.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as error:
+        _exit_on_click_error(error, argv)
+        raise
+    # Without standalone mode typer returns, not raises, an exit code: --help gives 0, Ctrl-C inside a
+    # command 130; anything else a command returns is not a status.
+    if isinstance(code, int) and not isinstance(code, bool) and code:
+        if code == 130:
+            print("aborted", file=sys.stderr)
+        sys.exit(code)
+
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """Class `name` from every click that may raise it: typer >= 0.2x vendors its own copy
+    (typer._click, with Exit and Abort in typer.exceptions), older typer raises click's own. Matching
+    all of them keeps a typer upgrade or downgrade from turning a usage error back into a traceback."""
+    import importlib
+
+    found = []
+    for module in ("typer._click.exceptions", "typer.exceptions", "click.exceptions"):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+def _exit_on_click_error(error: Exception, argv: list[str]) -> None:
+    """Exit for errors typer/click raise about the command line; return for anything else.
+
+    A usage error (unknown command or option, missing or ill-typed value) prints the usage line and
+    one `error:` line naming the problem, and exits 2, like a bad recipe."""
+    if isinstance(error, _click_classes("Exit")):
+        sys.exit(error.exit_code)
+    if isinstance(error, _click_classes("Abort")):
         print("aborted", file=sys.stderr)
         sys.exit(130)
-    except Exception as error:
-        import click
+    if isinstance(error, _click_classes("NoArgsIsHelpError")):
+        sys.exit(2)  # bare `align`: typer has already printed the help
+    if not isinstance(error, _click_classes("ClickException")):
+        return
+    if isinstance(error, _click_classes("UsageError")):
+        print(_usage_line(getattr(error, "ctx", None), argv), file=sys.stderr)
+    message = " ".join(error.format_message().split())
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2 if isinstance(error, _click_classes("UsageError")) else error.exit_code)
 
-        if isinstance(error, click.exceptions.UsageError):
-            print(f"error: {error.format_message()}", file=sys.stderr)
-            sys.exit(2)
-        if isinstance(error, click.exceptions.Exit):
-            sys.exit(error.exit_code)
-        raise
+
+def _usage_line(ctx, argv: list[str]) -> str:
+    """`Usage: align CMD [OPTIONS] ARGS... (see 'align CMD --help')` for the command the error is about:
+    the error's own context, or (some parse errors carry none) the command argv names."""
+    if ctx is None:
+        group = typer.main.get_command(app)
+        ctx = group.context_class(group, info_name="align")
+        command = group.get_command(ctx, argv[0]) if argv else None
+        if command is not None:
+            ctx = command.context_class(command, info_name=argv[0], parent=ctx)
+    return f"{ctx.get_usage()}  (see '{ctx.command_path} --help')"
 
 
 if __name__ == "__main__":

@@ -126,16 +126,32 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys (two stages with the same id, say)."""
+    """SafeLoader that rejects duplicate mapping keys (two stages with the same id, say), at any depth
+    and in flow style too: PyYAML would silently keep the last value."""
 
     def construct_mapping(self, node, deep=False):
-        seen = set()
+        first_mark: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then an explicit key is an override, not a duplicate
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise UserError(f"duplicate key '{key}' at line {key_node.start_mark.line + 1}")
-            seen.add(key)
+            try:
+                first = first_mark.get(key)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader itself rejects it below
+            if first is not None:
+                raise UserError(f"duplicate key '{key}' at {self._position(key_node.start_mark, first)} (first at "
+                                f"{self._position(first, key_node.start_mark)}): a mapping holds one value per key; "
+                                "rename or remove one.")
+            first_mark[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
+
+    @staticmethod
+    def _position(mark, other) -> str:
+        """`line L`, with the column when `other` is on the same line (flow style: `{a: 1, a: 2}`)."""
+        if mark.line == other.line:
+            return f"line {mark.line + 1}, column {mark.column + 1}"
+        return f"line {mark.line + 1}"
 
 
 def _parse_yaml(path: Path) -> dict:

@@ -234,7 +234,7 @@ def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:
     """Write the stage's records into staging, then move staging into place in one rename.
     `stage.json` is written last inside staging, so a finished folder always has complete weights."""
     if log_history is not None:
-        _write_json(ctx.out_dir / "log_history.json", log_history)
+        _write_json(ctx.out_dir / "log_history.json", redact(log_history))
     data = stage_record(ctx, record)
     write_model_card(ctx, data)
     _write_json(ctx.out_dir / "stage.json", data)

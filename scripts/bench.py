@@ -112,8 +112,8 @@ def rollout_setup(model_dir: Path, size: dict):
     """The policy on the device, `prompts` rendered prompts of 8-48 characters, our sampling settings."""
     import torch
 
-    from alignment.formatting import render_prompt
     from alignment.config.sampling import SamplingSpec
+    from alignment.formatting import render_prompt
     from alignment.models import load_policy, load_tokenizer
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))

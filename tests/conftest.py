@@ -24,6 +24,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Recipe `model:` specs, by what a test needs. The smallest model a stage runs on, for tests of the
+# plumbing (errors, scheduling, resume); the default TinySpec (the `tiny_model` fixture's shape), for tests
+# whose training must move the weights measurably.
+SMALLEST_MODEL = {"tiny": {"hidden_size": 32, "num_layers": 1}}
+TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # The model used by end-to-end tests that need a policy that already knows the task a little.
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
 SFT_TRAIN = {"num_train_epochs": 2, "per_device_train_batch_size": 64, "learning_rate": 2.0e-3,
@@ -82,29 +87,6 @@ def heldout_accuracy(checkpoint: Path | str, n: int = 200, seed: int = 42) -> fl
     suite = load_suites([spec], seed, None)[0]
     scores, _, _ = run_suite(load_policy(str(checkpoint)), load_tokenizer(str(checkpoint)), suite, Judges(), "x")
     return scores["pass@1"]
-
-
-def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
-    """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
-    from alignment.scoring import score_texts
-
-    prompts = [p["prompt"] for p in pairs]
-    chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
-    rejected = score_texts(reward_model, tokenizer, prompts, [p["rejected"] for p in pairs], batch_size)
-    margins = [c - r for c, r in zip(chosen, rejected)]
-    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins)}
-
-
-def count_parameter_storage(*modules) -> int:
-    """Bytes of distinct parameter storage across modules (shared tensors counted once)."""
-    seen, total = set(), 0
-    for module in modules:
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            key = tensor.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += tensor.untyped_storage().nbytes()
-    return total
 
 
 @pytest.fixture

@@ -17,13 +17,10 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from conftest import write_recipe
+from conftest import REPO, TINY_MODEL, write_recipe
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # A random-init policy never gets an arithmetic answer right, so the RL stages would see all-zero rewards
 # and not move; this verifier (a file next to the recipe) gives every sample a different score.
 DIGITS = '''
@@ -49,7 +46,7 @@ STAGES = {
 
 @pytest.mark.slow
 def test_every_stage_kind_runs_on_two_processes_with_identical_ranks(tmp_path):
-    recipe = {"name": "ddp-all", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 5,
+    recipe = {"name": "ddp-all", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 5,
               "lora": {"r": 4, "lora_alpha": 8}, "stages": STAGES}
     path = write_recipe(tmp_path, recipe)
     (tmp_path / "my_verifiers.py").write_text(DIGITS)

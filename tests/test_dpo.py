@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import count_parameter_storage, heldout_accuracy, write_recipe
+from conftest import REPO, heldout_accuracy, write_recipe
+from helpers import completion_logprob, count_parameter_storage
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import make_context
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def dpo_context(tmp_path, model, lora=True, data=None, train=None, **stage):
@@ -26,16 +25,6 @@ def dpo_context(tmp_path, model, lora=True, data=None, train=None, **stage):
                                  "train": {"per_device_train_batch_size": 6, "max_steps": 1, "logging_steps": 1,
                                            "beta": 0.5, "learning_rate": 1.0e-3, **(train or {})}, **stage}}}
     return make_context(load_recipe(write_recipe(tmp_path, recipe)), "dpo")
-
-
-def completion_logprob(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
-    """log p(completion | prompt): plain forward pass, log-softmax, sum over the completion's tokens."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0]
-    logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    return logp[len(prompt_ids) - 1 :].sum()
 
 
 def hand_dpo_loss(policy, reference, tokenizer, rendered: list[dict], beta: float) -> float:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import run_cli, write_recipe
+from conftest import TINY_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
 from alignment.evaluate import (
@@ -21,7 +21,6 @@ from alignment.evaluate import (
     win_rate,
 )
 
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
@@ -127,10 +126,10 @@ def test_pass_k_spec_validation():
 
 
 def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model, adapter_folder):
-    from alignment.formatting import render_prompt
     from alignment.config.sampling import SamplingSpec
-    from alignment.sampling import generate
+    from alignment.formatting import render_prompt
     from alignment.models import load_policy, load_tokenizer
+    from alignment.sampling import generate
 
     tokenizer = load_tokenizer(str(tiny_model))
     policy, other = load_policy(str(tiny_model)), load_policy(str(adapter_folder))
@@ -215,7 +214,7 @@ def test_align_eval_user_errors(tiny_model, tmp_path):
 def eval_recipe(tmp_path, evaluate: dict) -> dict:
     quick = {"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 3.0e-3, "max_length": 32,
              "logging_steps": 1}
-    return {"name": "eval-test", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+    return {"name": "eval-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 64}, "train": quick},
                        "rm": {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 64},
                               "train": {**quick, "max_steps": 2}}},

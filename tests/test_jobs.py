@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli, write_recipe
+from conftest import REPO, SMALLEST_MODEL, run_cli, write_recipe
 from safetensors.torch import load_file
 
 from alignment import jobs
@@ -15,7 +15,6 @@ from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
          "logging_steps": 5}
 
@@ -23,7 +22,7 @@ TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rat
 def branching_recipe(tmp_path, name: str, **branch_b) -> dict:
     """sft, then two stages that both start from it and read nothing from each other."""
     branch = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 96}, "train": TRAIN}
-    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 3,
+    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 3,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 160}, "train": TRAIN},
                        "a": branch, "b": {**branch, **branch_b}}}
 
@@ -40,7 +39,7 @@ def test_dependencies_are_references_and_the_implicit_start():
 
 def test_dependencies_include_the_previous_policy_stage(tmp_path):
     recipe = load_recipe(write_recipe(tmp_path, {
-        "name": "chain", "model": TINY, "output_dir": str(tmp_path / "out"),
+        "name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
         "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}},
                    "dpo": {"data": {"task": "arithmetic", "n": 8}}}}))
     assert recipe.dependencies("dpo") == ["sft"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import write_recipe
+from conftest import TINY_MODEL, write_recipe
+from helpers import tiny_ppo_recipe, trainable_digest
 
 from alignment import memory
 from alignment.memory import ModelShape, StepShape, peak_bytes, plan
@@ -89,7 +90,7 @@ def test_plan_turns_checkpointing_on_only_when_the_step_does_not_fit():
 def stage_recipe(tmp_path, kind: str = "sft", **train) -> dict:
     """A LoRA recipe of one stage that trains two steps on the tiny model."""
     data = {"task": "arithmetic", "n": 64} if kind == "sft" else {"task": "arithmetic", "split": "train", "n": 16}
-    return {"name": "gc", "model": {"tiny": {"hidden_size": 64, "num_layers": 2}}, "output_dir": str(tmp_path / "out"),
+    return {"name": "gc", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"),
             "seed": 1, "lora": {"r": 4, "lora_alpha": 8},
             "stages": {kind: {"kind": kind, "data": data,
                               "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, **train}}}}
@@ -224,12 +225,9 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
 
 def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch,
                                                                              logged):
-    from test_ppo import tiny_ppo_recipe, trainable_digest
-
+    from alignment import ppo_models
     from alignment.recipe import load_recipe
     from alignment.runner import run_recipe
-
-    from alignment import ppo_models
 
     # Attention calls of the first layer under autograd: forward passes, plus recomputations when checkpointed
     # (sampling in between calls eval() on the policy, which must not switch checkpointing off).

@@ -7,10 +7,16 @@ import datasets
 import pytest
 import torch
 
-from alignment.errors import UserError
 from alignment.config.sampling import OnPolicySpec
+from alignment.errors import UserError
 from alignment.formatting import encode
-from alignment.pairs import normalize_pairs, normalize_row, on_policy_pairs, pair_samples, render_pairs
+from alignment.pairs import (
+    normalize_pairs,
+    normalize_row,
+    on_policy_pairs,
+    pair_samples,
+    render_pairs,
+)
 from alignment.scoring import score_rendered, score_texts
 from alignment.verifiers import VerifyResult, resolve
 

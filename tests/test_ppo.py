@@ -17,36 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, count_parameter_storage, heldout_accuracy, run_cli, run_with_digests, write_recipe
+from conftest import REPO, heldout_accuracy, run_with_digests, write_recipe
+from helpers import count_parameter_storage, tiny_ppo_recipe, trainable_digest
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
-
-BREVITY = "def brevity(completion):\n    return -len(completion) / 8.0\n"
-
-
-def tiny_ppo_recipe(folder: Path, policy: Path, **ppo) -> Path:
-    """A fast PPO recipe on a tiny model whose reward is a verifier next to the recipe (shorter = better)."""
-    (folder / "my_rewards.py").parent.mkdir(parents=True, exist_ok=True)
-    (folder / "my_rewards.py").write_text(BREVITY)
-    stage = {"policy": str(policy), "verifiers": [{"name": "my_rewards:brevity"}],
-             "data": {"task": "arithmetic", "split": "train", "n": 64},
-             "rollout": {"batch_size": 8, "max_new_tokens": 6},
-             "train": {"total_updates": 3, "mini_batch_size": 4, "gradient_accumulation_steps": 2, "ppo_epochs": 1,
-                       "learning_rate": 5.0e-3, "save_every": 100}}
-    for key, value in ppo.items():
-        stage[key] = {**stage[key], **value} if isinstance(value, dict) and key in stage else value
-    recipe = {"name": "ppo-tiny", "model": str(policy), "output_dir": str(folder / "out"), "seed": 3,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}}
-    return write_recipe(folder, recipe)
-
-
-def trainable_digest(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
 
 # ---------------------------------------------------------------------------------------------------
 # Config
@@ -231,10 +207,10 @@ def arithmetic_reward_model(sft_checkpoint, tmp_path_factory) -> tuple[Path, flo
 
 def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict[str, float]:
     """Mean reward-model score and verifier accuracy of `n` samples (T = 1) per prompt."""
-    from alignment.formatting import render_prompt
     from alignment.config.sampling import SamplingSpec
-    from alignment.sampling import generate
+    from alignment.formatting import render_prompt
     from alignment.models import load_policy, load_reward_model, load_tokenizer
+    from alignment.sampling import generate
     from alignment.scoring import score_texts
     from alignment.tasks.arithmetic import verify
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, write_recipe
+from conftest import SMALLEST_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
-
 
 def base_recipe(tmp_path: Path, **stages) -> dict:
-    return {"name": "r", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 3,
+    return {"name": "r", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"), "seed": 3,
             "stages": stages or {"sft": {"data": {"task": "arithmetic", "n": 10}}}}
 
 
@@ -98,8 +96,16 @@ def test_yaml_syntax_error_names_line(tmp_path):
 def test_duplicate_stage_ids_are_rejected(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("name: x\nmodel: m\nstages:\n  sft: {kind: sft}\n  sft: {kind: sft}\n")
-    with pytest.raises(UserError, match="duplicate key 'sft' at line 5"):
+    with pytest.raises(UserError, match=r"duplicate key 'sft' at line 5 \(first at line 4\)"):
         load_recipe(path)
+
+
+def test_merge_key_override_is_not_a_duplicate(tmp_path):
+    from alignment.recipe import _parse_yaml
+
+    path = tmp_path / "anchors.yaml"
+    path.write_text("base: &base {x: 1, y: 2}\nother:\n  <<: *base\n  x: 3\n")
+    assert _parse_yaml(path)["other"] == {"x": 3, "y": 2}
 
 
 @pytest.mark.parametrize("override", ["noequals", "=3", "a.b=[1,"])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import write_recipe
+from conftest import SMALLEST_MODEL, write_recipe
+from helpers import tiny_ppo_recipe
 from transformers import TrainerCallback
 
 import alignment.stages.sft as sft_stage
@@ -13,25 +16,25 @@ from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 from alignment.trainer_utils import NonFiniteError
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
          "save_steps": 5, "logging_steps": 1}
 
 
 def sft_recipe(tmp_path, name="rel", **extra):
-    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 200}, "train": TRAIN}}, **extra}
 
 
-class CrashAt(TrainerCallback):
-    """Simulates a kill: raises once training reaches `step` (after the checkpoint before it)."""
+class RaiseAt(TrainerCallback):
+    """Raises `error` once training reaches `step` (after the checkpoint before it): a kill by default."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, error: BaseException | None = None):
         self.step = step
+        self.error = error or KeyboardInterrupt(f"simulated crash at step {step}")
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            raise KeyboardInterrupt(f"simulated crash at step {self.step}")
+            raise self.error
 
 
 class StepRecorder(TrainerCallback):
@@ -71,7 +74,7 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
 
     resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed"), "b.yaml"))
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, CrashAt(8))
+        with_extra_callback(patch, RaiseAt(8))
         with pytest.raises(KeyboardInterrupt):
             run_recipe(resumed)
     assert not resumed.stage_dir("sft").exists(), "a crashed stage must not look finished"
@@ -87,7 +90,7 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def dpo_recipe(tmp_path, name, lora):
-    return {"name": name, "model": TINY, "output_dir": str(tmp_path / name), "seed": 5,
+    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
             "lora": {"r": 4, "lora_alpha": 8} if lora else None,
             "stages": {"dpo": {"data": {"task": "arithmetic", "n": 200},
                                "train": {**TRAIN, "beta": 0.1, "learning_rate": 1e-3}}}}
@@ -102,7 +105,7 @@ def test_resumed_dpo_matches_uninterrupted_run(tmp_path, monkeypatch, lora):
 
     resumed = load_recipe(write_recipe(tmp_path, dpo_recipe(tmp_path, "resumed", lora), "b.yaml"))
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, CrashAt(8))
+        with_extra_callback(patch, RaiseAt(8))
         with pytest.raises(KeyboardInterrupt):
             run_recipe(resumed)
     assert not resumed.stage_dir("dpo").exists(), "a crashed stage must not look finished"
@@ -152,19 +155,11 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
 
 
-class OutOfMemoryAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
-
-
 def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resumes(tmp_path, monkeypatch):
     recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
     with monkeypatch.context() as patch:
-        with_extra_callback(patch, OutOfMemoryAt(7))
+        with_extra_callback(patch, RaiseAt(7, out_of_memory))
         with pytest.raises(UserError, match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
                            r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
                            r"per_device_train_batch_size.*resumes from the last checkpoint") as caught:
@@ -179,7 +174,6 @@ def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resu
 
 
 def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypatch):
-    from test_ppo import tiny_ppo_recipe
 
     from alignment.stages import ppo
 
@@ -192,10 +186,21 @@ def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypat
         run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)))
 
 
-def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
+class SecretInLogs(TrainerCallback):
+    """Puts `secret` into every trainer log entry, as a logging integration echoing its URL or config would."""
+
+    def __init__(self, secret: str):
+        self.secret = secret
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        state.log_history[-1]["note"] = f"synced with {self.secret}"
+
+
+def test_secrets_never_reach_stage_json_model_card_or_log_history(tmp_path, monkeypatch):
     secret = "hf_plantedSECRETvalue1234567"
     monkeypatch.setenv("HF_TOKEN", secret)
     monkeypatch.setenv("WANDB_API_KEY", "wandb-planted-secret-0987654321")
+    with_extra_callback(monkeypatch, SecretInLogs(secret))
     spec = sft_recipe(tmp_path)
     spec["stages"]["sft"]["train"] = {**TRAIN, "hub_token": secret, "run_name": f"run-{secret}"}
     recipe = load_recipe(write_recipe(tmp_path, spec))
@@ -204,6 +209,9 @@ def test_secrets_never_reach_stage_json_or_model_card(tmp_path, monkeypatch):
         text = (recipe.stage_dir("sft") / name).read_text()
         assert secret not in text and "wandb-planted-secret" not in text, name
     assert "***" in (recipe.stage_dir("sft") / "stage.json").read_text()
+    history = json.loads((recipe.stage_dir("sft") / "log_history.json").read_text())
+    assert history and all(entry["note"] == "synced with ***" for entry in history), history[:2]
+    assert "loss" in history[0], "redaction must keep the metrics"
 
 
 def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):

@@ -14,12 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import heldout_accuracy, write_recipe
+from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
 
 from alignment.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": ["arithmetic"],
         "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
         "select": "threshold", "threshold": 0.0,  # keep every parsed sample: a random-init model is rarely right
@@ -27,7 +25,7 @@ FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": 
 
 
 def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
-    return {"name": "rsft-test", "model": model or TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+    return {"name": "rsft-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
             "stages": {"rsft": {**FAST, **stage}}}
 
 
@@ -83,9 +81,9 @@ def test_config_errors(tmp_path, stage, message):
 
 def test_shipped_code_rsft_recipe_validates():
     from alignment.recipe import load_recipe
-    from alignment.verifier_rewards import resolve_all
     from alignment.runner import make_context
     from alignment.stages import rsft
+    from alignment.verifier_rewards import resolve_all
     from alignment.verifiers import sandbox
 
     recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "code-rsft.yaml")

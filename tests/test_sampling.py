@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import base_weights, lora_policy
 
-from alignment.formatting import render_prompt
 from alignment.config.sampling import SamplingSpec
-from alignment.sampling import generate
+from alignment.formatting import render_prompt
 from alignment.models import load_policy, load_tokenizer
+from alignment.sampling import generate
 
 
 @pytest.fixture(scope="module")
@@ -32,38 +33,13 @@ def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["plain", "lora"])
 def test_static_cache_decodes_exactly_like_the_dynamic_cache(tiny_model, prompts, adapter):
-    from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora
-
-    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
-    if adapter:
-        model = apply_lora(model, LoraSpec(r=4, lora_alpha=8))
-        with torch.no_grad():  # a non-zero adapter, so the LoRA path really contributes
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(0, 0.05)
+    tokenizer = load_tokenizer(str(tiny_model))
+    model = lora_policy(tiny_model) if adapter else load_policy(str(tiny_model))
     spec = {"temperature": 0, "max_new_tokens": 8, "batch_size": 3}
     dynamic = generate(model, tokenizer, prompts, SamplingSpec(**spec))
     static = generate(model, tokenizer, prompts, SamplingSpec(**spec, cache="static"))
     assert [s.token_ids for s in static] == [s.token_ids for s in dynamic]
     assert [s.finished for s in static] == [s.finished for s in dynamic]
-
-
-def lora_policy(tiny_model):
-    """The tiny model with a non-zero LoRA adapter, so the adapter really changes the outputs."""
-    from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora
-
-    model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.05)
-    return model
-
-
-def base_weights(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
 
 
 def test_merged_lora_samples_like_the_unmerged_adapter_and_restores_the_base_exactly(tiny_model, prompts):

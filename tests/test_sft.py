@@ -10,17 +10,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, heldout_accuracy, write_recipe
+from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
 
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
 
-TINY = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 
 
 def sft_recipe(tmp_path, **extra) -> dict:
-    return {"name": "sft-test", "model": TINY, "output_dir": str(tmp_path / "out"), "seed": 1,
+    return {"name": "sft-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
             "stages": {"sft": {"data": {"task": "arithmetic", "n": 600}, "train": QUICK_TRAIN}}, **extra}
 
 
@@ -42,14 +41,22 @@ def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path, caplog):
     before, base = params(out), params(recipe.out / "base")
     assert any(not torch.equal(before[k], base[k]) for k in before), "SFT did not change any weight"
 
+    finished = written(out)
     with caplog.at_level(logging.INFO, logger="alignment"):
         run_recipe(load_recipe(path))
     assert any("skipping" in m for m in caplog.messages)
-    assert (out / "stage.json").stat().st_mtime == pytest.approx((out / "stage.json").stat().st_mtime)
-    stamp = record["finished_at"]
+    assert written(out) == finished, "a rerun rewrote a finished stage"
     run_recipe(load_recipe(path), force=True)
-    assert json.loads((out / "stage.json").read_text())["finished_at"] >= stamp
+    rewritten = written(out)
+    for name in ("stage.json", "model.safetensors"):
+        assert rewritten[name][1] != finished[name][1], f"--force did not rewrite {name}"
     assert not (recipe.out / ".staging" / "sft").exists() and not (recipe.out / "sft.old").exists()
+
+
+def written(folder) -> dict[str, tuple[bytes, int]]:
+    """(bytes, mtime in ns) of a stage's stage.json and weights: what a rerun must leave alone."""
+    return {name: ((folder / name).read_bytes(), (folder / name).stat().st_mtime_ns)
+            for name in ("stage.json", "model.safetensors")}
 
 
 def test_sft_on_chat_messages_with_lora_keeps_adapter(tmp_path):

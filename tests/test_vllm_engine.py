@@ -11,17 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sampling import base_weights, lora_policy
-from test_ppo import tiny_ppo_recipe, trainable_digest
+from helpers import base_weights, lora_policy, tiny_ppo_recipe, trainable_digest
 
-from alignment.sampling import vllm_engine
+from alignment.config.sampling import SamplingSpec
 from alignment.errors import UserError
 from alignment.formatting import render_prompt
-from alignment.config.sampling import SamplingSpec
-from alignment.sampling import generate
 from alignment.models import load_tokenizer
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
+from alignment.sampling import generate, vllm_engine
 
 FAKE = Path(__file__).parent / "fake_vllm"
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import SMALLEST_MODEL
 
 from alignment.cli import main
 
-TINY = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 SFT_DATA = {"task": "arithmetic", "n": 20}
 
 
 def recipe(tmp: Path, stages=None, **top) -> dict:
-    return {"name": "bad", "model": TINY, "output_dir": str(tmp / "out"), "seed": 0,
+    return {"name": "bad", "model": SMALLEST_MODEL, "output_dir": str(tmp / "out"), "seed": 0,
             "stages": stages if stages is not None else {"sft": {"data": SFT_DATA}}, **top}
 
 
@@ -55,7 +55,7 @@ def model_dir_without_chat_template(tmp: Path) -> Path:
     from alignment.config.model import TinySpec
     from alignment.models import build_tiny_model
 
-    path = build_tiny_model(TinySpec(hidden_size=32, num_layers=1), 0, tmp / "plain-model")
+    path = build_tiny_model(TinySpec(**SMALLEST_MODEL["tiny"]), 0, tmp / "plain-model")
     config = json.loads((path / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
@@ -108,7 +108,21 @@ CASES = [
     ("self-reference", with_recipe(lambda t: recipe(t, {"a": {"kind": "sft", "model": "${a}", "data": SFT_DATA}})),
      CHECK, ["reference cycle (a -> a)"]),
     ("duplicate-stage", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n  sft: {}\n  sft: {}\n")},
-     CHECK, ["duplicate key 'sft' at line 5"]),
+     CHECK, ["duplicate key 'sft' at line 5 (first at line 4)"]),
+    ("duplicate-top-key", lambda t: {"recipe": put(t, "r.yaml", "name: x\nseed: 1\nmodel: m\nseed: 2\nstages: {}\n")},
+     CHECK, ["duplicate key 'seed' at line 4 (first at line 2)"]),
+    ("duplicate-train-knob", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n  sft:\n    train:\n"
+                                                      "      learning_rate: 1.0e-4\n      max_length: 64\n"
+                                                      "      learning_rate: 2.0e-4\n")},
+     CHECK, ["duplicate key 'learning_rate' at line 8 (first at line 6)"]),
+    ("duplicate-key-flow-style", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages:\n"
+                                                          "  sft: {data: {task: arithmetic, n: 5, n: 6}}\n")},
+     CHECK, ["duplicate key 'n' at line 4, column 40 (first at line 4, column 34)"]),
+    ("duplicate-key-in-list-item", lambda t: {"recipe": put(t, "r.yaml", "name: x\nmodel: m\nstages: {}\nevaluate:\n"
+                                                            "  suites:\n    - name: a\n      verifier: numeric\n"
+                                                            "    - name: b\n      verifier: numeric\n"
+                                                            "      name: c\n")},
+     CHECK, ["duplicate key 'name' at line 10 (first at line 8)"]),
     ("bad-interpolation", with_recipe(lambda t: recipe(t, output_dir="${nowhere}/x")), CHECK,
      ["cannot resolve interpolation", "nowhere"]),
     ("bad-override-syntax", with_recipe(recipe), ["check", "{recipe}", "stages.sft.train"], ["bad override 'stages.sft.train'"]),
@@ -171,6 +185,19 @@ CASES = [
      CHECK, ["bogus"]),
     ("evaluate-unknown-stage", with_recipe(lambda t: recipe(t, evaluate={"after": ["sfd"], **eval_suite("arithmetic")})),
      CHECK, ["evaluate.after names 'sfd'"]),
+    # --- the command line itself (typer/click usage errors) ---
+    ("unknown-command", lambda t: {}, ["trian", "r.yaml"], ["No such command 'trian'"]),
+    ("run-without-recipe", lambda t: {}, ["run"], ["Missing argument 'recipe'"]),
+    ("unknown-option", with_recipe(recipe), ["run", "{recipe}", "--forse"], ["No such option: --forse"]),
+    ("option-missing-value", with_recipe(recipe), ["run", "{recipe}", "--only"], ["'--only' requires an argument"]),
+    ("option-bad-type", with_recipe(recipe), ["run", "{recipe}", "--jobs", "x"], ["'--jobs'", "valid integer"]),
+    ("option-out-of-range", with_recipe(recipe), ["run", "{recipe}", "--jobs", "0"],
+     ["'--jobs'", "greater than or equal to 1"]),
+    ("flag-given-a-value", with_recipe(recipe), ["run", "{recipe}", "--force=yes"], ["'--force' does not take a value"]),
+    ("eval-without-checkpoint", lambda t: {}, ["eval", "--suite", "arithmetic"], ["Missing argument 'checkpoints'"]),
+    ("eval-without-suite", lambda t: {}, ["eval", "some/ckpt"], ["Missing option '--suite'"]),
+    ("verify-without-verifier", lambda t: {"data": jsonl(t, "c.jsonl", [{"completion": "1"}])},
+     ["verify", "--data", "{data}"], ["Missing option '--verifier'"]),
     ("verify-file-missing-column", lambda t: {"data": jsonl(t, "c.jsonl", [{"text": "1", "answer": "1"}])},
      ["verify", "--verifier", "numeric", "--data", "{data}"], ["column 'completion' is missing", "text"]),
 ]
@@ -202,5 +229,88 @@ def test_bad_input_is_rejected_clearly(tmp_path, capsys, case_id, setup, argv, e
     assert {k: v for k, v in after.items() if k.startswith("earlier")} == before, "earlier output damaged"
 
 
-def test_catalogue_has_at_least_40_cases():
-    assert len(CASES) >= 40
+def test_case_ids_are_unique():
+    ids = [case[0] for case in CASES]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
+
+
+USAGE_CASES = {case[0]: case for case in CASES if case[0] in {"unknown-command", "run-without-recipe", "option-missing-value",
+                                                             "eval-without-suite"}}
+
+
+@pytest.mark.parametrize("case_id, setup, argv, expected", USAGE_CASES.values(), ids=USAGE_CASES.keys())
+def test_usage_error_shows_the_command_usage(tmp_path, capsys, case_id, setup, argv, expected):
+    paths = setup(tmp_path)
+    with pytest.raises(SystemExit):
+        main([a.format(**{k: str(v) for k, v in paths.items()}) for a in argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    command = argv[0] if argv[0] in {"run", "eval"} else ""
+    assert lines[0].startswith(f"Usage: align {command}".rstrip()), lines
+    assert "--help" in lines[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["run", "--help"], ["eval", "--help"]])
+def test_help_exits_0(capsys, argv):
+    try:
+        main(argv)  # returning is exit status 0 too
+    except SystemExit as exited:
+        assert exited.code in (0, None)
+    assert "Usage" in capsys.readouterr().out
+
+
+def test_bare_align_prints_help_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
+    assert "run" in capsys.readouterr().out
+
+
+def click_context():
+    import click
+
+    return click.exceptions, click.Context(click.Command("run"), info_name="align run")
+
+
+def typer_context():
+    import typer
+    import typer._click.exceptions
+
+    import alignment.cli
+
+    group = typer.main.get_command(alignment.cli.app)
+    return typer._click.exceptions, group.context_class(group, info_name="align")
+
+
+@pytest.mark.parametrize("click_of", [click_context, typer_context], ids=["click", "typer-vendored"])
+def test_usage_errors_of_either_click_exit_2(monkeypatch, capsys, click_of):
+    """typer vendors click (typer._click) but older typer raises click's own classes: both are usage errors."""
+    import alignment.cli
+
+    exceptions, ctx = click_of()
+
+    def raise_usage_error(**_):
+        raise exceptions.NoSuchOption("--forse", ctx=ctx)
+
+    monkeypatch.setattr(alignment.cli, "app", raise_usage_error)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--forse"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.splitlines()[0].startswith("Usage: align")
+    message = err.strip().splitlines()[-1]
+    assert message.startswith("error: No such option") and "--forse" in message, message
+
+
+def test_ctrl_c_in_a_command_exits_130(monkeypatch, capsys):
+    """typer turns Ctrl-C inside a command into a returned 130; it must not become exit status 0."""
+    import alignment.recipe
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(alignment.recipe, "load_recipe", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "r.yaml"])
+    assert exited.value.code == 130
+    assert capsys.readouterr().err.strip() == "aborted"

@@ -1,0 +1,84 @@
+"""Helpers shared by several test modules (tests import them as `from helpers import ...`; fixtures and
+recipe/CLI helpers live in conftest.py). Test modules never import each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from conftest import write_recipe
+
+BREVITY = "def brevity(completion):\n    return -len(completion) / 8.0\n"
+
+
+def tiny_ppo_recipe(folder: Path, policy: Path, **ppo) -> Path:
+    """A fast PPO recipe on a tiny model whose reward is a verifier next to the recipe (shorter = better)."""
+    (folder / "my_rewards.py").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "my_rewards.py").write_text(BREVITY)
+    stage = {"policy": str(policy), "verifiers": [{"name": "my_rewards:brevity"}],
+             "data": {"task": "arithmetic", "split": "train", "n": 64},
+             "rollout": {"batch_size": 8, "max_new_tokens": 6},
+             "train": {"total_updates": 3, "mini_batch_size": 4, "gradient_accumulation_steps": 2, "ppo_epochs": 1,
+                       "learning_rate": 5.0e-3, "save_every": 100}}
+    for key, value in ppo.items():
+        stage[key] = {**stage[key], **value} if isinstance(value, dict) and key in stage else value
+    recipe = {"name": "ppo-tiny", "model": str(policy), "output_dir": str(folder / "out"), "seed": 3,
+              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}}
+    return write_recipe(folder, recipe)
+
+
+def trainable_digest(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def lora_policy(tiny_model):
+    """The tiny model with a non-zero LoRA adapter, so the adapter really changes the outputs."""
+    from alignment.config.model import LoraSpec
+    from alignment.models import apply_lora, load_policy
+
+    model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    return model
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+
+
+def completion_logprob(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
+    """log p(completion | prompt): plain forward pass, log-softmax, sum over the completion's tokens. The
+    rendered prompt already holds every special token, so none is added (as the stages encode it)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = prompt_ids + tokenizer(completion, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0]
+    logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return logp[len(prompt_ids) - 1 :].sum()
+
+
+def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
+    """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
+    from alignment.scoring import score_texts
+
+    prompts = [p["prompt"] for p in pairs]
+    chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
+    rejected = score_texts(reward_model, tokenizer, prompts, [p["rejected"] for p in pairs], batch_size)
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    return {"accuracy": sum(m > 0 for m in margins) / len(margins), "margin": sum(margins) / len(margins)}
+
+
+def count_parameter_storage(*modules) -> int:
+    """Bytes of distinct parameter storage across modules (shared tensors counted once)."""
+    seen, total = set(), 0
+    for module in modules:
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total
