@@ -255,7 +255,8 @@ def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int =
     scores.update(mean_length=mean(len(s.token_ids) for s in main), eos_rate=mean(s.finished for s in main))
     rm_scores = None
     if judges.reward_model is not None:
-        rm_scores = score_texts(judges.reward_model, judges.reward_tokenizer, suite.prompts, texts, batch_size)
+        rm_scores = score_texts(judges.reward_model, judges.reward_tokenizer, suite.prompts, texts, batch_size,
+                                finished=[s.finished for s in main])
         scores["rm_score"] = mean(rm_scores)
         for row, value in zip(rows, rm_scores):
             row["rm_score"] = value

@@ -36,10 +36,16 @@ def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 
     return scores
 
 
-def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16) -> list[float]:
+def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16,
+                finished: list[bool] | None = None) -> list[float]:
     """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
-    text (as `sampling.Sample.text`). Rendered as `render_prompt(p) + render_completion(p, c)`."""
-    if len(prompts) != len(completions):
-        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-    texts = [render_prompt(tokenizer, p) + render_completion(tokenizer, p, c) for p, c in zip(prompts, completions)]
+    text (as `sampling.Sample.text`). A finished answer is rendered as `render_prompt(p) +
+    render_completion(p, c)`, the text the reward stage trains on; one that was cut off (`finished[i]` false,
+    as `Sample.finished`) as `render_prompt(p) + c`, without the end-of-turn token it never sampled, so the
+    reward model judges what was sampled rather than a finished answer it was not."""
+    finished = [True] * len(completions) if finished is None else finished
+    if not len(prompts) == len(completions) == len(finished):
+        raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(finished)} finished flags")
+    texts = [render_prompt(tokenizer, p) + (render_completion(tokenizer, p, c) if done else c)
+             for p, c, done in zip(prompts, completions, finished)]
     return score_rendered(reward_model, tokenizer, texts, batch_size)

@@ -3,6 +3,7 @@ recipe/CLI helpers live in conftest.py). Test modules never import each other.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -82,3 +83,30 @@ def count_parameter_storage(*modules) -> int:
                 seen.add(key)
                 total += tensor.untyped_storage().nbytes()
     return total
+
+
+# Every sampling field transformers reads from a checkpoint's generation_config.json, each set to a value
+# that visibly changes what is sampled (collapsed distributions, forced lengths, banned tokens, beams).
+SKEWED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_k": 2, "top_p": 0.3, "min_p": 0.99,
+                     "typical_p": 0.2, "epsilon_cutoff": 0.2, "eta_cutoff": 0.2, "repetition_penalty": 3.0,
+                     "encoder_repetition_penalty": 2.0, "no_repeat_ngram_size": 1, "min_new_tokens": 5,
+                     "min_length": 30, "max_new_tokens": 2, "max_length": 40, "num_beams": 2,
+                     "length_penalty": 2.0, "bad_words_ids": [[5], [6]], "suppress_tokens": [7, 8],
+                     "begin_suppress_tokens": [9], "exponential_decay_length_penalty": [2, 1.5],
+                     "renormalize_logits": True, "top_h": 0.5}
+
+
+def with_skewed_generation_config(model_dir: Path, folder: Path, extra_eos: int | None = None) -> Path:
+    """A copy of a checkpoint whose generation_config.json sets every sampling field (SKEWED_GENERATION),
+    and optionally lists a second EOS id, as Qwen2.5-Instruct's does."""
+    import shutil
+
+    copy = folder / "skewed"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "generation_config.json").read_text()) if (copy / "generation_config.json").exists() else {}
+    config.update(SKEWED_GENERATION)
+    if extra_eos is not None:
+        eos = config.get("eos_token_id")
+        config["eos_token_id"] = [*([] if eos is None else [eos] if isinstance(eos, int) else eos), extra_eos]
+    (copy / "generation_config.json").write_text(json.dumps(config))
+    return copy

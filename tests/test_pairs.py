@@ -136,3 +136,20 @@ def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
     assert score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"]) == \
         pytest.approx(batched[:1], abs=1e-5)
     assert len({round(s, 4) for s in batched}) == 3
+
+
+def test_a_cut_off_completion_is_scored_as_sampled_without_an_end_of_turn(tiny_model):
+    from transformers import AutoModelForSequenceClassification
+
+    from alignment.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    prompts, completions = ["What is 2+2?"] * 2, ["4", "4"]
+    finished, cut_off = score_texts(model, tokenizer, prompts, completions, finished=[True, False])
+    assert finished == pytest.approx(score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"])[0])
+    assert cut_off == pytest.approx(score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4"])[0])
+    assert abs(finished - cut_off) > 1e-4
+    with pytest.raises(ValueError, match="finished flags"):
+        score_texts(model, tokenizer, prompts, completions, finished=[True])

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, TINY_MODEL, heldout_accuracy, run_cli, write_recipe
 
 from alignment.errors import UserError
@@ -322,3 +323,27 @@ def test_verifier_raising_on_some_rows_does_not_stop_training(tmp_path):
 # steps) tests/test_quickstart.py asserts it; the README has the figures.
 GRPO_ARITHMETIC = {"max_steps": 30, "num_generations": 8, "per_device_train_batch_size": 64, "learning_rate": 2.0e-5,
                    "max_completion_length": 8, "temperature": 1.0, "logging_steps": 5}
+
+
+DIGITS = "def digit_share(completion, **row):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
+
+
+def test_a_checkpoints_generation_config_does_not_change_what_rlvr_samples(tmp_path, tiny_model):
+    """TRL fills every sampling field it leaves unset (min_p, min_new_tokens, ...) from the checkpoint's
+    generation_config.json; the stage turns those defaults off, so a skewed checkpoint trains exactly like
+    the clean one, and its saved checkpoint keeps its own config."""
+    from helpers import with_skewed_generation_config
+    from safetensors.torch import load_file
+
+    weights, completions = {}, {}
+    for name, model in (("clean", tiny_model), ("skewed", with_skewed_generation_config(tiny_model, tmp_path))):
+        folder = tmp_path / f"run-{name}"
+        folder.mkdir()
+        (folder / "my_verifiers.py").write_text(DIGITS)
+        recipe, _, history = run(folder, {"verifiers": ["my_verifiers:digit_share"]}, model=str(model))
+        weights[name] = load_file(str(recipe.stage_dir("rlvr") / "model.safetensors"))
+        completions[name] = [(e.get("completions/mean_length"), e.get("reward")) for e in history if "reward" in e]
+    assert completions["clean"] == completions["skewed"] and completions["clean"]
+    assert all(torch.equal(weights["clean"][k], weights["skewed"][k]) for k in weights["clean"])
+    saved = json.loads((tmp_path / "run-skewed" / "out" / "rlvr" / "generation_config.json").read_text())
+    assert saved["min_p"] == 0.99

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import base_weights, lora_policy
+from helpers import base_weights, lora_policy, with_skewed_generation_config
 
 from alignment.config.sampling import SamplingSpec
 from alignment.formatting import render_prompt
@@ -104,3 +104,39 @@ def test_merge_lora_is_a_no_op_without_an_adapter(tiny_model, prompts):
     spec = {"temperature": 0, "max_new_tokens": 6}
     assert ([s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec))]
             == [s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec, merge_lora=False))])
+
+
+@pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9}],
+                         ids=["greedy", "sampled", "top-p"])
+def test_a_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_model, prompts, tmp_path, spec):
+    tokenizer = load_tokenizer(str(tiny_model))
+    clean, skewed = load_policy(str(tiny_model)), load_policy(str(with_skewed_generation_config(tiny_model, tmp_path)))
+    settings = SamplingSpec(max_new_tokens=8, **spec)
+    runs = []
+    for model in (clean, skewed):
+        torch.manual_seed(0)
+        runs.append([s.token_ids for s in generate(model, tokenizer, prompts, settings)])
+    assert runs[0] == runs[1]
+    assert skewed.generation_config.min_p == 0.99  # the checkpoint's own config is back after sampling
+    ids = torch.tensor([tokenizer(prompts[0], add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():  # left to transformers, the skewed config does change generation (2 beams, 2 tokens)
+        plain = clean.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        skew = skewed.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert plain.tolist() != skew.tolist()
+
+
+def test_the_stop_set_is_the_union_of_eos_end_of_turn_and_the_checkpoints_eos_ids(tiny_model, tmp_path):
+    from alignment.sampling import stop_token_ids
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    two_eos = load_policy(str(with_skewed_generation_config(tiny_model, tmp_path, extra_eos=10)))
+    assert stop_token_ids(tokenizer) == sorted({tokenizer.eos_token_id, end})
+    assert stop_token_ids(tokenizer, two_eos) == sorted({tokenizer.eos_token_id, end, 10})
+    prompt = render_prompt(tokenizer, "What is 1+2?")
+    torch.manual_seed(0)
+    samples = generate(two_eos, tokenizer, [prompt] * 16, SamplingSpec(temperature=1.0, max_new_tokens=30))
+    for sample in samples:  # nothing is sampled past token 10: it ends the answer like EOS does
+        assert 10 not in sample.token_ids[:-1]
+        assert sample.finished == (sample.token_ids[-1] in stop_token_ids(tokenizer, two_eos))
+    assert any(s.token_ids[-1] == 10 for s in samples)  # the random policy does sample it

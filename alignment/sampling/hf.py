@@ -28,14 +28,14 @@ import torch
 
 from ..config.sampling import SamplingSpec
 from ..progress import track
-from .samples import Sample, lora_merged, stop_token_ids, to_sample
+from .samples import Sample, checkpoint_sampling_defaults_off, lora_merged, stop_token_ids, to_sample
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` samples per prompt, ordered prompt by prompt (sample j of prompt i at i*n+j)."""
-    stops = stop_token_ids(tokenizer)
+    stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     jobs = [(i, j) for i in range(len(prompts)) for j in range(settings.n)]
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -46,7 +46,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     model.eval()
     device = next(model.parameters()).device
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
-    with torch.no_grad(), lora_merged(model) if settings.merge_lora else nullcontext():
+    with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
             rows = [encoded[i] for i, _ in batch]
             width = max(len(r) for r in rows)
@@ -60,9 +60,6 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 top_p=settings.top_p if settings.temperature > 0 else None,
                 top_k=settings.top_k if settings.temperature > 0 else None,
                 eos_token_id=stops, pad_token_id=pad_id,
-                # Plain samples: a checkpoint's own generation_config (e.g. a repetition penalty) must not
-                # reshape the distribution that KL and PPO log-probs assume we sampled from.
-                repetition_penalty=1.0, no_repeat_ngram_size=0,
                 **({"cache_implementation": "static"} if settings.cache == "static" else {}),
             )
             for (i, j), ids in zip(batch, output[:, width:].tolist()):

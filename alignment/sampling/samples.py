@@ -1,4 +1,5 @@
-"""What both samplers share: the `Sample` they return, the stop ids, and LoRA merged for sampling."""
+"""What both samplers share: the `Sample` they return, the stop ids, the checkpoint's sampling defaults turned
+off, and LoRA merged for sampling."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from peft.tuners.lora import LoraLayer
+from transformers import GenerationConfig, GenerationMixin
 
 from ..errors import UserError
 from ..formatting import end_of_turn
@@ -20,9 +22,44 @@ class Sample:
     finished: bool = False  # ended with the end-of-turn / EOS token
 
 
-def stop_token_ids(tokenizer) -> list[int]:
+# What a plain generation config keeps of a checkpoint's generation_config.json: its token ids, nothing that
+# shapes the distribution.
+TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def as_ids(value) -> list[int]:
+    """A token-id setting (None, one id or a list) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+def stop_token_ids(tokenizer, model=None) -> list[int]:
+    """The one stop set of every sampler: the tokenizer's EOS, the chat template's end-of-turn token and every
+    EOS id the checkpoint's generation_config lists (Qwen2.5-Instruct lists two)."""
     ids = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))}
+    ids |= set(as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
     return sorted(i for i in ids if i is not None)
+
+
+def plain_generation_config(config: GenerationConfig) -> GenerationConfig:
+    """`config` with transformers' defaults for every sampling field: only the token ids are kept."""
+    return GenerationConfig(**{k: getattr(config, k) for k in TOKEN_FIELDS if getattr(config, k, None) is not None})
+
+
+@contextmanager
+def checkpoint_sampling_defaults_off(model):
+    """Within the block, every generation config inside `model` is plain (`plain_generation_config`).
+    transformers fills each sampling field a caller leaves unset from the checkpoint's generation_config.json
+    (a min_p, a repetition penalty, min_new_tokens): the samples would then come from another distribution
+    than the one the recipe names and that PPO's ratios, the KL estimates and pass@k assume."""
+    models = [m for m in model.modules() if isinstance(m, GenerationMixin) and m.generation_config is not None]
+    saved = [m.generation_config for m in models]
+    try:
+        for m in models:
+            m.generation_config = plain_generation_config(m.generation_config)
+        yield model
+    finally:
+        for m, config in zip(models, saved):
+            m.generation_config = config
 
 
 @contextmanager

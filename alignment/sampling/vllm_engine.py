@@ -63,7 +63,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     """`sampling.generate` with vLLM doing the sampling; same arguments, same result."""
 
 
-    stops = stop_token_ids(tokenizer)
+    stops = stop_token_ids(tokenizer, model)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     engine = _engine_for(model, tokenizer, settings.vllm, progress)
     llm = engine.llm

@@ -199,7 +199,8 @@ class Scorer:
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
         if self.model is not None:
-            rm = torch.tensor(score_texts(self.model, self.tokenizer, [prompt_of(r) for r in rows], texts, batch_size))
+            rm = torch.tensor(score_texts(self.model, self.tokenizer, [prompt_of(r) for r in rows], texts, batch_size,
+                                          finished=[s.finished for s in samples]))
             scores, parts["rm_score"] = scores + rm, rm.mean().item()
         examples = [{**row, "prompt": prompt_of(row)} for row in rows]  # verifiers get the prompt, as in rsft
         for reward in self.rewards:

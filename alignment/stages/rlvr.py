@@ -101,13 +101,13 @@ def check_vllm(ctx: StageContext) -> None:
         raise UserError(f"{ctx.where}.train.use_vllm: {why}")
 
 
-def stop_vllm_at_end_of_turn(args, tokenizer) -> None:
+def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
     """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
     from ..sampling.samples import stop_token_ids
 
     if getattr(args, "use_vllm", False):
         kwargs = dict(args.generation_kwargs or {})
-        kwargs.setdefault("stop_token_ids", stop_token_ids(tokenizer))
+        kwargs.setdefault("stop_token_ids", stop_token_ids(tokenizer, model))
         args.generation_kwargs = kwargs
 
 
@@ -143,14 +143,13 @@ def without_leading_bos(tokenizer, prompt: str) -> str:
 
 
 def stop_at_end_of_turn(model, tokenizer) -> None:
-    """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); add the chat
-    template's end-of-turn token, which differs from EOS for base models (Qwen2.5: <|im_end|> vs <|endoftext|>)."""
+    """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); make that the stop
+    set of every other sampler, which adds the chat template's end-of-turn token (it differs from EOS for base
+    models: Qwen2.5's <|im_end|> vs <|endoftext|>)."""
     from ..sampling.samples import stop_token_ids
 
     config = model.generation_config
-    current = config.eos_token_id
-    current = [] if current is None else [current] if isinstance(current, int) else list(current)
-    config.eos_token_id = sorted(set(current) | set(stop_token_ids(tokenizer)))
+    config.eos_token_id = stop_token_ids(tokenizer, model)
     if config.pad_token_id is None:
         config.pad_token_id = tokenizer.pad_token_id
 
@@ -171,6 +170,7 @@ def run(ctx: StageContext) -> dict:
     import datasets
 
     from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
+    from ..sampling.samples import checkpoint_sampling_defaults_off
     from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
     from ..verifier_rewards import build_rewards
 
@@ -181,7 +181,7 @@ def run(ctx: StageContext) -> dict:
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     stop_at_end_of_turn(model, tokenizer)
-    stop_vllm_at_end_of_turn(args, tokenizer)
+    stop_vllm_at_end_of_turn(args, tokenizer, model)
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
     eval_rows = None
     if ctx.config.eval_data:
@@ -192,7 +192,8 @@ def run(ctx: StageContext) -> dict:
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
-    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
+    with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
+        trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
     totals = {k: v for r in rewards for k, v in r.totals().items()}

@@ -117,14 +117,15 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 
 def make_scorer(ctx: StageContext):
-    """(score(rows, prompts, completions) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
+    """(score(rows, prompts, samples) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
     from ..verifier_rewards import build_rewards, combined_scores
 
     if ctx.config.verifiers:
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
 
-        def score_by_verifiers(rows, prompts, texts):
-            return combined_scores(rewards, texts, [{**row, "prompt": p} for row, p in zip(rows, prompts)])
+        def score_by_verifiers(rows, prompts, samples):
+            return combined_scores(rewards, [s.text for s in samples],
+                                   [{**row, "prompt": p} for row, p in zip(rows, prompts)])
 
         return score_by_verifiers, rewards
     from ..models import load_reward_model, load_tokenizer
@@ -134,8 +135,9 @@ def make_scorer(ctx: StageContext):
     model = load_reward_model(path, ctx.recipe.trust_remote_code).to(_device())
     tokenizer = load_tokenizer(path, ctx.recipe.trust_remote_code)
 
-    def score(rows, prompts, texts):
-        values = score_texts(model, tokenizer, prompts, texts, batch_size=ctx.config.rm_batch_size)
+    def score(rows, prompts, samples):
+        values = score_texts(model, tokenizer, prompts, [s.text for s in samples], batch_size=ctx.config.rm_batch_size,
+                             finished=[s.finished for s in samples])
         return [{"score": v, "parsed": True, "passed": True} for v in values]
 
     return score, []
@@ -172,8 +174,7 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
                        progress=f"{ctx.where} round {round_index} sampling")
     del model
-    scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples],
-                    [s.text for s in samples])
+    scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
     selected, covered = [], 0
     for i, prompt in enumerate(prompts):
         group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j]}
