@@ -84,11 +84,14 @@ def merge(
     out: Path = typer.Argument(..., help="where to write the plain merged checkpoint"),
 ):
     """Export a plain merged checkpoint (base + LoRA adapter) that loads without peft."""
-    from .models import check_model_source, load_policy, load_tokenizer
+    from .models import check_model_source, is_reward_adapter, load_policy, load_reward_model, load_tokenizer
 
     check_model_source(source, "merge source")
-    model = load_policy(source)  # an adapter folder is merged into its base here
+    # An adapter folder is merged into its base here; a reward model's stays a sequence classifier with its head.
+    model = load_reward_model(source) if is_reward_adapter(source) else load_policy(source)
     tokenizer = load_tokenizer(source)
+    if model.config.pad_token_id is None:  # a classifier's head finds the sequence end through the pad id
+        model.config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -53,7 +53,6 @@ def load_rows(spec: DataSpec, seed: int, base_dir: Path | None = None, where: st
 
 
 def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
-
     local = resolve_local(spec.dataset, base_dir)
     if local is not None:
         return _load_local(local, where)
@@ -71,7 +70,6 @@ def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
 
 
 def _load_local(path: Path, where: str):
-
     files = sorted(p for p in path.iterdir() if p.suffix.lower() in LOCAL_FORMATS) if path.is_dir() else [path]
     if not files:
         raise UserError(f"{where}.dataset: folder '{path}' holds no {'/'.join(LOCAL_FORMATS)} files.")

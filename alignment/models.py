@@ -43,7 +43,6 @@ TINY_CHAT_TEMPLATE = (
 
 
 def is_cuda() -> bool:
-
     return torch.cuda.is_available()
 
 
@@ -121,7 +120,6 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False):
-
     source = adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
@@ -131,6 +129,12 @@ def load_tokenizer(name: str, trust_remote_code: bool = False):
 
 def adapter_base(path: str | Path) -> str:
     return json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def is_reward_adapter(path: str | Path) -> bool:
+    """An adapter trained on a sequence classifier (the `reward` stage's `adapter/`): peft task SEQ_CLS."""
+    return is_adapter_dir(path) and json.loads((Path(path) / "adapter_config.json").read_text()).get(
+        "task_type") == "SEQ_CLS"
 
 
 def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
@@ -148,7 +152,12 @@ def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
 
 
 def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
-    """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model)."""
+    """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model); a reward
+    adapter folder is merged into its base, score head included (peft keeps the trained head)."""
+    if is_reward_adapter(name):
+        base = AutoModelForSequenceClassification.from_pretrained(
+            adapter_base(name), num_labels=1, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code)
+        return PeftModel.from_pretrained(base, name).merge_and_unload().eval().requires_grad_(False)
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     architectures = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
@@ -171,7 +180,6 @@ def peft_config(spec: LoraSpec, task_type: str = "CAUSAL_LM"):
 
 
 def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name: str = "default"):
-
     try:
         return get_peft_model(model, peft_config(spec, task_type), adapter_name=adapter_name)
     except ValueError as error:

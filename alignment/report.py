@@ -90,7 +90,6 @@ def markdown_table(metrics: dict[str, dict[str, float]]) -> str:
 
 
 def rich_table(metrics: dict[str, dict[str, float]]):
-
     table = Table("metric", *metrics, title="evaluation")
     for name in metric_names(metrics):
         table.add_row(name, *(format_value(metrics[l].get(name)) for l in metrics))

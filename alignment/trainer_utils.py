@@ -27,7 +27,6 @@ def resume_checkpoint(trainer_dir: str | Path) -> str | None:
 
 
 def gradient_norm(model) -> float:
-
     norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 

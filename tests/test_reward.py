@@ -205,3 +205,25 @@ def test_chained_recipe_sft_then_reward_and_dpo_and_rerun_skips(tmp_path):
     stamp = (out / "dpo" / "stage.json").stat().st_mtime_ns
     assert run_recipe(load_recipe(path)) == {}  # every stage finished: all skipped
     assert (out / "dpo" / "stage.json").stat().st_mtime_ns == stamp
+
+
+def test_align_merge_of_a_reward_adapter_writes_a_reward_model_with_its_trained_head(tmp_path, tiny_model):
+    from transformers import AutoConfig
+
+    from alignment.cli import main
+    from alignment.models import load_reward_model, load_tokenizer
+    from alignment.scoring import score_texts
+    from alignment.stages import reward
+
+    ctx = reward_context(tmp_path, tiny_model, data={"task": "arithmetic", "n": 32},
+                         train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-2},
+                         eval_fraction=0)
+    reward.run(ctx)
+    main(["merge", str(ctx.out_dir / "adapter"), str(tmp_path / "merged")])
+    config = AutoConfig.from_pretrained(str(tmp_path / "merged"))
+    assert config.architectures[0].endswith("ForSequenceClassification") and config.num_labels == 1
+    tokenizer = load_tokenizer(str(ctx.out_dir))
+    prompts, answers = ["What is 1+1?", "What is 2+5?"], ["2", "9"]
+    stage_scores = score_texts(load_reward_model(str(ctx.out_dir)), tokenizer, prompts, answers)
+    merged_scores = score_texts(load_reward_model(str(tmp_path / "merged")), tokenizer, prompts, answers)
+    assert merged_scores == pytest.approx(stage_scores, abs=1e-4)
