@@ -33,6 +33,7 @@ from transformers.utils import logging as hf_logging
 
 from .config.model import LoraSpec, TinySpec
 from .errors import UserError
+from .formatting import end_of_turn, has_chat_template, marker_tokens, render_completion, render_prompt
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \n"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -122,9 +123,25 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
 def load_tokenizer(name: str, trust_remote_code: bool = False):
     source = adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token is None or tokenizer.pad_token in (tokenizer.eos_token, end_of_turn(tokenizer)):
+        tokenizer.pad_token = spare_pad_token(tokenizer) or tokenizer.eos_token
     return tokenizer
+
+
+def spare_pad_token(tokenizer) -> str | None:
+    """A special token to pad with when a tokenizer has none (SmolLM2, Llama 3): one that never ends or
+    shapes a turn. Padding with EOS, the usual choice, hides the end of every answer: a reward model's head
+    reads the last token that is not padding, so `68<|im_end|>` would score as `68`, and a finished answer
+    as a cut-off one. Names with "pad" first, then unk, then any other unused special token."""
+    used = {tokenizer.eos_token, tokenizer.bos_token, end_of_turn(tokenizer)}
+    if has_chat_template(tokenizer):
+        probe = render_prompt(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        used |= {t for t in marker_tokens(tokenizer) if t in probe + render_completion(tokenizer, "u", "a")}
+    candidates = sorted(marker_tokens(tokenizer) - used - {None}, key=lambda t: ("pad" not in t.lower(), t))
+    if tokenizer.unk_token in candidates:
+        candidates.remove(tokenizer.unk_token)
+        candidates.insert(int(any("pad" in t.lower() for t in candidates)), tokenizer.unk_token)
+    return candidates[0] if candidates else None
 
 
 def adapter_base(path: str | Path) -> str:

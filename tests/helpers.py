@@ -110,3 +110,15 @@ def with_skewed_generation_config(model_dir: Path, folder: Path, extra_eos: int 
         config["eos_token_id"] = [*([] if eos is None else [eos] if isinstance(eos, int) else eos), extra_eos]
     (copy / "generation_config.json").write_text(json.dumps(config))
     return copy
+
+
+def without_pad_token(model_dir: Path, folder: Path) -> Path:
+    """A copy of a checkpoint whose tokenizer has no pad token, as SmolLM2's and Llama 3's ship."""
+    import shutil
+
+    copy = folder / "no-pad"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["pad_token"] = None
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    return copy

@@ -153,3 +153,21 @@ def test_a_cut_off_completion_is_scored_as_sampled_without_an_end_of_turn(tiny_m
     assert abs(finished - cut_off) > 1e-4
     with pytest.raises(ValueError, match="finished flags"):
         score_texts(model, tokenizer, prompts, completions, finished=[True])
+
+
+def test_without_a_pad_token_the_reward_model_still_sees_where_an_answer_ends(tiny_model, tmp_path):
+    """Padding with EOS (= the end-of-turn token here, as in SmolLM2) would make the score head read the token
+    before it: `4<|end|>` and `4` would score the same. A spare special token pads instead."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignment.models import load_tokenizer
+    from helpers import without_pad_token
+
+    tokenizer = load_tokenizer(str(without_pad_token(tiny_model, tmp_path)))
+    assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    model.config.pad_token_id = None  # as a fresh reward model of such a checkpoint: scoring takes the tokenizer's
+    finished, cut_off = score_texts(model, tokenizer, ["What is 2+2?"] * 2, ["4", "4"], finished=[True, False])
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+    assert abs(finished - cut_off) > 1e-4
