@@ -141,6 +141,8 @@ def verify(
     data: Path = typer.Option(..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"),
     column: str = typer.Option("completion", "--column", help="column holding the completion"),
     option: Optional[List[str]] = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help="score only rows whose COLUMN holds VALUE, given "
+                                              "as COLUMN=VALUE (repeatable), e.g. mode=main in evaluation's samples.jsonl"),
     as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
 ):
     """Score a file with a verifier: pass rate, unparseable rate and examples, to test it before training."""
@@ -152,12 +154,15 @@ def verify(
     from .verifiers.report import verify_file
 
     options = dict(_parse_option(o) for o in option or [])
-    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options)
+    selected = dict(_key_value(w, "--where") for w in where or [])
+    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options,
+                         where=selected)
     if as_json:
         print(json.dumps(report, indent=2, default=str))
         return
     console = Console()
-    console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows, column '{column}')")
+    chosen = "".join(f", {k}={v}" for k, v in selected.items())
+    console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows{chosen}, column '{column}')")
     summary = Table("pass rate", "mean reward", "unparseable", "errors")
     summary.add_row(*(f"{report[k]:.1%}" if k != "mean_reward" else f"{report[k]:.3f}"
                       for k in ("pass_rate", "mean_reward", "unparseable_rate", "error_rate")))
@@ -169,13 +174,18 @@ def verify(
                           markup=False)
 
 
+def _key_value(text: str, option: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise UserError(f"bad {option} '{text}': expected key=value.")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
 def _parse_option(text: str) -> tuple[str, object]:
     import yaml
 
-    if "=" not in text:
-        raise UserError(f"bad --option '{text}': expected key=value.")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    key, value = _key_value(text, "--option")
+    return key, yaml.safe_load(value)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from alignment.evaluate import (
     sequence_kl,
     win_rate,
 )
+from alignment.metrics import mean
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -177,6 +179,37 @@ def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path
     metrics = evaluate_checkpoints({"parrot": str(tiny_model)}, [small_suite("syc", style="sycophancy")],
                                    tmp_path / "eval")
     assert metrics["parrot"]["syc/sycophancy"] == 1.0 and metrics["parrot"]["syc/pass@1"] == 0.0
+
+
+def graded_policy(prompts, settings):
+    """A stand-in for `generate`: right on every other problem, wrong or unparseable on the rest."""
+    from alignment.sampling import Sample
+
+    def answer(i, prompt):
+        a, b = map(int, re.search(r"What is (\d+)\+(\d+)", prompt).groups())
+        return [str(a + b), f"it is {a + b + 1}", "no idea"][i % 3] if i % 2 else str(a + b)
+
+    return [Sample(i, answer(i, p), [1], True) for i, p in enumerate(prompts) for _ in range(settings.n)]
+
+
+def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_path, monkeypatch, capsys):
+    """samples.jsonl carries the data row's columns: `align verify --where mode=main` gives evaluation's pass@1."""
+    from alignment import evaluate
+    from alignment.cli import main
+
+    monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, settings, progress=None:
+                        graded_policy(prompts, settings))
+    metrics = evaluate_checkpoints({"graded": str(tiny_model)}, [small_suite(n=12, pass_k={"n": 2})],
+                                   tmp_path / "eval")["graded"]
+    samples = tmp_path / "eval" / "samples.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"main", "pass_k"} and all("answer" in r for r in rows)
+    main(["verify", "--verifier", "arithmetic", "--data", str(samples), "--where", "mode=main", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 12 and 0 < report["pass_rate"] < 1
+    assert report["pass_rate"] == metrics["arith/pass@1"]
+    assert report["unparseable_rate"] == metrics["arith/unparseable_rate"] > 0
+    assert report["mean_reward"] == mean(r["reward"] for r in rows if r["mode"] == "main")
 
 
 # --------------------------------------------------------------------------------------------------

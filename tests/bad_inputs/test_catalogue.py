@@ -198,6 +198,12 @@ CASES = [
     ("eval-without-suite", lambda t: {}, ["eval", "some/ckpt"], ["Missing option '--suite'"]),
     ("verify-without-verifier", lambda t: {"data": jsonl(t, "c.jsonl", [{"completion": "1"}])},
      ["verify", "--data", "{data}"], ["Missing option '--verifier'"]),
+    ("verify-where-matches-nothing", lambda t: {"data": jsonl(t, "c.jsonl", [{"completion": "1", "answer": "1",
+                                                                                 "mode": "main"}])},
+     ["verify", "--verifier", "numeric", "--data", "{data}", "--where", "mode=pass_k"],
+     ["no row has mode=pass_k", "'mode' holds main"]),
+    ("verify-where-without-value", lambda t: {"data": jsonl(t, "c.jsonl", [{"completion": "1", "answer": "1"}])},
+     ["verify", "--verifier", "numeric", "--data", "{data}", "--where", "main"], ["bad --where 'main'"]),
     ("verify-file-missing-column", lambda t: {"data": jsonl(t, "c.jsonl", [{"text": "1", "answer": "1"}])},
      ["verify", "--verifier", "numeric", "--data", "{data}"], ["column 'completion' is missing", "text"]),
 ]
