@@ -4,7 +4,8 @@
   align check RECIPE [key=value ...]
   align merge SOURCE OUT
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
-  align verify --verifier NAME --data FILE [--column completion]
+             [--max-new-tokens N --temperature T]
+  align verify --verifier NAME --data FILE [--column completion] [--where COLUMN=VALUE]
 
 User errors (bad recipe, data, paths, verifiers) print one paragraph on stderr and exit 2, without a
 traceback; so do command-line mistakes (unknown command or option, missing or ill-typed value), after
@@ -108,6 +109,11 @@ def eval_checkpoints(
     n: Optional[int] = typer.Option(None, "--n", help="samples per prompt for pass@k"),
     k: Optional[List[int]] = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="prompts per suite"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="completion length limit of "
+                                                 "every suite's sampling (main, pass@k and KL); the built-in suites "
+                                                 "give 16, which cuts off a real model's answers"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="temperature of every suite's "
+                                                "main completion (0: greedy); pass@k keeps its own"),
     seed: int = typer.Option(42, "--seed", help="data and sampling seed"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code shipped with a model"),
 ):
@@ -120,7 +126,8 @@ def eval_checkpoints(
     from .report import rich_table
 
     _setup()
-    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit)
+    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
+                                  temperature=temperature)
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
                                                                      ("--baseline", baseline), ("--reference", reference)]:
         if value is not None:

@@ -204,6 +204,7 @@ def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_pa
     samples = tmp_path / "eval" / "samples.jsonl"
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"main", "pass_k"} and all("answer" in r for r in rows)
+    capsys.readouterr()  # the evaluation's own log lines, where an earlier CLI call sent them to stdout
     main(["verify", "--verifier", "arithmetic", "--data", str(samples), "--where", "mode=main", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert report["n"] == 12 and 0 < report["pass_rate"] < 1
@@ -322,3 +323,35 @@ def test_cli_suites_from_names_yaml_and_data_files(tmp_path):
     assert all(s.pass_k.n == 4 and s.pass_k.k == [2] and s.data.limit == 5 for s in suites)
     with pytest.raises(UserError, match="between 1 and n"):
         cli_suites(["arithmetic"], n=2, k=[4])
+
+
+def test_cli_sampling_overrides_reach_every_suite(tmp_path):
+    """--max-new-tokens: main, pass@k (also one the suite file sets) and so KL; --temperature: main only."""
+    from alignment.config.evaluate import cli_suites
+
+    (tmp_path / "suites.yaml").write_text("- {name: mine, data: {task: arithmetic, split: test, n: 10}, "
+                                          "verifier: arithmetic, pass_k: {n: 4, max_new_tokens: 8, temperature: 0.8}}\n")
+    suites, _ = cli_suites(["arithmetic", str(tmp_path / "suites.yaml")], max_new_tokens=96, temperature=0.7)
+    assert [(s.sampling.max_new_tokens, s.sampling.temperature) for s in suites] == [(96, 0.7), (96, 0.7)]
+    assert suites[0].pass_k is None and (suites[1].pass_k.max_new_tokens, suites[1].pass_k.temperature) == (96, 0.8)
+    untouched, _ = cli_suites(["arithmetic"])
+    assert (untouched[0].sampling.max_new_tokens, untouched[0].sampling.temperature) == (16, 0.0)
+
+
+def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeypatch):
+    from alignment import evaluate
+    from alignment.cli import main
+
+    class Captured(Exception):
+        pass
+
+    def capture(paths, suites, out, **kwargs):
+        raise Captured(suites)
+
+    monkeypatch.setattr(evaluate, "evaluate_checkpoints", capture)
+    with pytest.raises(Captured) as caught:
+        main(["eval", str(tiny_model), "--suite", "arithmetic", "--n", "4", "--max-new-tokens", "48",
+              "--temperature", "0.5", "--out", str(tmp_path / "eval")])
+    suite = caught.value.args[0][0]
+    assert (suite.sampling.max_new_tokens, suite.sampling.temperature) == (48, 0.5)
+    assert (suite.pass_k.max_new_tokens, suite.pass_k.temperature) == (48, 1.0)
