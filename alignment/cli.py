@@ -4,7 +4,8 @@
   align check RECIPE [key=value ...]
   align merge SOURCE OUT
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
-  align verify --verifier NAME --data FILE [--column completion]
+             [--max-new-tokens N --temperature T]
+  align verify --verifier NAME --data FILE [--column completion] [--where COLUMN=VALUE]
 
 User errors (bad recipe, data, paths, verifiers) print one paragraph on stderr and exit 2, without a
 traceback; so do command-line mistakes (unknown command or option, missing or ill-typed value), after
@@ -111,6 +112,11 @@ def eval_checkpoints(
     n: Optional[int] = typer.Option(None, "--n", help="samples per prompt for pass@k"),
     k: Optional[List[int]] = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
     limit: Optional[int] = typer.Option(None, "--limit", help="prompts per suite"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="completion length limit of "
+                                                 "every suite's sampling (main, pass@k and KL); the built-in suites "
+                                                 "give 16, which cuts off a real model's answers"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="temperature of every suite's "
+                                                "main completion (0: greedy); pass@k keeps its own"),
     seed: int = typer.Option(42, "--seed", help="data and sampling seed"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code shipped with a model"),
 ):
@@ -123,7 +129,8 @@ def eval_checkpoints(
     from .report import rich_table
 
     _setup()
-    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit)
+    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
+                                  temperature=temperature)
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
                                                                      ("--baseline", baseline), ("--reference", reference)]:
         if value is not None:
@@ -144,6 +151,8 @@ def verify(
     data: Path = typer.Option(..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"),
     column: str = typer.Option("completion", "--column", help="column holding the completion"),
     option: Optional[List[str]] = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help="score only rows whose COLUMN holds VALUE, given "
+                                              "as COLUMN=VALUE (repeatable), e.g. mode=main in evaluation's samples.jsonl"),
     as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
 ):
     """Score a file with a verifier: pass rate, unparseable rate and examples, to test it before training."""
@@ -155,12 +164,15 @@ def verify(
     from .verifiers.report import verify_file
 
     options = dict(_parse_option(o) for o in option or [])
-    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options)
+    selected = dict(_key_value(w, "--where") for w in where or [])
+    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options,
+                         where=selected)
     if as_json:
         print(json.dumps(report, indent=2, default=str))
         return
     console = Console()
-    console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows, column '{column}')")
+    chosen = "".join(f", {k}={v}" for k, v in selected.items())
+    console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows{chosen}, column '{column}')")
     summary = Table("pass rate", "mean reward", "unparseable", "errors")
     summary.add_row(*(f"{report[k]:.1%}" if k != "mean_reward" else f"{report[k]:.3f}"
                       for k in ("pass_rate", "mean_reward", "unparseable_rate", "error_rate")))
@@ -172,13 +184,18 @@ def verify(
                           markup=False)
 
 
+def _key_value(text: str, option: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise UserError(f"bad {option} '{text}': expected key=value.")
+    key, value = text.split("=", 1)
+    return key.strip(), value
+
+
 def _parse_option(text: str) -> tuple[str, object]:
     import yaml
 
-    if "=" not in text:
-        raise UserError(f"bad --option '{text}': expected key=value.")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    key, value = _key_value(text, "--option")
+    return key, yaml.safe_load(value)
 
 
 def main(argv: list[str] | None = None) -> None:

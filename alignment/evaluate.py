@@ -11,8 +11,10 @@ sampled through `sampling.generate`:
   - with a `reference`, samples at temperature 1: KL(checkpoint || reference) on its own samples.
 The reward-hacking flag marks a checkpoint whose reward-model score rose over the baseline's while its
 pass@1 fell. Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
-{"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample), `report.md` (one comparison table and
-what each metric means) and PNG plots (`report.py`: metrics across checkpoints, training curves).
+{"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample, with its data row's columns, so that
+`align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL` scores it again),
+`report.md` (one comparison table and what each metric means) and PNG plots (`report.py`: metrics across
+checkpoints, training curves).
 
     evaluate:                       # in a recipe; labels are stage ids (and `base`)
       include_base: true
@@ -237,9 +239,7 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
 def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
     """Metrics of the main completions (one per prompt): verifier, sycophancy, length, reward model."""
     texts = [s.text for s in main]
-    rows = [{"checkpoint": label, "suite": suite.spec.name, "mode": "main", "prompt_index": s.prompt_index,
-             "prompt": suite.prompts[s.prompt_index], "completion": s.text, "tokens": len(s.token_ids),
-             "finished": s.finished} for s in main]
+    rows = [_sample_row(s, suite, label, "main") for s in main]
     scores = {}
     if suite.verifier is not None:
         results = suite.verifier.score_batch(texts, suite.rows)
@@ -267,9 +267,16 @@ def _samples_the_policy(sampling: SamplingSpec | None) -> bool:
     return sampling is not None and sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
 
 
+def _sample_row(sample, suite: Suite, label: str, mode: str) -> dict:
+    """One line of samples.jsonl: the data row's columns (`answer`, `tests`, ...), so that `align verify`
+    can score the file again, under the sample's own keys, which win over a data column of the same name."""
+    return {**suite.rows[sample.prompt_index], "checkpoint": label, "suite": suite.spec.name, "mode": mode,
+            "prompt_index": sample.prompt_index, "prompt": suite.prompts[sample.prompt_index],
+            "completion": sample.text, "tokens": len(sample.token_ids), "finished": sample.finished}
+
+
 def _sampled_rows(samples, suite: Suite, label: str, mode: str) -> list[dict]:
-    rows = [{"checkpoint": label, "suite": suite.spec.name, "mode": mode, "prompt_index": s.prompt_index,
-             "completion": s.text, "tokens": len(s.token_ids), "finished": s.finished} for s in samples]
+    rows = [_sample_row(s, suite, label, mode) for s in samples]
     if suite.verifier is not None:
         results = suite.verifier.score_batch([s.text for s in samples], [suite.rows[s.prompt_index] for s in samples])
         for row, result in zip(rows, results):

@@ -222,10 +222,12 @@ def memory_errors_explained(ctx: StageContext):
 
 
 def stage_record(ctx: StageContext, record: dict) -> dict:
+    lora = ctx.lora.model_dump(mode="json") if ctx.lora else None
+    # The stage's own `lora` is unset when it inherits the recipe-level one; show what it trained with.
+    config = {**ctx.config.model_dump(mode="json"), "lora": lora}
     return redact({
         "stage": ctx.stage_id, "kind": ctx.config.kind, "recipe": ctx.recipe.name,
-        "start_model": ctx.start_model, "lora": ctx.lora.model_dump() if ctx.lora else None,
-        "seed": ctx.seed, "config": ctx.config.model_dump(mode="json"), **record,
+        "start_model": ctx.start_model, "lora": lora, "seed": ctx.seed, "config": config, **record,
         "versions": package_versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 

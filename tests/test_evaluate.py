@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from alignment.evaluate import (
     sequence_kl,
     win_rate,
 )
+from alignment.metrics import mean
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -179,6 +181,38 @@ def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path
     assert metrics["parrot"]["syc/sycophancy"] == 1.0 and metrics["parrot"]["syc/pass@1"] == 0.0
 
 
+def graded_policy(prompts, settings):
+    """A stand-in for `generate`: right on every other problem, wrong or unparseable on the rest."""
+    from alignment.sampling import Sample
+
+    def answer(i, prompt):
+        a, b = map(int, re.search(r"What is (\d+)\+(\d+)", prompt).groups())
+        return [str(a + b), f"it is {a + b + 1}", "no idea"][i % 3] if i % 2 else str(a + b)
+
+    return [Sample(i, answer(i, p), [1], True) for i, p in enumerate(prompts) for _ in range(settings.n)]
+
+
+def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_path, monkeypatch, capsys):
+    """samples.jsonl carries the data row's columns: `align verify --where mode=main` gives evaluation's pass@1."""
+    from alignment import evaluate
+    from alignment.cli import main
+
+    monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, settings, progress=None:
+                        graded_policy(prompts, settings))
+    metrics = evaluate_checkpoints({"graded": str(tiny_model)}, [small_suite(n=12, pass_k={"n": 2})],
+                                   tmp_path / "eval")["graded"]
+    samples = tmp_path / "eval" / "samples.jsonl"
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert {r["mode"] for r in rows} == {"main", "pass_k"} and all("answer" in r for r in rows)
+    capsys.readouterr()  # the evaluation's own log lines, where an earlier CLI call sent them to stdout
+    main(["verify", "--verifier", "arithmetic", "--data", str(samples), "--where", "mode=main", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 12 and 0 < report["pass_rate"] < 1
+    assert report["pass_rate"] == metrics["arith/pass@1"]
+    assert report["unparseable_rate"] == metrics["arith/unparseable_rate"] > 0
+    assert report["mean_reward"] == mean(r["reward"] for r in rows if r["mode"] == "main")
+
+
 # --------------------------------------------------------------------------------------------------
 # align eval and the recipe's evaluate block
 
@@ -289,3 +323,35 @@ def test_cli_suites_from_names_yaml_and_data_files(tmp_path):
     assert all(s.pass_k.n == 4 and s.pass_k.k == [2] and s.data.limit == 5 for s in suites)
     with pytest.raises(UserError, match="between 1 and n"):
         cli_suites(["arithmetic"], n=2, k=[4])
+
+
+def test_cli_sampling_overrides_reach_every_suite(tmp_path):
+    """--max-new-tokens: main, pass@k (also one the suite file sets) and so KL; --temperature: main only."""
+    from alignment.config.evaluate import cli_suites
+
+    (tmp_path / "suites.yaml").write_text("- {name: mine, data: {task: arithmetic, split: test, n: 10}, "
+                                          "verifier: arithmetic, pass_k: {n: 4, max_new_tokens: 8, temperature: 0.8}}\n")
+    suites, _ = cli_suites(["arithmetic", str(tmp_path / "suites.yaml")], max_new_tokens=96, temperature=0.7)
+    assert [(s.sampling.max_new_tokens, s.sampling.temperature) for s in suites] == [(96, 0.7), (96, 0.7)]
+    assert suites[0].pass_k is None and (suites[1].pass_k.max_new_tokens, suites[1].pass_k.temperature) == (96, 0.8)
+    untouched, _ = cli_suites(["arithmetic"])
+    assert (untouched[0].sampling.max_new_tokens, untouched[0].sampling.temperature) == (16, 0.0)
+
+
+def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeypatch):
+    from alignment import evaluate
+    from alignment.cli import main
+
+    class Captured(Exception):
+        pass
+
+    def capture(paths, suites, out, **kwargs):
+        raise Captured(suites)
+
+    monkeypatch.setattr(evaluate, "evaluate_checkpoints", capture)
+    with pytest.raises(Captured) as caught:
+        main(["eval", str(tiny_model), "--suite", "arithmetic", "--n", "4", "--max-new-tokens", "48",
+              "--temperature", "0.5", "--out", str(tmp_path / "eval")])
+    suite = caught.value.args[0][0]
+    assert (suite.sampling.max_new_tokens, suite.sampling.temperature) == (48, 0.5)
+    assert (suite.pass_k.max_new_tokens, suite.pass_k.temperature) == (48, 1.0)

@@ -9,6 +9,7 @@ from conftest import SMALLEST_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
+from alignment.runner import make_context, stage_record
 
 
 def base_recipe(tmp_path: Path, **stages) -> dict:
@@ -39,6 +40,18 @@ def test_stage_lora_null_overrides_recipe_default(tmp_path):
     recipe = base_recipe(tmp_path, sft={"data": {"task": "arithmetic", "n": 10}, "lora": None})
     recipe["lora"] = {"r": 4}
     assert load_recipe(write_recipe(tmp_path, recipe)).lora_for("sft") is None
+
+
+def test_stage_record_shows_the_lora_the_stage_trained_with(tmp_path):
+    """A stage without its own `lora:` trains with the recipe's; stage.json's config (and so the model
+    card) says so, and a stage that turned LoRA off says null."""
+    recipe = base_recipe(tmp_path, inherits={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
+                         full={"kind": "sft", "data": {"task": "arithmetic", "n": 5}, "lora": None})
+    recipe["lora"] = {"r": 4, "lora_alpha": 8}
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    inherited = stage_record(make_context(loaded, "inherits"), {})["config"]["lora"]
+    assert inherited == loaded.lora.model_dump(mode="json") and inherited["r"] == 4
+    assert stage_record(make_context(loaded, "full"), {})["config"]["lora"] is None
 
 
 def test_previous_policy_stage_is_the_default_start(tmp_path):

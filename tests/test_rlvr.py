@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, heldout_accuracy, run_cli, write_recipe
+from conftest import REPO, SMALLEST_MODEL, TINY_MODEL, heldout_accuracy, run_cli, write_recipe
 
 from alignment.errors import UserError
 
@@ -238,6 +238,35 @@ def test_shipped_rlvr_recipes_validate(name):
 
 # ---------------------------------------------------------------------------------------------------
 # Training runs
+
+
+def test_zero_variance_share_is_the_run_mean_and_warns_only_above_half(logged):
+    from types import SimpleNamespace
+
+    from alignment.stages.rlvr import report_zero_variance
+
+    ctx, metrics = SimpleNamespace(stage_id="rl"), {}
+    report_zero_variance(ctx, metrics, [{"frac_reward_zero_std": 0.25}, {"frac_reward_zero_std": 0.75},
+                                        {"eval_frac_reward_zero_std": 1.0}, {"train_loss": 0.1}])
+    assert metrics == {"zero_variance_groups": 0.5} and "prompt groups" not in logged()
+    report_zero_variance(ctx, metrics, [{"frac_reward_zero_std": 0.6}])
+    assert metrics["zero_variance_groups"] == 0.6 and "[rl] 60% of prompt groups" in logged()
+    report_zero_variance(ctx, empty := {}, [{"train_loss": 0.1}])
+    assert empty == {}
+
+
+def test_equal_rewards_in_every_group_are_reported_and_warned_about(tmp_path, logged):
+    """A verifier that scores every completion 1.0: no group has reward variance, so no gradient."""
+    (tmp_path / "constant_reward.py").write_text("def always_one(completion):\n    return 1.0\n")
+    train = {**FAST_TRAIN, "num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4}
+    _, result, history = run(tmp_path, {"verifiers": ["constant_reward:always_one"], "data": {
+        "task": "arithmetic", "split": "train", "n": 8}, "train": train}, model=SMALLEST_MODEL)
+    assert result["metrics"]["zero_variance_groups"] == 1.0
+    assert all(h["frac_reward_zero_std"] == 1.0 for h in history if "frac_reward_zero_std" in h)
+    stage_json = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())
+    assert stage_json["metrics"]["zero_variance_groups"] == 1.0
+    text = logged()
+    assert "[rlvr] 100% of prompt groups got the same reward" in text and "train.num_generations" in text
 
 
 @pytest.mark.slow

@@ -36,6 +36,20 @@ def test_jsonl_summary_and_examples(tmp_path):
     json.dumps(report)  # the CLI writes it as JSON
 
 
+def test_where_scores_the_matching_rows_and_keeps_file_row_numbers(tmp_path):
+    rows = [{**row, "mode": "main" if row["id"] in (2, 5) else "pass_k"} for row in ROWS]
+    path = write_jsonl(tmp_path / "s.jsonl", rows)
+    report = verify_file("numeric", path, where={"mode": "main"})
+    assert report["n"] == 2 and report["pass_rate"] == 0.5 and report["where"] == {"mode": "main"}
+    assert [e["row"] for e in report["examples"]["passed"]] == [5]
+    assert [e["row"] for e in report["examples"]["failed"]] == [2]
+    assert verify_file("numeric", path, where={"id": "5"})["n"] == 1  # a JSON number matches its text
+    with pytest.raises(UserError, match="no row has mode=mian; 'mode' holds main, pass_k"):
+        verify_file("numeric", path, where={"mode": "mian"})
+    with pytest.raises(UserError, match="no row has a column 'modus'"):
+        verify_file("numeric", path, where={"modus": "main"})
+
+
 def test_examples_are_capped_at_three(tmp_path):
     rows = [{"completion": "#### 1", "answer": 1}] * 10
     report = verify_file("numeric", write_jsonl(tmp_path / "s.jsonl", rows))

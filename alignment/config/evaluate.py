@@ -144,9 +144,12 @@ def model_of(recipe, value: str | None) -> tuple[str, str] | None:
 
 
 def cli_suites(values: list[str], verifier: str | None = None, n: int | None = None, k: list[int] | None = None,
-               limit: int | None = None) -> tuple[list[SuiteSpec], Path]:
+               limit: int | None = None, max_new_tokens: int | None = None,
+               temperature: float | None = None) -> tuple[list[SuiteSpec], Path]:
     """`--suite` values -> suites: built-in names, YAML files of suites, or data files (verifier: --verifier).
-    Returns the suites and the folder relative data paths are read from."""
+    `max_new_tokens` overrides every suite's main, pass@k (and so KL) sampling; `temperature` the main
+    completions' only, since pass@k needs its own sampling temperature. Returns the suites and the folder
+    relative data paths are read from."""
     raw, base_dir = [], Path.cwd()
     for value in values:
         path = Path(value)
@@ -174,8 +177,19 @@ def cli_suites(values: list[str], verifier: str | None = None, n: int | None = N
             item["data"] = {**item["data"], "limit": limit}
         if n or k:
             item["pass_k"] = {**(item.get("pass_k") or {}), "n": n or max(k), **({"k": k} if k else {})}
+        override_sampling(item, max_new_tokens, temperature)
         try:
             suites.append(SuiteSpec.model_validate(item))
         except ValidationError as error:
             raise UserError(f"--suite: {explain(error, SuiteSpec, prefix=str(item.get('name', 'suite')))}") from None
     return suites, base_dir
+
+
+def override_sampling(item: dict, max_new_tokens: int | None, temperature: float | None) -> None:
+    """Apply `align eval --max-new-tokens/--temperature` to one raw suite mapping; a block that is not a
+    mapping is left for SuiteSpec's validation to name."""
+    main = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature)) if v is not None}
+    if main and isinstance(item.get("sampling") or {}, dict):
+        item["sampling"] = {**(item.get("sampling") or {}), **main}
+    if max_new_tokens is not None and isinstance(item.get("pass_k"), dict):
+        item["pass_k"] = {**item["pass_k"], "max_new_tokens": max_new_tokens}

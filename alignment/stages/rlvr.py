@@ -6,6 +6,8 @@ the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024
 `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
+A group whose completions all score the same has no advantage to learn from: stage.json's
+`zero_variance_groups` is their share over the run, and above half the stage warns.
 
 Data: prompts (`prompt` or chat `messages`; a final assistant turn is dropped) plus the columns the
 verifiers read (e.g. `answer`). Prompts are rendered with `formatting.render_prompt` and given to TRL
@@ -31,6 +33,7 @@ the checkpoint's generation_config.json, where base models name only their EOS t
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import ClassVar, Literal
 
@@ -43,6 +46,10 @@ from ..errors import UserError
 from .base import StageContext
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
+# Above this share of prompt groups without reward variance, most of the run had no verifier signal.
+ZERO_VARIANCE_WARNING = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class Config(StageConfig):
@@ -197,4 +204,32 @@ def run(ctx: StageContext) -> dict:
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
     totals = {k: v for r in rewards for k, v in r.totals().items()}
-    return final_metrics(trainer, rows=len(train_rows), **totals)
+    result = final_metrics(trainer, rows=len(train_rows), **totals)
+    report_zero_variance(ctx, result["metrics"], result["log_history"])
+    return result
+
+
+def zero_variance_share(history: list[dict]) -> float | None:
+    """Share of prompt groups whose completions all got the same total reward, over the whole run: the mean
+    of TRL's per-logging-step `frac_reward_zero_std` (training entries; eval's are `eval_...`). None when
+    TRL logged none. Such a group's advantages are all 0 (GRPO: r - mean over std; RLOO: r minus the
+    leave-one-out mean), so it adds nothing but the KL term to the gradient. Caveats of TRL's number: under
+    `scale_rewards: batch` GRPO tests the batch's spread, not each group's, and RLOO subtracts the KL
+    penalty before testing, so with `beta > 0` it reads near 0 even when the verifiers gave equal rewards."""
+    values = [entry["frac_reward_zero_std"] for entry in history if "frac_reward_zero_std" in entry]
+    return sum(values) / len(values) if values else None
+
+
+def report_zero_variance(ctx: StageContext, metrics: dict, history: list[dict]) -> None:
+    """`zero_variance_groups` in the stage's metrics, and a warning when most groups taught nothing."""
+    share = zero_variance_share(history)
+    if share is None:
+        return
+    metrics["zero_variance_groups"] = share
+    if share > ZERO_VARIANCE_WARNING:
+        log.warning(
+            f"[{ctx.stage_id}] {share:.0%} of prompt groups got the same reward for every one of their "
+            "completions (zero_variance_groups in stage.json): those groups give GRPO/RLOO no gradient, so the "
+            "policy barely moved. Give prompts the policy solves some of the time (harder ones if it solves "
+            "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
+            "train.num_generations.")

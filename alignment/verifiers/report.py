@@ -11,8 +11,12 @@ column is passed to the verifier as a keyword (e.g. ``answer``, ``tests``). The 
 file and column names and up to 3 example rows each of passed / failed / unparseable / error, each
 with its 1-based row number, reward, detail and the start of the completion.
 
-A missing file, an unsupported extension, an unreadable row or a missing column raises UserError
-naming the file (and row, or the columns that do exist).
+`where` ({column: value}) scores only the rows whose columns hold those values, compared as text (a
+JSON value as JSON writes it: ``3``, ``true``); e.g. the ``mode=main`` rows of evaluation's samples.jsonl.
+Row numbers stay those of the file.
+
+A missing file, an unsupported extension, an unreadable row, a missing column or a `where` no row
+matches raises UserError naming the file (and row, or the columns or values that do exist).
 """
 
 from __future__ import annotations
@@ -78,10 +82,27 @@ def load_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_columns(path: Path, rows: list[dict], needed: Iterable[str]) -> None:
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _select(path: Path, rows: list[dict], where: Mapping[str, str]) -> list[tuple[int, dict]]:
+    """(1-based file row number, row) of the rows matching every `where` column=value."""
+    selected = [(number, row) for number, row in enumerate(rows, start=1)
+                if all(column in row and _as_text(row[column]) == str(value) for column, value in where.items())]
+    if not selected:
+        held = {column: sorted({_as_text(r[column]) for r in rows if column in r})[:10] for column in where}
+        found = "; ".join(f"'{c}' holds {', '.join(v)}" if v else f"no row has a column '{c}'" for c, v in held.items())
+        wanted = ", ".join(f"{c}={v}" for c, v in where.items())
+        raise UserError(f"{path}: no row has {wanted}; {found}.")
+    return selected
+
+
+def _check_columns(path: Path, rows: list[dict], needed: Iterable[str], numbers: list[int] | None = None) -> None:
     present = set().union(*(row.keys() for row in rows))
+    numbers = numbers or list(range(1, len(rows) + 1))
     for column in needed:
-        missing = [i for i, row in enumerate(rows, start=1) if column not in row]
+        missing = [number for number, row in zip(numbers, rows) if column not in row]
         if missing:
             close = difflib.get_close_matches(column, sorted(present), n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
@@ -104,18 +125,21 @@ def verify_file(
     column: str = "completion",
     search_dirs: Iterable[str | Path] | None = None,
     options: Mapping[str, Any] | None = None,
+    where: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Score every row of `path` with verifier `name`; summary plus example rows per outcome."""
+    """Score every row of `path` (those matching `where`) with verifier `name`; summary plus example rows
+    per outcome."""
     verifier = resolve(name, options=options, search_dirs=search_dirs)
     path = Path(path)
-    rows = load_rows(path)
-    _check_columns(path, rows, [column, *verifier.required_columns])
+    numbers, rows = zip(*_select(path, load_rows(path), where or {}))
+    _check_columns(path, list(rows), [column, *verifier.required_columns], list(numbers))
     completions = [row[column] for row in rows]
     examples = [{k: v for k, v in row.items() if k != column} for row in rows]
     results = verifier.score_batch(completions, examples)
     buckets: dict[str, list[dict[str, Any]]] = {"passed": [], "failed": [], "unparseable": [], "error": []}
-    for number, (completion, result) in enumerate(zip(completions, results, strict=True), start=1):
+    for number, completion, result in zip(numbers, completions, results, strict=True):
         kind = "passed" if is_pass(result) else "failed" if result.status == "ok" else result.status
         if len(buckets[kind]) < EXAMPLES_PER_KIND:
             buckets[kind].append(_example(number, completion, result))
-    return {"verifier": verifier.name, "file": str(path), "column": column, **summarize(results), "examples": buckets}
+    return {"verifier": verifier.name, "file": str(path), "column": column, "where": dict(where or {}),
+            **summarize(results), "examples": buckets}
