@@ -78,13 +78,23 @@ def render_completion(tokenizer, prompt: Any, completion: str) -> str:
             "prefix of the full conversation."
         )
     tail = full[len(prompt_text):]
-    # The first special token after the answer closes the turn; anything after it is dropped.
-    answer_end = max(tail.find(completion), 0) + len(completion)
+    # The first special token after the answer closes the turn; anything after it is dropped. Templates that
+    # trim the content (Llama 3's `| trim`, Gemma's) render " 4\n" as "4": look for it as rendered.
+    answer_end = answer_end_in(tail, completion)
     closing = [(tail.find(t, answer_end), t) for t in marker_tokens(tokenizer) if tail.find(t, answer_end) >= 0]
     if closing:
         at, token = min(closing)
         return tail[: at + len(token)]
     return tail.rstrip() + tokenizer.eos_token
+
+
+def answer_end_in(tail: str, completion: str) -> int:
+    """Where the answer ends in the rendered assistant turn `tail`: after the completion as written, else as
+    a trimming template renders it (stripped), else at the start of the turn."""
+    for answer in (completion, completion.strip()):
+        if answer and (at := tail.find(answer)) >= 0:
+            return at + len(answer)
+    return 0
 
 
 def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[dict], str]:
