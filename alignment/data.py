@@ -118,7 +118,7 @@ def check_strings(dataset, columns: Sequence[str], where: str) -> None:
     """Every value in `columns` is a non-empty string (or a list of chat messages)."""
     for column in columns:
         for index, value in enumerate(dataset[column]):
-            if isinstance(value, list) and column in ("prompt", "messages"):
+            if isinstance(value, list) and column in ("prompt", "messages", "completion"):
                 continue
             if not isinstance(value, str):
                 raise UserError(f"{where}: row {index}, column '{column}' is {type(value).__name__} {value!r}, "

@@ -107,10 +107,23 @@ def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[d
 
 def prompt_and_completion(row: dict, index: int | None = None) -> tuple[Any, str]:
     """(prompt, completion) of a row in either format, before rendering. A row with both a conversation and
-    a bare `prompt` but no `completion` (UltraChat: prompt, prompt_id, messages) is a conversation."""
+    a bare `prompt` but no `completion` (UltraChat: prompt, prompt_id, messages) is a conversation. TRL's
+    conversational prompt-completion rows hold the completion as messages: one assistant turn."""
     if row.get("messages") is not None and row.get("completion") is None:
         return split_messages(row["messages"], index)
-    return row["prompt"], row["completion"]
+    return row["prompt"], completion_text(row["completion"], index)
+
+
+def completion_text(completion: Any, row: int | None = None) -> str:
+    """A completion as text: a string, or a conversational completion of exactly one assistant message."""
+    if isinstance(completion, str):
+        return completion
+    roles = [m.get("role") for m in completion] if isinstance(completion, list) else None
+    if roles != ["assistant"] or not isinstance(completion[0].get("content"), str):
+        where = f" (row {row})" if row is not None else ""
+        raise UserError(f"A conversational 'completion'{where} must be one assistant message "
+                        f"[{{'role': 'assistant', 'content': ...}}]; got roles {roles}.")
+    return completion[0]["content"]
 
 
 def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:

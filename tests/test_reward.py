@@ -227,3 +227,20 @@ def test_align_merge_of_a_reward_adapter_writes_a_reward_model_with_its_trained_
     stage_scores = score_texts(load_reward_model(str(ctx.out_dir)), tokenizer, prompts, answers)
     merged_scores = score_texts(load_reward_model(str(tmp_path / "merged")), tokenizer, prompts, answers)
     assert merged_scores == pytest.approx(stage_scores, abs=1e-4)
+
+
+def test_pairs_longer_than_max_length_are_dropped_counted_and_said(tmp_path, tiny_model, caplog):
+    import logging
+
+    from alignment.stages import reward
+
+    rows = [{"prompt": f"What is {a}+1?", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(20)]
+    rows += [{"prompt": "What is 1+1? " + "Think it over. " * 10, "chosen": "2", "rejected": "3"}] * 4
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = reward_context(tmp_path, tiny_model, data={"dataset": str(data)}, eval_fraction=0,
+                         train={"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 48})
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        trainer, counts = reward.build_trainer(ctx)
+    assert counts["pairs_dropped_too_long"] == 4 and counts["pairs_train"] == 20 == len(trainer.train_dataset)
+    assert any(r.levelno == logging.WARNING and "dropped 4 of 24 pairs (17%)" in r.getMessage() for r in caplog.records)

@@ -196,3 +196,45 @@ def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
     for row in trainer.train_dataset:
         answer = [t for t in row["labels"] if t != -100]  # the completion-only loss trains on these
         assert answer[-1] == end and end not in answer[:-1] and tokenizer.eos_token_id not in answer
+
+
+def jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_sft_trains_on_trls_conversational_prompt_completion_rows(tmp_path):
+    from alignment.formatting import render_pair
+    from alignment.models import load_tokenizer
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a}?"}],
+             "completion": [{"role": "assistant", "content": str(2 * a)}]} for a in range(40)]
+    recipe = sft_recipe(tmp_path)
+    recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "chat.jsonl", rows)}
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    record = run_recipe(loaded)["sft"]
+    assert record["metrics"]["rows"] == 40 and record["metrics"]["rows_truncated"] == 0
+    tokenizer = load_tokenizer(str(loaded.stage_dir("sft")))
+    plain = render_pair(tokenizer, {"prompt": rows[3]["prompt"], "completion": "6"})
+    assert render_pair(tokenizer, rows[3]) == plain  # the same text as a string completion
+
+
+def test_a_conversational_completion_must_be_one_assistant_message():
+    from alignment.errors import UserError
+    from alignment.formatting import prompt_and_completion
+
+    with pytest.raises(UserError, match=r"row 7.*one assistant message.*\['user'\]"):
+        prompt_and_completion({"prompt": "q", "completion": [{"role": "user", "content": "x"}]}, 7)
+
+
+def test_sft_on_plain_text_rows_and_truncated_rows_are_counted_and_said(tmp_path, caplog):
+    rows = [{"text": f"{a} plus {a} makes {2 * a}." + (" and so on" * 20 if a % 4 == 0 else "")} for a in range(40)]
+    recipe = sft_recipe(tmp_path)
+    recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "text.jsonl", rows)}
+    recipe["stages"]["sft"]["train"] = {**QUICK_TRAIN, "max_length": 64}
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        record = run_recipe(load_recipe(write_recipe(tmp_path, recipe)))["sft"]
+    assert record["metrics"]["rows"] == 40 and record["metrics"]["rows_truncated"] == 10
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "10 of 40 rows (25%)" in r.getMessage()]
+    assert warned and "max_length=64" in warned[0].getMessage()
+    assert record["metrics"]["train_loss"] > 0

@@ -111,18 +111,39 @@ def build_trainer(ctx: StageContext):
     tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
     train, held_out, stats = datasets_for(ctx, tokenizer)
 
-    def tokenized(pairs):
-        return datasets.Dataset.from_list(pair_token_ids(tokenizer, render_pairs(tokenizer, pairs)))
-
-    if not held_out:
+    train_ids, dropped_train = within_max_length(pair_token_ids(tokenizer, render_pairs(tokenizer, train)),
+                                                 args.max_length, f"{ctx.where}.data")
+    eval_ids, dropped_eval = within_max_length(pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
+                                               args.max_length, f"{ctx.where} held-out pairs")
+    if not eval_ids:
         args.eval_strategy = "no"
     trainer = trainer_class(RewardTrainer, ctx.config.score_learning_rate)(
         model=load_classifier(ctx, tokenizer), args=args, processing_class=tokenizer,
-        train_dataset=tokenized(train), eval_dataset=tokenized(held_out) if held_out else None,
+        train_dataset=datasets.Dataset.from_list(train_ids),
+        eval_dataset=datasets.Dataset.from_list(eval_ids) if eval_ids else None,
         peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),
     )
-    return trainer, {**stats, "pairs_train": len(train), "pairs_eval": len(held_out)}
+    return trainer, {**stats, "pairs_train": len(train_ids), "pairs_eval": len(eval_ids),
+                     "pairs_dropped_too_long": dropped_train + dropped_eval}
+
+
+def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> tuple[list[dict], int]:
+    """The tokenized pairs whose chosen and rejected texts both fit `max_length`, and how many did not. TRL
+    drops the longer ones itself, with only a progress bar to show for it: here they are counted and said,
+    and a share above a few percent is a warning. All dropped is an error."""
+    if not max_length or not pairs:
+        return pairs, 0
+    kept = [p for p in pairs if max(len(p["chosen_ids"]), len(p["rejected_ids"])) <= max_length]
+    dropped = len(pairs) - len(kept)
+    if not kept:
+        raise UserError(f"{where}: all {len(pairs)} pairs are longer than train.max_length={max_length} tokens; "
+                        "raise it or shorten the data.")
+    if dropped:
+        say = log.warning if dropped > 0.05 * len(pairs) else log.info
+        say(f"[{where}] dropped {dropped} of {len(pairs)} pairs ({dropped / len(pairs):.0%}) longer than "
+            f"train.max_length={max_length} tokens")
+    return kept, dropped
 
 
 SCORE_HEADS = ("score", "classifier")  # the one-label head of AutoModelForSequenceClassification, by architecture

@@ -20,7 +20,10 @@ from .base import StageContext
 log = logging.getLogger(__name__)
 
 
-COLUMNS = [("prompt", "completion"), ("messages",)]
+# prompt-completion (text or conversational), a conversation, or plain text (language modelling, e.g. a base
+# model with no chat template: trained on every token).
+COLUMNS = [("prompt", "completion"), ("messages",), ("text",)]
+TRUNCATED_WARNING_SHARE = 0.05  # above this share of truncated rows the warning is loud
 
 
 class Config(StageConfig):
@@ -42,6 +45,13 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
     dataset = ctx.load_data(spec, key)
     columns = check_columns(dataset, COLUMNS, f"{ctx.where}.{key}", spec)
     check_strings(dataset, columns, f"{ctx.where}.{key}")
+    if columns == ("text",):
+        rows = [{"text": text} for text in dataset["text"] if text.strip()]
+        if not rows:
+            raise UserError(f"{ctx.where}.{key}: every 'text' value is empty.")
+        if len(rows) < len(dataset):
+            log.info(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with empty text")
+        return rows
     try:
         rows = [render_pair(tokenizer, row, i) for i, row in enumerate(dataset) if not _empty_answer(row)]
     except UserError as error:
@@ -76,6 +86,21 @@ def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: st
     return kept
 
 
+def count_truncated(rows: list[dict], tokenizer, max_length: int | None, where: str) -> int:
+    """Rows longer than `max_length` tokens, which TRL cuts from the right: their completion is trained
+    without its end (the end-of-turn token above all). Said, loudly when they are more than a few."""
+    if not max_length:
+        return 0
+    texts = [r["text"] if "text" in r else r["prompt"] + r["completion"] for r in rows]
+    truncated = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) > max_length for t in texts)
+    if truncated:
+        say = log.warning if truncated > TRUNCATED_WARNING_SHARE * len(rows) else log.info
+        say(f"[{where}] {truncated} of {len(rows)} rows ({truncated / len(rows):.0%}) are longer than "
+            f"max_length={max_length} tokens and are trained cut off, without their end; raise train.max_length "
+            "or shorten them")
+    return truncated
+
+
 def check(ctx: StageContext) -> None:
     from ..models import load_tokenizer
 
@@ -104,7 +129,7 @@ def make_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dic
 
 
 def build_trainer(ctx: StageContext):
-    """(SFTTrainer, tokenizer, number of training rows); the tokenizer is the one saved with the output."""
+    """(SFTTrainer, tokenizer, row counts); the tokenizer is the one saved with the output."""
     from ..models import load_policy, load_tokenizer
 
     args = trl_config(ctx)
@@ -112,15 +137,17 @@ def build_trainer(ctx: StageContext):
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
-    return make_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, len(train_rows)
+    counts = {"rows": len(train_rows),
+              "rows_truncated": count_truncated(train_rows, tokenizer, args.max_length, f"{ctx.where}.data")}
+    return make_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, counts
 
 
 def run(ctx: StageContext) -> dict:
     from ..models import save_checkpoint
     from ..trainer_utils import final_metrics, resume_checkpoint
 
-    trainer, tokenizer, rows = build_trainer(ctx)
+    trainer, tokenizer, counts = build_trainer(ctx)
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
-    return final_metrics(trainer, rows=rows)
+    return final_metrics(trainer, **counts)
