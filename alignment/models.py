@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from .config.model import LoraSpec, TinySpec
+from .config.model import LoraSpec, TemplateSpec, TinySpec
 from .errors import UserError
 from .formatting import end_of_turn, has_chat_template, marker_tokens, render_completion, render_prompt
 
@@ -120,12 +120,40 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
         ) from None
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False):
+def load_tokenizer(name: str, trust_remote_code: bool = False, template: TemplateSpec | None = None):
     source = adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None or tokenizer.pad_token in (tokenizer.eos_token, end_of_turn(tokenizer)):
         tokenizer.pad_token = spare_pad_token(tokenizer) or tokenizer.eos_token
+    if template is not None:
+        apply_template(tokenizer, template, name)
     return tokenizer
+
+
+def jinja_literal(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "none"}[value]
+    return json.dumps(value)
+
+
+TEMPLATE_START, TEMPLATE_END = "{#- alignment template -#}", "{#- /alignment template -#}"
+
+
+def apply_template(tokenizer, spec: TemplateSpec, name: str = "the model") -> None:
+    """Write the recipe's `template:` into the tokenizer's chat template: the variables set first, then a
+    system prompt put before conversations that bring none (the template's default then never shows). The
+    settings sit between two markers, so a later stage replaces them rather than stacking a second copy."""
+    if not has_chat_template(tokenizer):
+        raise UserError(f"template: {name} has no chat template, so there is nothing to set; drop `template:` "
+                        "(a model without one trains on plain prompt/completion or text rows).")
+    template = tokenizer.chat_template
+    if template.startswith(TEMPLATE_START) and TEMPLATE_END in template:
+        template = template.split(TEMPLATE_END, 1)[1]
+    head = "".join(f"{{%- set {k} = {jinja_literal(v)} %}}" for k, v in spec.kwargs.items())
+    if spec.system_prompt is not None:
+        head += ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = [{'role': 'system', "
+                 f"'content': {json.dumps(spec.system_prompt)}}}] + messages %}}{{%- endif %}}")
+    tokenizer.chat_template = TEMPLATE_START + head + TEMPLATE_END + template
 
 
 def spare_pad_token(tokenizer) -> str | None:

@@ -23,7 +23,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 
 from .config.base import Strict, did_you_mean, explain, stage_ref
 from .config.evaluate import validate_evaluate_block
-from .config.model import LoraSpec, TinySpec
+from .config.model import LoraSpec, TemplateSpec, TinySpec
 from .config.stage import StageConfig
 from .errors import UserError
 from .stages import stage_module
@@ -41,6 +41,7 @@ class Recipe(Strict):
     output_dir: str | None = None
     seed: int = 42
     lora: LoraSpec | None = None
+    template: TemplateSpec | None = None
     trust_remote_code: bool = False
     report_to: str | list[str] = "none"
     stages: dict[str, Any] = Field(min_length=1)

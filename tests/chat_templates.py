@@ -53,8 +53,10 @@ FAMILIES = {
         bos="<|im_start|>", eos="<|im_end|>", end_of_turn="<|im_end|>", specials=("<|endoftext|>",),
         system_marker="<|im_start|>system"),
     "qwen3": Family(
-        template=("{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-                  "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        template=("{%- for message in messages %}{%- if message.role == 'assistant' and loop.last %}"
+                  "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+                  "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+                  "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
                   "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
                   "{%- endif %}{%- endif %}"),
         bos=None, eos="<|im_end|>", end_of_turn="<|im_end|>", specials=("<|im_start|>", "<think>", "</think>"),

@@ -10,8 +10,10 @@ import pytest
 from chat_templates import FAMILIES, family_tokenizer
 from transformers import GenerationConfig
 
+from alignment.config.model import TemplateSpec
+from alignment.errors import UserError
 from alignment.formatting import encode, end_of_turn, render_completion, render_pair, render_prompt
-from alignment.models import spare_pad_token
+from alignment.models import TEMPLATE_START, apply_template, spare_pad_token
 from alignment.sampling import stop_token_ids
 from alignment.stages.rlvr import without_leading_bos
 
@@ -80,3 +82,31 @@ def test_a_missing_pad_is_a_spare_token_that_never_ends_or_opens_a_turn(family):
     assert pad is not None and pad not in (spec.eos, spec.end_of_turn, spec.bos)
     conversation = render_prompt(tokenizer, SYSTEM) + render_completion(tokenizer, SYSTEM, "4")
     assert pad not in conversation
+
+
+def test_template_system_prompt_replaces_the_default_and_a_given_one_wins():
+    tokenizer = family_tokenizer("smollm2")
+    apply_template(tokenizer, TemplateSpec(system_prompt="Be brief."))
+    apply_template(tokenizer, TemplateSpec(system_prompt="Be brief."))  # a later stage replaces, never stacks
+    prompt = render_prompt(tokenizer, "What is 2+2?")
+    assert "SmolLM" not in prompt and prompt.count("Be brief.") == 1
+    given = render_prompt(tokenizer, SYSTEM)
+    assert "Be brief." not in given and given.count("Answer with a number.") == 1
+    assert tokenizer.chat_template.count(TEMPLATE_START) == 1
+
+
+def test_template_variables_reach_the_template():
+    tokenizer = family_tokenizer("qwen3")
+    assert "</think>" not in render_prompt(tokenizer, "hi")
+    apply_template(tokenizer, TemplateSpec(kwargs={"enable_thinking": False}))
+    assert render_prompt(tokenizer, "hi").endswith("<think>\n\n</think>\n\n")
+    assert render_completion(tokenizer, "hi", "4") == "4<|im_end|>"
+
+
+def test_template_settings_need_a_chat_template_and_names():
+    tokenizer = family_tokenizer("phi3")
+    tokenizer.chat_template = None
+    with pytest.raises(UserError, match="has no chat template"):
+        apply_template(tokenizer, TemplateSpec(system_prompt="x"), "base-model")
+    with pytest.raises(ValueError, match="not a name"):
+        TemplateSpec(kwargs={"enable thinking": False})

@@ -238,3 +238,14 @@ def test_sft_on_plain_text_rows_and_truncated_rows_are_counted_and_said(tmp_path
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "10 of 40 rows (25%)" in r.getMessage()]
     assert warned and "max_length=64" in warned[0].getMessage()
     assert record["metrics"]["train_loss"] > 0
+
+
+def test_the_recipes_template_settings_are_trained_with_and_saved(tmp_path):
+    from alignment.formatting import render_prompt
+    from alignment.models import load_tokenizer
+
+    recipe = sft_recipe(tmp_path, template={"system_prompt": "Be brief."})
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    run_recipe(loaded)
+    saved = load_tokenizer(str(loaded.stage_dir("sft")))
+    assert render_prompt(saved, "What is 1+1?").startswith("<|system|>Be brief.<|end|>")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import Strict
 
@@ -29,3 +30,22 @@ class LoraSpec(Strict):
     lora_dropout: float = 0.0
     target_modules: str | list[str] = "all-linear"
     use_rslora: bool = False
+
+
+class TemplateSpec(Strict):
+    """`template:` how prompts are rendered through the checkpoint's chat template. The settings are written
+    into the tokenizer's template, so every stage renders with them and every output keeps them."""
+
+    system_prompt: str | None = Field(None, description="system prompt for prompts that bring none, instead of the "
+                                      "template's default (e.g. SmolLM2's, Qwen2.5's); '' for an empty one")
+    kwargs: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict, description="template variables, e.g. {enable_thinking: false} for Qwen3")
+
+    @field_validator("kwargs")
+    @classmethod
+    def _names(cls, kwargs: dict) -> dict:
+        for name in kwargs:
+            if not re.fullmatch(r"[A-Za-z_]\w*", name):
+                raise ValueError(f"template variable '{name}' is not a name")
+        return kwargs
+

@@ -66,6 +66,12 @@ class StageContext:
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)
 
+    def load_tokenizer(self):
+        """The start model's tokenizer, with the recipe's `template:` settings written into its template."""
+        from ..models import load_tokenizer
+
+        return load_tokenizer(self.start_model, self.recipe.trust_remote_code, self.recipe.template)
+
     def computed_once(self, name: str, compute) -> tuple[list[dict], dict]:
         """`compute() -> (rows, stats)`, run by the main process first and kept in the work folder as JSON
         lines (stats, then rows), so every process trains on the same rows and a rerun after a crash reads

@@ -78,11 +78,10 @@ def several_passes(train: dict) -> bool:
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import load_tokenizer
     from ..pairs import check_stage_data
 
     trl_config(ctx)
-    load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    ctx.load_tokenizer()
     check_stage_data(ctx)
 
 
@@ -103,12 +102,12 @@ def build_trainer(ctx: StageContext):
     from trl import DPOTrainer
 
     from ..formatting import eos_as_end_of_turn
-    from ..models import load_policy, load_tokenizer, peft_config
+    from ..models import load_policy, peft_config
     from ..pairs import normalize_pairs, render_pairs, split_eval, stage_pairs
     from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     pairs, stats = stage_pairs(ctx, tokenizer, lambda: policy)
     if ctx.config.eval_data is not None:

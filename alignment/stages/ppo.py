@@ -226,7 +226,6 @@ class PPOLoop:
         from accelerate.utils import set_seed
         from transformers import get_scheduler
 
-        from ..models import load_tokenizer
         from ..ppo_models import build_models
         from ..rl import make_kl_controller
 
@@ -235,7 +234,7 @@ class PPOLoop:
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
         self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"))
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
-        self.tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+        self.tokenizer = ctx.load_tokenizer()
         self.scorer = Scorer(ctx, self.acc.device)
         self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards])
         self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
@@ -578,10 +577,10 @@ def checkpoints(work_dir: Path) -> list[Path]:
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import check_model_source, load_tokenizer
+    from ..models import check_model_source
     from ..verifier_rewards import resolve_all
 
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
     ref = ctx.config.reward_model
     if ref is None:

@@ -56,11 +56,10 @@ def trl_config(ctx: StageContext):
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import load_tokenizer
     from ..pairs import check_stage_data
 
     trl_config(ctx)
-    load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    ctx.load_tokenizer()
     check_stage_data(ctx)
 
 
@@ -103,12 +102,12 @@ def build_trainer(ctx: StageContext):
     import datasets
     from trl import RewardTrainer
 
-    from ..models import load_tokenizer, peft_config
+    from ..models import peft_config
     from ..pairs import pair_token_ids, render_pairs
     from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     train, held_out, stats = datasets_for(ctx, tokenizer)
 
     train_ids, dropped_train = within_max_length(pair_token_ids(tokenizer, render_pairs(tokenizer, train)),

@@ -162,12 +162,11 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import load_tokenizer
     from ..verifier_rewards import resolve_all
 
     trl_config(ctx)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
     if ctx.config.eval_data:
         prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
@@ -176,7 +175,7 @@ def check(ctx: StageContext) -> None:
 def run(ctx: StageContext) -> dict:
     import datasets
 
-    from ..models import load_policy, load_tokenizer, peft_config, save_checkpoint
+    from ..models import load_policy, peft_config, save_checkpoint
     from ..sampling.samples import checkpoint_sampling_defaults_off
     from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
     from ..verifier_rewards import build_rewards
@@ -185,7 +184,7 @@ def run(ctx: StageContext) -> dict:
     _, trainer_class = trainer_classes(ctx.config.algorithm)
     rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     verifiers = [r.verifier for r in rewards]
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     stop_at_end_of_turn(model, tokenizer)
     stop_vllm_at_end_of_turn(args, tokenizer, model)

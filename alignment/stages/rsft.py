@@ -241,7 +241,7 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 def check(ctx: StageContext) -> None:
     from ..formatting import render_prompt
-    from ..models import check_model_source, load_tokenizer
+    from ..models import check_model_source
     from ..prompts import prompt_of
     from ..verifier_rewards import resolve_all
 
@@ -250,15 +250,15 @@ def check(ctx: StageContext) -> None:
     rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
         check_model_source(ctx.config.reward_model, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     render_prompt(tokenizer, prompt_of(rows[0]))  # chat prompts need a chat template
 
 
 def run(ctx: StageContext) -> dict:
-    from ..models import load_policy, load_tokenizer, save_checkpoint
+    from ..models import load_policy, save_checkpoint
 
     cfg = ctx.config
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)
     rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards])
     records = finished_rounds(ctx)

@@ -102,10 +102,8 @@ def count_truncated(rows: list[dict], tokenizer, max_length: int | None, where: 
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import load_tokenizer
-
     args = trl_config(ctx)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
 
 
@@ -130,10 +128,10 @@ def make_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dic
 
 def build_trainer(ctx: StageContext):
     """(SFTTrainer, tokenizer, row counts); the tokenizer is the one saved with the output."""
-    from ..models import load_policy, load_tokenizer
+    from ..models import load_policy
 
     args = trl_config(ctx)
-    tokenizer = load_tokenizer(ctx.start_model, ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
