@@ -172,6 +172,18 @@ def spare_pad_token(tokenizer) -> str | None:
     return candidates[0] if candidates else None
 
 
+def checkpoint_dtype(name: str, trust_remote_code: bool = False) -> torch.dtype | None:
+    """The dtype a checkpoint stores its weights in (config.json's `dtype`; an adapter's: its base's), or None
+    when it says none. Training loads weights in `default_dtype()`; outputs are saved back in this one."""
+    source = adapter_base(name) if is_adapter_dir(name) else name
+    try:
+        stored = getattr(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code), "dtype", None)
+    except (OSError, ValueError):
+        return None
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    return stored if isinstance(stored, torch.dtype) else None
+
+
 def adapter_base(path: str | Path) -> str:
     return json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
@@ -253,12 +265,15 @@ def enable_checkpointing(model, options: dict) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
 
 
-def save_checkpoint(model, tokenizer, out_dir: Path) -> None:
-    """Save a policy as merged weights, with the LoRA adapter (if any) in `adapter/` beside them."""
+def save_checkpoint(model, tokenizer, out_dir: Path, dtype: torch.dtype | None = None) -> None:
+    """Save a policy as merged weights, with the LoRA adapter (if any) in `adapter/` beside them; the merged
+    weights in `dtype` when given (the stage's start checkpoint's own dtype: `checkpoint_dtype`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if isinstance(model, PeftModel):
         model.save_pretrained(out_dir / "adapter")
         model = model.merge_and_unload()
+    if dtype is not None and model.dtype != dtype:
+        model = model.to(dtype)  # the stage is over: nothing trains on these weights any more
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
@@ -42,6 +42,8 @@ class Recipe(Strict):
     seed: int = 42
     lora: LoraSpec | None = None
     template: TemplateSpec | None = None
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from")
     trust_remote_code: bool = False
     report_to: str | list[str] = "none"
     stages: dict[str, Any] = Field(min_length=1)

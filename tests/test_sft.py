@@ -249,3 +249,19 @@ def test_the_recipes_template_settings_are_trained_with_and_saved(tmp_path):
     run_recipe(loaded)
     saved = load_tokenizer(str(loaded.stage_dir("sft")))
     assert render_prompt(saved, "What is 1+1?").startswith("<|system|>Be brief.<|end|>")
+
+
+@pytest.mark.parametrize("save_dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32)])
+def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says(tmp_path, tiny_model, save_dtype,
+                                                                                 expected):
+    from alignment.models import load_policy, load_tokenizer
+
+    bf16 = tmp_path / "bf16"
+    load_policy(str(tiny_model), dtype=torch.bfloat16).save_pretrained(bf16)
+    load_tokenizer(str(tiny_model)).save_pretrained(bf16)
+    recipe = sft_recipe(tmp_path, model=str(bf16), save_dtype=save_dtype, lora={"r": 4, "lora_alpha": 8})
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    run_recipe(loaded)
+    weights, start = params(loaded.stage_dir("sft")), params(bf16)
+    assert {t.dtype for t in weights.values()} == {expected}
+    assert any(not torch.equal(weights[k].to(torch.float32), start[k].to(torch.float32)) for k in start)  # trained

@@ -66,6 +66,17 @@ class StageContext:
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)
 
+    def save_dtype(self):
+        """The dtype to save this stage's weights in: the recipe's `save_dtype`, by default the start model's own
+        (training upcasts to fp32 on CPU: a bf16 135M model would otherwise be saved at twice its size)."""
+        import torch
+
+        from ..models import checkpoint_dtype
+
+        if self.recipe.save_dtype != "auto":
+            return getattr(torch, self.recipe.save_dtype)
+        return checkpoint_dtype(self.start_model, self.recipe.trust_remote_code)
+
     def load_tokenizer(self):
         """The start model's tokenizer, with the recipe's `template:` settings written into its template."""
         from ..models import load_tokenizer

@@ -137,5 +137,5 @@ def run(ctx: StageContext) -> dict:
     trainer, tokenizer, counts = build_trainer(ctx)
     trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
     if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
+        save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
     return final_metrics(trainer, **counts)

@@ -520,7 +520,7 @@ class PPOLoop:
 
         self.acc.wait_for_everyone()
         if self.acc.is_main_process:
-            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir)
+            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype())
 
     def save_state(self) -> None:
         import torch

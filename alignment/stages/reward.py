@@ -182,13 +182,13 @@ def give_score_head_its_rate(optimizer, model, learning_rate: float) -> None:
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
 
 
-def save_reward_model(model, tokenizer, out_dir) -> None:
+def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
     """Merged weights with one label and the pad token set (the head pools at the last non-pad token)."""
     from ..models import save_checkpoint
 
     model.config.num_labels = 1
     model.config.pad_token_id = tokenizer.pad_token_id
-    save_checkpoint(model, tokenizer, out_dir)
+    save_checkpoint(model, tokenizer, out_dir, dtype)
 
 
 def run(ctx: StageContext) -> dict:
@@ -204,5 +204,5 @@ def run(ctx: StageContext) -> dict:
             log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
                   f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
     if ctx.is_main:
-        save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)
+        save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir, ctx.save_dtype())
     return final_metrics(trainer, **counts, **held_out)

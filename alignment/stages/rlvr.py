@@ -201,7 +201,7 @@ def run(ctx: StageContext) -> dict:
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, ctx.out_dir)
+        save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
     result = final_metrics(trainer, rows=len(train_rows), **totals)
     report_zero_variance(ctx, result["metrics"], result["log_history"])

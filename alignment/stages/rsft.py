@@ -223,7 +223,7 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, rows)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, folder / "policy")
+        save_checkpoint(trainer.model, tokenizer, folder / "policy", ctx.save_dtype())
     trainer.accelerator.wait_for_everyone()
     return str(folder / "policy"), trainer.state.log_history
 
@@ -288,7 +288,7 @@ def write_output(ctx, policy: str, records: list[dict], load_policy, save_checkp
         if len(records) > 1:  # its base is an intermediate round that is not kept (see module docstring)
             shutil.rmtree(ctx.out_dir / "adapter", ignore_errors=True)
     else:  # no round selected anything: the output is the starting policy
-        save_checkpoint(load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, ctx.out_dir)
+        save_checkpoint(load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, ctx.out_dir, ctx.save_dtype())
     for record in records:
         k = record["round"]
         source = ctx.work_dir / f"round{k}" / "selected.jsonl"
