@@ -205,3 +205,21 @@ def test_dpo_from_sft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
           f"margin {metrics.get('rewards/margins')})")
     assert after >= before + 0.10
     assert metrics["rewards/margins"] > 0  # the preference term separates chosen from rejected
+
+
+def test_pairs_longer_than_max_length_are_counted_and_said(tmp_path, tiny_model, caplog):
+    import json
+    import logging
+
+    from alignment.stages import dpo
+
+    rows = [{"prompt": f"What is {a}+1?", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(12)]
+    rows += [{"prompt": "What is 1+1?", "chosen": "2", "rejected": "3, because " + "so it goes " * 10}] * 4
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ctx = dpo_context(tmp_path, tiny_model, data={"dataset": str(data)}, eval_fraction=0,
+                      train={"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 48})
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        _, _, counts = dpo.build_trainer(ctx)
+    assert counts["pairs_truncated"] == 4
+    assert any(r.levelno == logging.WARNING and "4 of 16 rows (25%)" in r.getMessage() for r in caplog.records)

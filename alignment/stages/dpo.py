@@ -105,6 +105,7 @@ def build_trainer(ctx: StageContext):
     from ..models import load_policy, peft_config
     from ..pairs import normalize_pairs, render_pairs, split_eval, stage_pairs
     from ..trainer_utils import trainer_callbacks
+    from .sft import count_truncated
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
@@ -118,16 +119,18 @@ def build_trainer(ctx: StageContext):
     if not held_out:
         args.eval_strategy = "no"
 
-    def rendered(rows):
-        return datasets.Dataset.from_list(render_pairs(tokenizer, rows))
-
+    train_rows, eval_rows = render_pairs(tokenizer, pairs), render_pairs(tokenizer, held_out)
+    # TRL cuts pairs longer than max_length (truncation_mode); a cut answer loses its end: count and say it.
+    truncated = count_truncated([{"prompt": r["prompt"], "completion": max(r["chosen"], r["rejected"], key=len)}
+                                 for r in train_rows], tokenizer, args.max_length, f"{ctx.where}.data")
     trainer = DPOTrainer(
         model=policy, ref_model=reference_for(ctx, policy, args), args=args,
-        processing_class=eos_as_end_of_turn(tokenizer),
-        train_dataset=rendered(pairs), eval_dataset=rendered(held_out) if held_out else None,
+        processing_class=eos_as_end_of_turn(tokenizer), train_dataset=datasets.Dataset.from_list(train_rows),
+        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
-    return trainer, tokenizer, {**stats, "pairs_train": len(pairs), "pairs_eval": len(held_out)}
+    return trainer, tokenizer, {**stats, "pairs_train": len(pairs), "pairs_eval": len(held_out),
+                                "pairs_truncated": truncated}
 
 
 def run(ctx: StageContext) -> dict:

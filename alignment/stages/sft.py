@@ -87,8 +87,9 @@ def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: st
 
 
 def count_truncated(rows: list[dict], tokenizer, max_length: int | None, where: str) -> int:
-    """Rows longer than `max_length` tokens, which TRL cuts from the right: their completion is trained
-    without its end (the end-of-turn token above all). Said, loudly when they are more than a few."""
+    """Rows longer than `max_length` tokens, which TRL cuts (SFT from the right, DPO by its truncation_mode): a
+    cut completion is trained without its end (the end-of-turn token above all). Said, loudly when they are
+    more than a few."""
     if not max_length:
         return 0
     texts = [r["text"] if "text" in r else r["prompt"] + r["completion"] for r in rows]
