@@ -114,10 +114,18 @@ def check_columns(dataset, alternatives: Sequence[Sequence[str]], where: str, sp
     )
 
 
+def file_rows(dataset) -> list[int]:
+    """For each row of a loaded dataset, its row in the data as written (the file's, 0-based): `shuffle` and
+    `limit` keep that mapping (datasets' indices mapping), so an error can name the row a user can find."""
+    mapping = getattr(dataset, "_indices", None)
+    return mapping.column(0).to_pylist() if mapping is not None else list(range(len(dataset)))
+
+
 def check_strings(dataset, columns: Sequence[str], where: str) -> None:
     """Every value in `columns` is a non-empty string (or a list of chat messages)."""
+    rows = file_rows(dataset)
     for column in columns:
-        for index, value in enumerate(dataset[column]):
+        for index, value in zip(rows, dataset[column]):
             if isinstance(value, list) and column in ("prompt", "messages", "completion"):
                 continue
             if not isinstance(value, str):

@@ -28,7 +28,7 @@ import torch
 from accelerate import PartialState
 
 from .config.sampling import OnPolicySpec
-from .data import check_columns
+from .data import check_columns, file_rows
 from .dist import get_logger
 from .errors import UserError
 from .formatting import encode, render_completion, render_prompt
@@ -109,7 +109,7 @@ def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter
     """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
     check_columns(dataset, PAIR_COLUMNS, where, spec)
     pairs, dropped = [], Counter()
-    for index, row in enumerate(dataset):
+    for index, row in zip(file_rows(dataset), dataset):
         result = normalize_row(dict(row), index, where)
         if isinstance(result, str):
             dropped[result] += 1

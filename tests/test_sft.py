@@ -265,3 +265,21 @@ def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says
     weights, start = params(loaded.stage_dir("sft")), params(bf16)
     assert {t.dtype for t in weights.values()} == {expected}
     assert any(not torch.equal(weights[k].to(torch.float32), start[k].to(torch.float32)) for k in start)  # trained
+
+
+def test_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path):
+    from alignment.errors import UserError
+    from alignment.runner import check_recipe
+
+    rows = [{"prompt": f"What is {a}+1?", "completion": f"it is {a + 1}"} for a in range(30)]
+    rows[17]["completion"] = 18  # not a string
+    recipe = sft_recipe(tmp_path)
+    recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "d.jsonl", rows)}  # shuffled by default
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    with pytest.raises(UserError, match=r"row 17, column 'completion' is int"):
+        check_recipe(loaded)
+    rows[17]["completion"] = "it is 18"
+    rows[23] = {"prompt": "q", "completion": [{"role": "user", "content": "x"}]}
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"\(row 23\).*one assistant message"):
+        check_recipe(loaded)

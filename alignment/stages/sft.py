@@ -39,7 +39,7 @@ def trl_config(ctx: StageContext):
 
 def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length: int | None):
     """Rows rendered to {'prompt', 'completion'} text; rows whose prompt alone fills `max_length` are dropped."""
-    from ..data import check_columns, check_strings
+    from ..data import check_columns, check_strings, file_rows
     from ..formatting import render_pair
 
     dataset = ctx.load_data(spec, key)
@@ -53,7 +53,7 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
             log.info(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with empty text")
         return rows
     try:
-        rows = [render_pair(tokenizer, row, i) for i, row in enumerate(dataset) if not _empty_answer(row)]
+        rows = [render_pair(tokenizer, row, i) for i, row in zip(file_rows(dataset), dataset) if not _empty_answer(row)]
     except UserError as error:
         raise UserError(f"{ctx.where}.{key} ({spec.describe()}): {error}") from None
     if not rows:
