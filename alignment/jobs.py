@@ -114,11 +114,11 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
                 if code == 0:
                     results[job.stage_id] = finished_record(recipe, job.stage_id)
                     log.info(f"[{job.stage_id}] done in {results[job.stage_id]['wall_time_s']:.1f}s -> "
-                        f"{recipe.stage_dir(job.stage_id)}")
+                             f"{recipe.stage_dir(job.stage_id)}")
                 else:
                     failed.append((job, code))
                     log.info(f"[{job.stage_id}] failed (exit code {code}); stages already running will finish, "
-                        "no new stage starts")
+                             "no new stage starts")
     except BaseException:  # Ctrl-C or an error here: stop the children rather than orphan them
         for job in running.values():
             job.process.terminate()

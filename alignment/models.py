@@ -165,11 +165,10 @@ def spare_pad_token(tokenizer) -> str | None:
     if has_chat_template(tokenizer):
         probe = render_prompt(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         used |= {t for t in marker_tokens(tokenizer) if t in probe + render_completion(tokenizer, "u", "a")}
-    candidates = sorted(marker_tokens(tokenizer) - used - {None}, key=lambda t: ("pad" not in t.lower(), t))
-    if tokenizer.unk_token in candidates:
-        candidates.remove(tokenizer.unk_token)
-        candidates.insert(int(any("pad" in t.lower() for t in candidates)), tokenizer.unk_token)
-    return candidates[0] if candidates else None
+    def preference(token: str) -> tuple[int, str]:
+        return (0 if "pad" in token.lower() else 1 if token == tokenizer.unk_token else 2), token
+
+    return min(marker_tokens(tokenizer) - used - {None}, key=preference, default=None)
 
 
 def checkpoint_dtype(name: str, trust_remote_code: bool = False) -> torch.dtype | None:
@@ -184,21 +183,23 @@ def checkpoint_dtype(name: str, trust_remote_code: bool = False) -> torch.dtype 
     return stored if isinstance(stored, torch.dtype) else None
 
 
+def adapter_config(path: str | Path) -> dict:
+    return json.loads((Path(path) / "adapter_config.json").read_text())
+
+
 def adapter_base(path: str | Path) -> str:
-    return json.loads((Path(path) / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return adapter_config(path)["base_model_name_or_path"]
 
 
 def is_reward_adapter(path: str | Path) -> bool:
     """An adapter trained on a sequence classifier (the `reward` stage's `adapter/`): peft task SEQ_CLS."""
-    return is_adapter_dir(path) and json.loads((Path(path) / "adapter_config.json").read_text()).get(
-        "task_type") == "SEQ_CLS"
+    return is_adapter_dir(path) and adapter_config(path).get("task_type") == "SEQ_CLS"
 
 
 def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
     """A causal LM from a folder, hub id or adapter folder (adapter merged into its base)."""
     dtype = dtype or default_dtype()
     if is_adapter_dir(name):
-
         base = AutoModelForCausalLM.from_pretrained(adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
         return PeftModel.from_pretrained(base, name).merge_and_unload()
     try:

@@ -196,8 +196,8 @@ def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, veri
              "prompts_without_correct": no_correct, "prompts_without_incorrect": no_incorrect,
              "sample_pass_rate": sum(is_pass(r) for r in results) / max(len(results), 1)}
     log.info(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
-          f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
-          f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
+             f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
+             f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
     if not pairs:
         raise UserError(f"{where}.on_policy: no pairs could be built: {no_correct} prompts had no correct sample and "
                         f"{no_incorrect} no incorrect one. Raise on_policy.n or temperature, or use easier/harder prompts.")

@@ -103,7 +103,7 @@ class VerifierReward:
         if errors and not self._warned:
             self._warned = True
             log.info(f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
-                  f"({errors[0].detail}); further errors are counted in errors/{self.__name__}.")
+                     f"({errors[0].detail}); further errors are counted in errors/{self.__name__}.")
         return results
 
     @staticmethod

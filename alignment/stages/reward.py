@@ -31,7 +31,7 @@ from ..config.data import DataSpec
 from ..config.sampling import OnPolicySpec
 from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import StageContext
+from .base import LOUD_SHARE, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
         raise UserError(f"{where}: all {len(pairs)} pairs are longer than train.max_length={max_length} tokens; "
                         "raise it or shorten the data.")
     if dropped:
-        say = log.warning if dropped > 0.05 * len(pairs) else log.info
+        say = log.warning if dropped > LOUD_SHARE * len(pairs) else log.info
         say(f"[{where}] dropped {dropped} of {len(pairs)} pairs ({dropped / len(pairs):.0%}) longer than "
             f"train.max_length={max_length} tokens")
     return kept, dropped
@@ -202,7 +202,7 @@ def run(ctx: StageContext) -> dict:
         held_out = {"eval_accuracy": scores.get("eval_accuracy"), "eval_margin": scores.get("eval_margin")}
         if ctx.is_main:
             log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
-                  f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
+                     f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
     if ctx.is_main:
         save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir, ctx.save_dtype())
     return final_metrics(trainer, **counts, **held_out)

@@ -194,8 +194,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
-          f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
-          f"mean score {stats['mean_score']:.3f})")
+             f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
+             f"mean score {stats['mean_score']:.3f})")
     return selected, stats
 
 

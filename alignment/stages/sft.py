@@ -15,7 +15,7 @@ from typing import Literal
 from ..config.data import DataSpec
 from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import StageContext
+from .base import LOUD_SHARE, StageContext
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,6 @@ log = logging.getLogger(__name__)
 # prompt-completion (text or conversational), a conversation, or plain text (language modelling, e.g. a base
 # model with no chat template: trained on every token).
 COLUMNS = [("prompt", "completion"), ("messages",), ("text",)]
-TRUNCATED_WARNING_SHARE = 0.05  # above this share of truncated rows the warning is loud
 
 
 class Config(StageConfig):
@@ -95,7 +94,7 @@ def count_truncated(rows: list[dict], tokenizer, max_length: int | None, where: 
     texts = [r["text"] if "text" in r else r["prompt"] + r["completion"] for r in rows]
     truncated = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) > max_length for t in texts)
     if truncated:
-        say = log.warning if truncated > TRUNCATED_WARNING_SHARE * len(rows) else log.info
+        say = log.warning if truncated > LOUD_SHARE * len(rows) else log.info
         say(f"[{where}] {truncated} of {len(rows)} rows ({truncated / len(rows):.0%}) are longer than "
             f"max_length={max_length} tokens and are trained cut off, without their end; raise train.max_length "
             "or shorten them")
