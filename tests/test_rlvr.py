@@ -207,15 +207,30 @@ def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monke
     from alignment.runner import make_context
     from alignment.stages import rlvr
 
-    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed (it needs a GPU)
+    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed
     tokenizer = load_tokenizer(str(tiny_model))
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     for extra, expected in [({}, {end, tokenizer.eos_token_id}), ({"generation_kwargs": {"stop_token_ids": [7]}}, {7})]:
-        train = {**FAST_TRAIN, "use_vllm": True, "vllm_mode": "colocate", **extra}
+        # server mode: colocate mode is refused on CPU (the next test)
+        train = {**FAST_TRAIN, "use_vllm": True, "vllm_mode": "server", **extra}
         recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": train})))
         args = rlvr.trl_config(make_context(recipe, "rlvr"))
         rlvr.stop_vllm_at_end_of_turn(args, tokenizer)
         assert set(args.generation_kwargs["stop_token_ids"]) == expected  # the recipe's own choice is kept
+
+
+@pytest.mark.parametrize("mode", [{}, {"vllm_mode": "colocate"}])
+def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monkeypatch, mode):
+    from alignment.config import sampling
+    from alignment.recipe import load_recipe
+    from alignment.runner import check_recipe
+
+    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
+    with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
+                                        r"sync_weights.*weight_loader.*use_vllm: false.*backend: vllm"):
+        check_recipe(recipe)
 
 
 @pytest.mark.parametrize("name", ["gsm8k-grpo.yaml", "math-grpo.yaml"])

@@ -1,6 +1,7 @@
-"""`backend: vllm` (alignment/sampling/vllm_engine.py), against the stand-in in tests/fake_vllm: vLLM needs a CUDA
-GPU, so these tests check our side of the interface (weights pushed before every call with LoRA merged,
-samples and their order, seeds, the log-prob check, errors), not vLLM's speed."""
+"""`backend: vllm` (alignment/sampling/vllm_engine.py), against the stand-in in tests/fake_vllm, in the default suite:
+our side of the interface (weights pushed before every call with LoRA merged, samples and their order, seeds,
+the sampling parameters, the log-prob check, sleep mode, errors). The real engine (vLLM's CPU build, in an
+environment of its own) runs in tests/vllm/."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ FAKE = Path(__file__).parent / "fake_vllm"
 def fake_vllm(monkeypatch):
     monkeypatch.syspath_prepend(str(FAKE))
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.delitem(sys.modules, "vllm.platforms", raising=False)
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # back, whatever a failing test left
     import vllm
 
     monkeypatch.setattr(vllm.LLM, "instances", [])
@@ -37,6 +40,7 @@ def fake_vllm(monkeypatch):
     yield vllm
     vllm_engine.close()
     sys.modules.pop("vllm", None)
+    sys.modules.pop("vllm.platforms", None)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +75,8 @@ def test_samples_follow_the_policy_through_every_update(tiny_model, prompts, fak
     assert engine.kwargs["load_format"] == "dummy"
     assert engine.kwargs["distributed_executor_backend"] == "external_launcher"
     assert engine.kwargs["logprobs_mode"] == "raw_logprobs" and engine.kwargs["gpu_memory_utilization"] == 0.3
+    # the checkpoint's generation_config.json gives no defaults; our stop ids are the only ones
+    assert engine.kwargs["generation_config"] == "vllm" and engine.kwargs["skip_tokenizer_init"] is True
     assert engine.environment["WORLD_SIZE"] == "1" and engine.environment["MASTER_PORT"]  # a world of one while
     assert "MASTER_PORT" not in os.environ  # the engine starts, not after: child processes must not inherit it
 
@@ -140,7 +146,7 @@ def test_missing_vllm_is_named_when_the_recipe_loads(tmp_path, tiny_model, monke
                         "    kind: rsft\n    data: {task: arithmetic, n: 8}\n    verifiers: [{name: numeric}]\n"
                         "    sampling: {backend: vllm}\n")
         key = r"stages.rsft.sampling.backend'"
-    with pytest.raises(UserError, match=rf"(?s){key}.*vllm is not installed.*pip install vllm.*backend: transformers"):
+    with pytest.raises(UserError, match=rf"(?s){key}.*vllm is not installed.*scripts/vllm_env.sh.*backend: transformers"):
         load_recipe(path)
     assert not (tmp_path / "out").exists()
 
@@ -152,3 +158,76 @@ def test_ppo_samples_every_update_through_vllm(tmp_path, tiny_model, fake_vllm):
     assert len(fake_vllm.LLM.instances) == 1 and fake_vllm.LLM.pushes == 3  # the new policy before each rollout
     adapter = trainable_digest(tmp_path / "out" / "ppo" / "adapter" / "adapter_model.safetensors")
     assert any(t.abs().sum() > 0 for n, t in adapter.items() if "lora_B" in n)
+
+
+def test_every_field_that_shapes_the_distribution_is_set_and_seeds_differ(fake_vllm):
+    spec = SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, n=3, max_new_tokens=5)
+    params = vllm_engine.sampling_params(spec, [2, 5], 4)
+    first = params[0]
+    assert (first.temperature, first.top_p, first.top_k, first.n, first.max_tokens) == (0.7, 0.9, 20, 3, 5)
+    assert (first.min_p, first.min_tokens, first.repetition_penalty, first.presence_penalty,
+            first.frequency_penalty, first.ignore_eos) == (0.0, 0, 1.0, 0.0, 0.0, False)
+    assert first.stop_token_ids == [2, 5] and first.logprobs == 0 and first.detokenize is False
+    # vLLM seeds sample j of a request `seed + j`: prompt i's seed is base + i*n, so no two samples share one
+    seeds = [p.seed + j for p in params for j in range(3)]
+    assert seeds == list(range(seeds[0], seeds[0] + 12))
+
+
+def test_starting_the_engine_leaves_the_process_as_it_was(tiny_model, prompts, fake_vllm):
+    """vLLM reseeds the global generators and takes torch's thread count over; a recipe's sampling and training
+    must not depend on when an engine started."""
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    spec = SamplingSpec(**GREEDY, backend="vllm")
+    torch.set_num_threads(2)
+    generate(model, tokenizer, prompts, spec)  # starts the engine
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1, "torch.set_num_threads must work again"
+    torch.manual_seed(11)
+    generate(model, tokenizer, prompts, spec)  # the running engine
+    running = torch.rand(3)
+    torch.manual_seed(11)
+    generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm", vllm={"max_model_len": 200}))  # a new engine
+    started = torch.rand(3)
+    assert torch.equal(started, running), "starting an engine moved torch's generator"
+    first, second = fake_vllm.LLM.instances
+    assert first.shut_down and not second.shut_down
+    vllm_engine.close()
+    assert second.shut_down
+
+
+def test_prompts_longer_than_the_engine_holds_are_an_error_before_sampling(tiny_model, prompts, fake_vllm):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    spec = SamplingSpec(**GREEDY, backend="vllm", vllm={"max_model_len": longest})
+    with pytest.raises(UserError, match=rf"(?s)ppo rollout: 2 of 4 prompts are {longest} to {longest} tokens.*"
+                                        rf"at most {longest} tokens.*vllm.max_model_len"):
+        generate(model, tokenizer, prompts, spec, progress="ppo rollout")
+
+
+def test_completions_cut_by_the_engine_length_are_counted(tiny_model, prompts, fake_vllm, logged):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
+    spec = SamplingSpec(temperature=0, max_new_tokens=8, backend="vllm", vllm={"max_model_len": longest + 3})
+    samples = generate(model, tokenizer, prompts, spec)
+    cut = sum(not s.finished and len(s.token_ids) < 8 for s in samples)
+    assert cut  # the fake stops at max_model_len as vLLM does
+    assert f"{cut} of 4 completions stopped before max_new_tokens=8" in logged()
+
+
+def test_sleep_mode_where_vllm_has_none_is_an_error_before_the_engine_starts(tiny_model, prompts, fake_vllm, monkeypatch):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    monkeypatch.setattr(fake_vllm.platforms, "current_platform", type(fake_vllm.platforms.current_platform)(
+        device_name="cpu", is_cpu=lambda: True, is_sleep_mode_available=lambda: False))
+    with pytest.raises(UserError, match=r"(?s)rsft sampling: `vllm.sleep: true`.*no sleep mode on this platform \(cpu"):
+        generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm", vllm={"sleep": True}),
+                 progress="rsft sampling")
+    assert fake_vllm.LLM.instances == []
+
+
+def test_a_push_the_engine_refuses_is_a_clear_error(tiny_model, prompts, fake_vllm, monkeypatch):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    monkeypatch.setattr(vllm_engine, "vllm_weights", lambda m: iter([("model.no_such.weight", torch.zeros(1))]))
+    with pytest.raises(UserError, match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
+                                        r"engine \(KeyError.*no_such.*backend: transformers"):
+        generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"), progress="ppo rollout")

