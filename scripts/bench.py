@@ -20,6 +20,12 @@ Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
            as the reward, so no reward model), prompts of half the sequence length as in `dpo`. TRL 1.16
            has no PPO to compare with; on a GPU the table adds its peak memory over `dpo`'s (the
            goal: at most 1.5x).
+  vllm     (not in the default list: needs vLLM, e.g. the environment of scripts/vllm_env.sh) tokens/s of
+           `backend: vllm` (an engine in this process, the policy's weights pushed before each call, 8 samples
+           re-scored by the policy after it), our HF sampler and plain `model.generate` (the whole batch in one
+           call, left-padded), on the same prompts, for each BATCHxNEW_TOKENS of `--vllm-shapes`; then the
+           engine's start-up and the time of one weight push, eager and compiled (`vllm.enforce_eager`).
+           `--model PATH` runs it on a real checkpoint (its chat template, prompts asking for stories).
 Each result records peak memory (GPU: torch.cuda.max_memory_allocated over the section; CPU: the
 process's peak resident set so far, so compare CPU sections run one per process: `--sections ppo`)
 and, on a GPU, MFU against `--peak-tflops` (790 bf16 TFLOP/s measured on an H200).
@@ -189,6 +195,68 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
             timed_generate("rollout", "ours: LoRA merged for sampling", model, tokenizer, prompts, spec, args)]
 
 
+STORY_TOPICS = ["a lighthouse", "a lost key", "two rivers", "a clockmaker", "the first snow", "a red kite",
+                "an old map", "a quiet robot"]
+
+
+def vllm_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
+    """Rendered prompts: on a real model, requests for stories (answers that run to max_new_tokens), else text."""
+    from alignment.formatting import render_prompt
+
+    rng = random.Random(0)
+    if real_model:
+        return [render_prompt(tokenizer, f"Write a story about {STORY_TOPICS[i % 8]}, number {i}.") for i in range(count)]
+    return [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(count)]
+
+
+def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
+    """`backend: vllm` beside our HF sampler and plain `generate`, temperature 1, same prompts and lengths."""
+    import torch
+
+    from alignment.config.sampling import SamplingSpec
+    from alignment.models import load_policy, load_tokenizer
+    from alignment.sampling import generate, vllm_engine
+
+    tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
+    engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
+    results = []
+    for eager in (True, False):
+        settings = {"enforce_eager": eager, **engine}
+        label = "eager" if eager else "compiled"
+        spec = SamplingSpec(max_new_tokens=8, backend="vllm", vllm=settings)
+        vllm_engine.close()
+        with Peak() as start:
+            started = vllm_engine._engine_for(model, spec.vllm, "bench")
+        results.append(row("vllm", f"vLLM engine start-up ({label})", start.seconds, "s", start, model, args, False))
+        pushes = []
+        for _ in range(3):
+            with Peak() as push:
+                vllm_engine.push_weights(started, model)
+            pushes.append(push.seconds)
+        results.append(row("vllm", f"vLLM weight push ({label}, best of 3)", min(pushes), "s", push, model, args, False))
+        shapes = args.vllm_shapes if eager else args.vllm_shapes[:1]  # compiled: the first shape, beside eager's
+        for batch, new_tokens in shapes:
+            prompts = vllm_prompts(tokenizer, batch, args.model is not None)
+            shape = f"batch {batch} x {new_tokens} new tokens"
+            spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, batch_size=batch, backend="vllm", vllm=settings)
+            generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": 4}))  # warm-up
+            results.append(timed_generate("vllm", f"vLLM {label}, {shape}", model, tokenizer, prompts, spec, args))
+            if not eager:
+                continue
+            hf = spec.model_copy(update={"backend": "transformers"})
+            warm_up(model, tokenizer, prompts, hf)
+            results.append(timed_generate("vllm", f"ours: HF sampler, {shape}", model, tokenizer, prompts, hf, args))
+            with Peak() as peak, torch.no_grad():
+                batch_ids = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+                out = model.generate(**batch_ids, max_new_tokens=new_tokens, do_sample=True,
+                                     pad_token_id=tokenizer.pad_token_id)
+                tokens = int((out[:, batch_ids["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
+            results.append(row("vllm", f"plain: model.generate, {shape}", tokens / peak.seconds, "tokens/s", peak,
+                               model, args, False))
+    vllm_engine.close()
+    return results
+
+
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
     params = sum(p.numel() for p in model.parameters()) if model is not None else 0
     util = mfu(rate, params, args.peak_tflops, training) if unit == "tokens/s" else None
@@ -342,6 +410,13 @@ def print_table(results: list[dict]) -> None:
     Console().print(table)
 
 
+def shapes_arg(value: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(b), int(n)) for b, n in (item.split("x") for item in value.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxNEW_TOKENS[,...], e.g. 64x32,256x128") from None
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
@@ -351,6 +426,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, help="override the number of training steps")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
                         help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
+    parser.add_argument("--model", help="a local checkpoint instead of a random-init shape (vllm section)")
+    parser.add_argument("--vllm-shapes", default="64x32,64x128,256x32,256x128", type=shapes_arg,
+                        help="BATCHxNEW_TOKENS,... of the vllm section")
+    parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
+    parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
     parser.add_argument("--static-cache", action="store_true",
                         help="run the `static` section on CPU too (on a GPU it always runs)")
     args = parser.parse_args(argv)
@@ -367,7 +447,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = build_model(size, work / "model")
+        model_dir = Path(args.model) if args.model else build_model(size, work / "model")
         results = []
         if "rollout" in sections:
             results += bench_rollout(model_dir, size, args)
@@ -379,6 +459,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results += bench_dpo(model_dir, size, args, work)
         if "ppo" in sections:
             results += bench_ppo(model_dir, size, args, work)
+        if "vllm" in sections:
+            results += bench_vllm(model_dir, size, args)
     if ratio := memory_ratio(results):
         results.append(ratio)
     print_table(results)
