@@ -77,6 +77,22 @@ FAMILIES = {
                   "{{- '[INST] ' + message['content'] + '\\n\\n' }}{%- elif message['role'] == 'assistant' %}"
                   "{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
         bos="<s>", eos="</s>", end_of_turn="</s>", specials=()),
+    # DeepSeek-R1-Distill (Qwen/Llama): the system prompt bare after BOS, no end-of-turn after a user turn, a
+    # generation prompt that opens the reasoning (`<think>` and a newline), and an assistant turn rendered without its
+    # reasoning (everything up to `</think>` is cut), so a whole conversation does not start with the prompt.
+    "deepseek-r1": Family(
+        template=("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+                  "{% set ns = namespace(system_prompt='') %}{%- for message in messages %}{%- if message['role'] "
+                  "== 'system' %}{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}"
+                  "{{ bos_token }}{{ ns.system_prompt }}{%- for message in messages %}{%- if message['role'] == "
+                  "'user' %}{{ '<｜User｜>' + message['content'] }}{%- endif %}{%- if message['role'] == "
+                  "'assistant' and message['content'] is not none %}{% set content = message['content'] %}"
+                  "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+                  "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{%- endif %}"
+                  "{%- endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"),
+        bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>",
+        end_of_turn="<｜end▁of▁sentence｜>",
+        specials=("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")),
     "phi3": Family(
         template=("{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\\n' + "
                   "message['content'] + '<|end|>\\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\\n' + "
@@ -98,5 +114,30 @@ def family_tokenizer(name: str):
     extra = [t for t in (*family.specials, family.end_of_turn, family.pad) if t and t not in (family.eos, family.bos)]
     tokenizer.add_special_tokens({**tokens, "additional_special_tokens": extra})
     tokenizer.pad_token = family.pad  # None where the family ships no pad token
+    tokenizer.chat_template = family.template
+    return tokenizer
+
+
+# Text with many newlines followed by indentation: the tokenizer learns to merge a newline with the spaces after it
+# ("\n  " is one token), as the byte-level BPEs of GPT-2, Llama 3, Qwen and SmolLM2 do.
+BPE_CORPUS = ["def f(x):\n    return x + 1\n\n", "What is 2+2?\n  4\n", "Answer:\n  four\n", "a b c d e f g\n"] * 50
+
+
+def bpe_tokenizer(name: str = "qwen2.5"):
+    """A real byte-level BPE tokenizer (trained here with the `tokenizers` library, no download) dressed as
+    family `name`: its special tokens, BOS/EOS/pad and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    family = FAMILIES[name]
+    specials = [t for t in dict.fromkeys((family.bos, family.eos, family.end_of_turn, family.pad, *family.specials)) if t]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(BPE_CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=family.eos, bos_token=family.bos,
+                                        pad_token=family.pad, additional_special_tokens=specials)
     tokenizer.chat_template = family.template
     return tokenizer
