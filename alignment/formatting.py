@@ -25,6 +25,8 @@ import copy
 import os
 from typing import Any
 
+from jinja2 import TemplateError
+
 from .errors import UserError
 
 
@@ -39,10 +41,22 @@ def as_messages(prompt: Any) -> list[dict]:
     return list(prompt)
 
 
+def template_text(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    """The chat template's text for `messages`; a conversation the template refuses (Gemma 2 raises "System
+    role not supported", others on roles that do not alternate) is a UserError with the template's reason."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except TemplateError as error:
+        roles = [m.get("role") for m in messages]
+        raise UserError(f"The tokenizer's chat template refused a conversation with roles {roles}: {error}. Give "
+                        "prompts this template accepts (e.g. no system message, or a recipe-level `template: "
+                        "{system_prompt: ...}` only for templates with a system role).") from None
+
+
 def render_prompt(tokenizer, prompt: Any) -> str:
     """Prompt text, ending exactly where the model's answer starts."""
     if has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=True, tokenize=False)
+        return template_text(tokenizer, as_messages(prompt), add_generation_prompt=True)
     if not isinstance(prompt, str):
         raise UserError(
             "The data holds chat messages but the tokenizer has no chat template, so they cannot be rendered. "
@@ -73,9 +87,7 @@ def render_completion(tokenizer, prompt: Any, completion: str) -> str:
     if not has_chat_template(tokenizer):
         return completion + tokenizer.eos_token
     prompt_text = render_prompt(tokenizer, prompt)
-    full = tokenizer.apply_chat_template(
-        as_messages(prompt) + [{"role": "assistant", "content": completion}], tokenize=False
-    )
+    full = template_text(tokenizer, as_messages(prompt) + [{"role": "assistant", "content": completion}])
     if full.startswith(prompt_text):
         # Templates that trim the content (Llama 3's `| trim`, Gemma's) render " 4\n" as "4": the answer is
         # taken as the template renders it, up to the token that closes the turn.
@@ -94,7 +106,7 @@ def answer_after_generation_prompt(tokenizer, prompt: Any, prompt_text: str, ful
     its reasoning. The model answers after the generation prompt, so the completion is the answer as written
     (without the part of the generation prompt it may repeat) and the token that closes the turn. Only the
     generation prompt may differ: a conversation rendered otherwise differently is an error."""
-    before = tokenizer.apply_chat_template(as_messages(prompt), add_generation_prompt=False, tokenize=False)
+    before = template_text(tokenizer, as_messages(prompt))
     shared = len(os.path.commonprefix([prompt_text, full]))
     if not (prompt_text.startswith(before) and shared >= len(before)):
         raise UserError(
@@ -156,7 +168,10 @@ def completion_text(completion: Any, row: int | None = None) -> str:
 def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
     """{'prompt': text, 'completion': text} for SFT, in the shared convention."""
     prompt, completion = prompt_and_completion(row, index)
-    return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
+    try:
+        return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
+    except UserError as error:
+        raise UserError(f"row {index}: {error}" if index is not None else str(error)) from None
 
 
 def eos_as_end_of_turn(tokenizer):

@@ -23,6 +23,7 @@ class Family:
     system_marker: str = ""  # what opens a system turn; a default system prompt renders it too
     checkpoint_eos: tuple[str, ...] = ()  # extra EOS tokens the checkpoint's generation_config lists
     template_kwargs: dict = field(default_factory=dict)
+    system_role: bool = True  # False: the template refuses system messages (Gemma 2)
 
 
 CHATML = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
@@ -71,6 +72,17 @@ FAMILIES = {
                   "{{ '<start_of_turn>model\\n' }}{% endif %}"),
         bos="<bos>", eos="<eos>", end_of_turn="<end_of_turn>", specials=("<start_of_turn>",), pad="<pad>",
         checkpoint_eos=("<end_of_turn>",)),
+    # Gemma 2: Gemma 3's turns, but a system message is refused (raise_exception) rather than folded in.
+    "gemma2": Family(
+        template=("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                  "supported') }}{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != "
+                  "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+                  "user/assistant/user/assistant/...') }}{% endif %}{% if (message['role'] == 'assistant') %}"
+                  "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' "
+                  "+ role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}{% if "
+                  "add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"),
+        bos="<bos>", eos="<eos>", end_of_turn="<end_of_turn>", specials=("<start_of_turn>",), pad="<pad>",
+        checkpoint_eos=("<end_of_turn>",), system_role=False),
     "mistral-v0.3": Family(
         template=("{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
                   "{{- '[INST] ' + message['content'] + '[/INST]' }}{%- elif message['role'] == 'system' %}"
@@ -101,6 +113,16 @@ FAMILIES = {
                   "{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"),
         bos=None, eos="<|endoftext|>", end_of_turn="<|end|>", specials=("<|system|>", "<|user|>", "<|assistant|>"),
         system_marker="<|system|>", checkpoint_eos=("<|end|>",)),
+    # Phi-4 (14B): ChatML turns with <|im_sep|> after the role and nothing between turns, unlike Phi-3's; its
+    # BOS <|endoftext|> is not in the template, and it ships a pad token of its own.
+    "phi4": Family(
+        template=("{% for message in messages %}{% if (message['role'] == 'system') %}{{'<|im_start|>system"
+                  "<|im_sep|>' + message['content'] + '<|im_end|>'}}{% elif (message['role'] == 'user') %}"
+                  "{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}{% elif (message['role'] == "
+                  "'assistant') %}{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}{% endif %}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"),
+        bos="<|endoftext|>", eos="<|im_end|>", end_of_turn="<|im_end|>", specials=("<|im_start|>", "<|im_sep|>"),
+        pad="<|dummy_85|>", system_marker="<|im_start|>system"),
 }
 
 

@@ -26,6 +26,11 @@ NAMES = sorted(FAMILIES)
 SYSTEM = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+2?"}]
 
 
+def conversation(spec) -> list[dict]:
+    """SYSTEM, or its user turn alone for a template that refuses system messages (Gemma 2)."""
+    return SYSTEM if spec.system_role else SYSTEM[1:]
+
+
 @pytest.fixture(scope="module", params=NAMES)
 def family(request):
     return FAMILIES[request.param], family_tokenizer(request.param)
@@ -46,6 +51,12 @@ def test_exactly_one_end_of_turn_closes_a_completion_whatever_its_whitespace(fam
 
 def test_one_system_prompt_a_given_one_replaces_the_default(family):
     spec, tokenizer = family
+    if not spec.system_role:  # refused with the template's own reason, not a traceback
+        with pytest.raises(UserError, match=r"refused a conversation with roles \['system', 'user'\]: System role"):
+            render_prompt(tokenizer, SYSTEM)
+        with pytest.raises(UserError, match=r"^row 3: .*System role not supported"):
+            render_pair(tokenizer, {"prompt": SYSTEM, "completion": "4"}, 3)
+        return
     given = render_prompt(tokenizer, SYSTEM)
     assert given.count("Answer with a number.") == 1
     if spec.system_marker:
@@ -55,7 +66,7 @@ def test_one_system_prompt_a_given_one_replaces_the_default(family):
 
 def test_no_double_bos_in_the_rendered_prompt_nor_in_trls_tokenization(family):
     spec, tokenizer = family
-    prompt = render_prompt(tokenizer, SYSTEM)
+    prompt = render_prompt(tokenizer, conversation(spec))
     if spec.bos:
         assert not prompt.startswith(spec.bos * 2)
         assert encode(tokenizer, prompt)[:2].count(tokenizer.convert_tokens_to_ids(spec.bos)) <= 1
@@ -103,9 +114,9 @@ def training_sequences(tokenizer, prompt, completion: str) -> dict[str, tuple[li
 @pytest.mark.parametrize("completion", ["4", " 4", "  4", "\n4\n"])
 def test_training_sequences_are_the_sampled_prompt_then_the_completion_then_one_end_of_turn(family, completion):
     spec, tokenizer = family
-    fed = sampled_prompt_ids(tokenizer, SYSTEM)
+    fed = sampled_prompt_ids(tokenizer, conversation(spec))
     end = tokenizer.convert_tokens_to_ids(spec.end_of_turn)
-    for stage, (prompt_ids, completion_ids) in training_sequences(tokenizer, SYSTEM, completion).items():
+    for stage, (prompt_ids, completion_ids) in training_sequences(tokenizer, conversation(spec), completion).items():
         assert prompt_ids == fed, stage
         assert completion_ids[-1] == end and completion_ids.count(end) == 1, stage
         assert completion.strip() in tokenizer.decode(completion_ids), stage
@@ -186,8 +197,8 @@ def test_a_missing_pad_is_a_spare_token_that_never_ends_or_opens_a_turn(family):
     spec, tokenizer = family
     pad = spare_pad_token(tokenizer)
     assert pad is not None and pad not in (spec.eos, spec.end_of_turn, spec.bos)
-    conversation = render_prompt(tokenizer, SYSTEM) + render_completion(tokenizer, SYSTEM, "4")
-    assert pad not in conversation
+    prompt = conversation(spec)
+    assert pad not in render_prompt(tokenizer, prompt) + render_completion(tokenizer, prompt, "4")
 
 
 def test_template_system_prompt_replaces_the_default_and_a_given_one_wins():
