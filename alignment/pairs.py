@@ -214,7 +214,7 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     def sample_pairs():
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         dataset = ctx.load_data(ctx.config.data, "data")
-        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+        check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
         model = make_model().to(PartialState().device)
         torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
         return on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
@@ -237,7 +237,7 @@ def check_stage_data(ctx) -> None:
     dataset = ctx.load_data(ctx.config.data, "data")
     if spec is not None:
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
-        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+        check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
     else:
         normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     if ctx.config.eval_data is not None:

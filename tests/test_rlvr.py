@@ -151,6 +151,37 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
 
 
+@pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
+def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
+    from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluate import load_suites
+    from alignment.recipe import load_recipe
+    from alignment.runner import check_recipe
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}], "answer": str(a + 1)} for a in range(30)]
+    broken = {17: {"messages": rows[17]["messages"]},  # no answer: the verifier's column reads None in this row
+              23: {"messages": [{"role": "user"}], "answer": "24"}}  # a message without content
+    path = tmp_path / "prompts.jsonl"
+    data = {"dataset": str(path), "limit": 25}  # shuffled (the default), then limited: rows 17 and 23 stay in
+    if stage == "evaluation":
+        def checked():
+            load_suites([SuiteSpec(name="s", data=data, verifier="arithmetic")], 1, None)
+    else:
+        recipe = recipe_dict(tmp_path, {"data": data})
+        if stage == "ppo":
+            recipe["stages"] = {"ppo": {"data": data, "verifiers": ["arithmetic"], "rollout": {"max_new_tokens": 4}}}
+        loaded = load_recipe(write_recipe(tmp_path, recipe))
+
+        def checked():
+            check_recipe(loaded)
+    for row, message in ((17, r"column 'answer', which verifier 'arithmetic' needs, is empty"),
+                         (23, r"a chat message is not \{'role': str, 'content': str\}")):
+        written = [broken[row] if i == row else r for i, r in enumerate(rows)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in written))
+        with pytest.raises(UserError, match=rf"row {row}: {message}"):
+            checked()
+
+
 def test_end_of_turn_token_stops_generation(tiny_model):
     from alignment.models import load_policy, load_tokenizer
     from alignment.stages.rlvr import stop_at_end_of_turn
