@@ -113,9 +113,11 @@ def _sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> li
 
     greedy = settings.temperature == 0
     seeds = torch.randint(0, 2**31 - 1, (count,)).tolist()
+    # Every field that shapes the distribution is given (a min_p, penalties, a minimum length stay off).
     return [SamplingParams(n=settings.n, max_tokens=settings.max_new_tokens, temperature=settings.temperature,
                            top_p=1.0 if greedy else settings.top_p, top_k=0 if greedy else settings.top_k,
-                           seed=seed, stop_token_ids=stops, logprobs=0, repetition_penalty=1.0,
+                           seed=seed, stop_token_ids=stops, logprobs=0, repetition_penalty=1.0, min_p=0.0,
+                           min_tokens=0, presence_penalty=0.0, frequency_penalty=0.0,
                            skip_special_tokens=True) for seed in seeds]
 
 
@@ -147,7 +149,8 @@ def _engine_for(model, tokenizer, spec: VllmSpec, where: str | None) -> _Engine:
                       gpu_memory_utilization=spec.gpu_memory_utilization, max_model_len=spec.max_model_len,
                       # the worker in this process, one engine per training process (TRL's colocate mode)
                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep)
+                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep,
+                      generation_config="vllm")  # not "auto": no checkpoint's sampling defaults or EOS ids
     except Exception as error:
         folder.cleanup()
         raise UserError(

@@ -30,11 +30,15 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
 
 
@@ -150,7 +154,8 @@ class LLM:
                 do_sample=sample, temperature=params.temperature if sample else None,
                 top_p=params.top_p if sample else None, top_k=(params.top_k or None) if sample else None,
                 eos_token_id=stops, pad_token_id=stops[0], output_logits=True, return_dict_in_generate=True,
-                repetition_penalty=params.repetition_penalty)
+                repetition_penalty=params.repetition_penalty, min_p=params.min_p or None,
+                min_new_tokens=params.min_tokens or None)
         new = out.sequences[:, len(prompt_ids):].tolist()
         raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [n, steps, vocab], before temperature
         request = RequestOutput(prompt_token_ids=list(prompt_ids))
