@@ -38,7 +38,7 @@ import torch
 
 from .config.evaluate import EvaluateSpec, PassAtKSpec, SuiteSpec, model_of, named_stage
 from .config.sampling import SamplingSpec
-from .data import check_columns, load_rows
+from .data import load_rows
 from .dist import distributed_state, get_logger
 from .errors import UserError
 from .formatting import render_prompt
@@ -51,7 +51,7 @@ from .metrics import (
     win_rate,
 )
 from .models import check_model_source, load_policy, load_reward_model, load_tokenizer
-from .prompts import PROMPT_COLUMNS, check_prompt_rows, prompt_of
+from .prompts import check_prompt_rows, prompt_of
 from .report import markdown_table, plot_metrics, plot_training_curves, report_markdown
 from .rl import prompt_completion_batch, sequence_logprobs
 from .sampling import generate
@@ -143,7 +143,7 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
         verifier = (resolve(spec.verifier, search_dirs=[base_dir] if base_dir else None, options=spec.verifier_options)
                     if spec.verifier else None)
         dataset = load_rows(spec.data, seed, base_dir, where=where)
-        check_prompt_rows(dataset, verifier, where, spec.data) if verifier else check_columns(dataset, PROMPT_COLUMNS, where)
+        check_prompt_rows(dataset, [verifier] if verifier else [], where, spec.data)
         rows = [dict(r) for r in dataset]
         loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier))
     return loaded

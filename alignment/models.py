@@ -219,7 +219,10 @@ def spare_pad_token(tokenizer) -> str | None:
     as a cut-off one. Names with "pad" first, then unk, then any other unused special token."""
     used = {tokenizer.eos_token, tokenizer.bos_token, end_of_turn(tokenizer)}
     if has_chat_template(tokenizer):
-        probe = render_prompt(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        try:
+            probe = render_prompt(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        except UserError:  # a template without a system role (Gemma 2)
+            probe = render_prompt(tokenizer, "u")
         used |= {t for t in marker_tokens(tokenizer) if t in probe + render_completion(tokenizer, "u", "a")}
     def preference(token: str) -> tuple[int, str]:
         return (0 if "pad" in token.lower() else 1 if token == tokenizer.unk_token else 2), token

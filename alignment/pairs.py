@@ -31,7 +31,7 @@ from .config.sampling import OnPolicySpec
 from .data import check_columns, file_rows
 from .dist import get_logger
 from .errors import UserError
-from .formatting import encode, render_completion, render_prompt
+from .formatting import encode_prompt_completion, render_completion, render_prompt
 from .prompts import check_prompt_rows, prompt_of
 from .sampling import generate
 from .verifiers import is_pass, resolve
@@ -214,7 +214,7 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     def sample_pairs():
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         dataset = ctx.load_data(ctx.config.data, "data")
-        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+        check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
         model = make_model().to(PartialState().device)
         torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
         return on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
@@ -237,7 +237,7 @@ def check_stage_data(ctx) -> None:
     dataset = ctx.load_data(ctx.config.data, "data")
     if spec is not None:
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
-        check_prompt_rows(dataset, verifier, f"{ctx.where}.data", ctx.config.data)
+        check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
     else:
         normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     if ctx.config.eval_data is not None:
@@ -245,6 +245,18 @@ def check_stage_data(ctx) -> None:
 
 
 def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
-    """{'chosen_ids', 'rejected_ids'}: prompt+answer token ids, the form `trl.RewardTrainer` trains on as is."""
-    return [{"chosen_ids": encode(tokenizer, r["prompt"] + r["chosen"]),
-             "rejected_ids": encode(tokenizer, r["prompt"] + r["rejected"])} for r in rendered]
+    """{'prompt_ids', 'chosen_ids', 'rejected_ids'}: the prompt's ids exactly as the samplers feed them, then
+    each answer's (`formatting.encode_prompt_completion`), the form `trl.DPOTrainer`'s collator takes."""
+    rows = []
+    for r in rendered:
+        prompt, chosen = encode_prompt_completion(tokenizer, r["prompt"], r["chosen"])
+        _, rejected = encode_prompt_completion(tokenizer, r["prompt"], r["rejected"])
+        rows.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
+    return rows
+
+
+def reward_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
+    """{'chosen_ids', 'rejected_ids'}: prompt+answer token ids (as `pair_token_ids`), the form
+    `trl.RewardTrainer` trains on as is and `scoring.score_texts` scores."""
+    return [{"chosen_ids": r["prompt_ids"] + r["chosen_ids"], "rejected_ids": r["prompt_ids"] + r["rejected_ids"]}
+            for r in pair_token_ids(tokenizer, rendered)]

@@ -1,23 +1,28 @@
 """Reward-model scoring: the scalar reward of (prompt, completion) pairs, read by the score head at the
 last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
-by `formatting.encode`, exactly as the reward stage trains on it). Used by ppo, rsft and evaluation."""
+by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it). Used by ppo, rsft and
+evaluation."""
 
 from __future__ import annotations
 
 import torch
 
-from .formatting import encode, render_completion, render_prompt
+from .formatting import encode, encode_prompt_completion, render_completion, render_prompt
 
 
 def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
-    """Scalar reward of already rendered texts (right-padded batches; the head reads the last real token)."""
+    """Scalar reward of already rendered texts, each tokenized whole."""
+    return score_ids(reward_model, tokenizer, [encode(tokenizer, t) for t in texts], batch_size)
+
+
+def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int = 16) -> list[float]:
+    """Scalar reward of token sequences (right-padded batches; the head reads the last real token)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if getattr(reward_model.config, "pad_token_id", None) is None:
         reward_model.config.pad_token_id = pad
     device = next(reward_model.parameters()).device
-    encoded = [encode(tokenizer, t) for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: -len(encoded[i]))
-    scores = [0.0] * len(texts)
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    scores = [0.0] * len(encoded)
     was_training = reward_model.training
     reward_model.eval()
     with torch.no_grad():
@@ -46,6 +51,9 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
     finished = [True] * len(completions) if finished is None else finished
     if not len(prompts) == len(completions) == len(finished):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(finished)} finished flags")
-    texts = [render_prompt(tokenizer, p) + (render_completion(tokenizer, p, c) if done else c)
-             for p, c, done in zip(prompts, completions, finished)]
-    return score_rendered(reward_model, tokenizer, texts, batch_size)
+    encoded = []
+    for p, c, done in zip(prompts, completions, finished):
+        prompt_ids, completion_ids = encode_prompt_completion(
+            tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
+        encoded.append(prompt_ids + completion_ids)
+    return score_ids(reward_model, tokenizer, encoded, batch_size)

@@ -21,8 +21,10 @@ What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by i
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from accelerate.utils import gather_object
 
 from .config.verifier import VerifierSpec
 from .dist import get_logger
@@ -76,6 +78,7 @@ class VerifierReward:
         self.__name__ = label or verifier.name
         self.counts: Counter = Counter()
         self._warned = False
+        self.signal: GroupSignal | None = None  # set by GroupSignal: it sees every reward this function gives
 
     def __call__(self, prompts=None, completions=None, **kwargs) -> list[float]:
         columns = {k: v for k, v in kwargs.items() if k not in TRL_EXTRAS}
@@ -86,7 +89,10 @@ class VerifierReward:
         if callable(log_metric):
             log_metric(f"unparseable/{self.__name__}", sum(r.status == "unparseable" for r in results) / n)
             log_metric(f"errors/{self.__name__}", sum(r.status == "error" for r in results) / n)
-        return [float(r.reward) for r in results]
+        rewards = [float(r.reward) for r in results]
+        if self.signal is not None:
+            self.signal.record(self, rewards, kwargs.get("completion_ids"), log_metric)
+        return rewards
 
     def score(self, completions: list, examples: list[dict]) -> list:
         """VerifyResults for completions[i] against examples[i]; counted in `counts`; never raises for a row."""
@@ -159,3 +165,77 @@ def combined_scores(rewards: list[VerifierReward], completions: list[str], examp
          "passed": all(is_pass(results[i]) for results in per_reward)}
         for i in range(len(completions))
     ]
+
+
+# Above this share of prompt groups without reward variance, most of the run had no verifier signal.
+ZERO_VARIANCE_WARNING = 0.5
+
+
+class GroupSignal:
+    """What the verifiers' rewards teach GRPO/RLOO, counted from those rewards themselves, per generation batch:
+    prompt groups whose completions all got the same total reward (weighted sum over `rewards`), and
+    completions cut at max_completion_length (the last sampled id is no stop token: TRL's own test).
+
+    Such a group's advantages are all 0 (GRPO: r - mean over std; RLOO: r minus the leave-one-out mean), so
+    it adds nothing but the KL term to the gradient. TRL's `frac_reward_zero_std` cannot tell: RLOO computes it
+    after subtracting the KL penalty (with `beta > 0` it reads near 0 when the verifiers gave equal rewards),
+    GRPO under `scale_rewards: batch` from the batch's spread. TRL calls the reward functions in order on every
+    process with that process's slice of the batch, whose groups (`num_generations` consecutive completions of
+    one prompt) may span processes: the last function's call gathers the slices, in process order as TRL does.
+    Counted for training batches (`training()` true, the trainer's model in train mode); every batch logs its
+    shares (`signal/...`, eval's with TRL's `eval_` prefix)."""
+
+    def __init__(self, rewards: list, stop_ids: Iterable[int], num_generations: int,
+                 num_generations_eval: int | None = None, training: Callable[[], bool] = lambda: True):
+        self.rewards, self.stop_ids = rewards, set(stop_ids)
+        self.sizes = (num_generations, num_generations_eval or num_generations)
+        self.training = training
+        self.pending: dict[str, list[float]] = {}
+        self.counts: Counter = Counter()
+        for reward in rewards:
+            reward.signal = self
+
+    def record(self, reward, values: list[float], completion_ids, log_metric=None) -> None:
+        self.pending[reward.__name__] = values
+        if len(self.pending) < len(self.rewards):
+            return
+        totals = [sum(r.weight * self.pending[r.__name__][i] for r in self.rewards) for i in range(len(values))]
+        self.pending = {}
+        cut = [bool(ids) and ids[-1] not in self.stop_ids for ids in completion_ids or [[]] * len(totals)]
+        batch = gather_object(list(zip(totals, cut)))
+        size = self.sizes[0] if self.training() else self.sizes[1]
+        groups = [[total for total, _ in batch[i:i + size]] for i in range(0, len(batch), size)]
+        flat = sum(max(g) - min(g) <= 1e-9 for g in groups)
+        truncated = sum(c for _, c in batch)
+        if self.training():
+            self.counts.update(groups=len(groups), zero_variance=flat, completions=len(batch), truncated=truncated)
+        if callable(log_metric):
+            log_metric("signal/zero_variance_groups", flat / max(len(groups), 1))
+            log_metric("signal/completions_truncated", truncated / max(len(batch), 1))
+
+    def metrics(self) -> dict[str, float]:
+        """For stage.json: the run's share of groups without reward variance, and the cut completions."""
+        if not self.counts["groups"]:
+            return {}
+        return {"zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
+                "completions_truncated": self.counts["truncated"], "completions_sampled": self.counts["completions"]}
+
+    def report(self, where: str, max_completion_length: int | None, loud_share: float) -> None:
+        """Say what the counts mean: a warning when most groups taught nothing or many answers were cut."""
+        found = self.metrics()
+        if not found:
+            return
+        if found["zero_variance_groups"] > ZERO_VARIANCE_WARNING:
+            log.warning(
+                f"[{where}] {found['zero_variance_groups']:.0%} of prompt groups got the same reward for every one of "
+                "their completions (zero_variance_groups in stage.json): those groups give GRPO/RLOO no gradient, so "
+                "the policy barely moved. Give prompts the policy solves some of the time (harder ones if it solves "
+                "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
+                "train.num_generations.")
+        cut, total = found["completions_truncated"], found["completions_sampled"]
+        if cut:
+            say = log.warning if cut > loud_share * total else log.info
+            say(f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at max_completion_length="
+                f"{max_completion_length} tokens before their end-of-turn token (completions_truncated in "
+                "stage.json); they were scored and trained as cut off. Raise train.max_completion_length, or set "
+                "train.mask_truncated_completions: true to leave them out of the loss.")

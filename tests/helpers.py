@@ -93,7 +93,9 @@ SKEWED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_k": 2, "top_p":
                      "min_length": 30, "max_new_tokens": 2, "max_length": 40, "num_beams": 2,
                      "length_penalty": 2.0, "bad_words_ids": [[5], [6]], "suppress_tokens": [7, 8],
                      "begin_suppress_tokens": [9], "exponential_decay_length_penalty": [2, 1.5],
-                     "renormalize_logits": True, "top_h": 0.5}
+                     "renormalize_logits": True, "top_h": 0.5, "num_return_sequences": 2,
+                     "sequence_bias": [[[5], 4.0]], "forced_bos_token_id": 10, "forced_eos_token_id": 11,
+                     "max_time": 0.001}
 
 
 def with_skewed_generation_config(model_dir: Path, folder: Path, extra_eos: int | None = None) -> Path:

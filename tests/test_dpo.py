@@ -222,4 +222,4 @@ def test_pairs_longer_than_max_length_are_counted_and_said(tmp_path, tiny_model,
     with caplog.at_level(logging.INFO, logger="alignment"):
         _, _, counts = dpo.build_trainer(ctx)
     assert counts["pairs_truncated"] == 4
-    assert any(r.levelno == logging.WARNING and "4 of 16 rows (25%)" in r.getMessage() for r in caplog.records)
+    assert any(r.levelno == logging.WARNING and "4 of 16 pairs (25%)" in r.getMessage() for r in caplog.records)

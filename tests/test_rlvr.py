@@ -151,6 +151,37 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
 
 
+@pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
+def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
+    from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluate import load_suites
+    from alignment.recipe import load_recipe
+    from alignment.runner import check_recipe
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}], "answer": str(a + 1)} for a in range(30)]
+    broken = {17: {"messages": rows[17]["messages"]},  # no answer: the verifier's column reads None in this row
+              23: {"messages": [{"role": "user"}], "answer": "24"}}  # a message without content
+    path = tmp_path / "prompts.jsonl"
+    data = {"dataset": str(path), "limit": 25}  # shuffled (the default), then limited: rows 17 and 23 stay in
+    if stage == "evaluation":
+        def checked():
+            load_suites([SuiteSpec(name="s", data=data, verifier="arithmetic")], 1, None)
+    else:
+        recipe = recipe_dict(tmp_path, {"data": data})
+        if stage == "ppo":
+            recipe["stages"] = {"ppo": {"data": data, "verifiers": ["arithmetic"], "rollout": {"max_new_tokens": 4}}}
+        loaded = load_recipe(write_recipe(tmp_path, recipe))
+
+        def checked():
+            check_recipe(loaded)
+    for row, message in ((17, r"column 'answer', which verifier 'arithmetic' needs, is empty"),
+                         (23, r"a chat message is not \{'role': str, 'content': str\}")):
+        written = [broken[row] if i == row else r for i, r in enumerate(rows)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in written))
+        with pytest.raises(UserError, match=rf"row {row}: {message}"):
+            checked()
+
+
 def test_end_of_turn_token_stops_generation(tiny_model):
     from alignment.models import load_policy, load_tokenizer
     from alignment.stages.rlvr import stop_at_end_of_turn
@@ -255,33 +286,122 @@ def test_shipped_rlvr_recipes_validate(name):
 # Training runs
 
 
-def test_zero_variance_share_is_the_run_mean_and_warns_only_above_half(logged):
-    from types import SimpleNamespace
+def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_verifier_rewards(logged):
+    """Two verifiers, weights 1 and 0.5, groups of 2: a group is flat when its weighted totals are equal,
+    whichever verifier differs; eval batches are logged, not counted; cut = the last id is no stop id."""
+    from alignment.verifier_rewards import GroupSignal, VerifierReward
+    from alignment.verifiers import resolve
 
-    from alignment.stages.rlvr import report_zero_variance
+    first = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "first")
+    second = VerifierReward(resolve(lambda completion, b: float(b)), 0.5, "second")
+    training = [True]
+    signal = GroupSignal([first, second], stop_ids=[9], num_generations=2, num_generations_eval=4,
+                         training=lambda: training[0])
+    shares = []
 
-    ctx, metrics = SimpleNamespace(stage_id="rl"), {}
-    report_zero_variance(ctx, metrics, [{"frac_reward_zero_std": 0.25}, {"frac_reward_zero_std": 0.75},
-                                        {"eval_frac_reward_zero_std": 1.0}, {"train_loss": 0.1}])
-    assert metrics == {"zero_variance_groups": 0.5} and "prompt groups" not in logged()
-    report_zero_variance(ctx, metrics, [{"frac_reward_zero_std": 0.6}])
-    assert metrics["zero_variance_groups"] == 0.6 and "[rl] 60% of prompt groups" in logged()
-    report_zero_variance(ctx, empty := {}, [{"train_loss": 0.1}])
-    assert empty == {}
+    def call(a, b, ids):
+        for reward in (first, second):
+            reward(prompts=["p"] * len(a), completions=["x"] * len(a), completion_ids=ids, a=a, b=b,
+                   log_metric=lambda name, value: shares.append((name, value)))
+
+    # totals [1, 1 | 1, 1.5 | 0.5, 0.5]: groups 1 and 3 are flat (group 1 though the verifiers differ)
+    call(a=[1, 0, 1, 1, 0, 0], b=[0, 2, 0, 1, 1, 1], ids=[[1, 9], [2], [3, 9], [4, 9], [5], [6, 9]])
+    shares = [(name, value) for name, value in shares if name.startswith("signal/")]
+    assert shares == [("signal/zero_variance_groups", 2 / 3), ("signal/completions_truncated", 2 / 6)]
+    training[0] = False  # an eval batch (groups of 4): logged, not counted
+    call(a=[1, 1, 1, 1], b=[0, 0, 0, 0], ids=[[9]] * 4)
+    shares = [(name, value) for name, value in shares if name.startswith("signal/")]
+    assert shares[-2:] == [("signal/zero_variance_groups", 1.0), ("signal/completions_truncated", 0.0)]
+    training[0] = True
+    call(a=[1, 0], b=[0, 0], ids=[[9], [9]])
+    assert signal.metrics() == {"zero_variance_groups": 0.5, "completions_truncated": 2, "completions_sampled": 8}
+    signal.report("rl", max_completion_length=4, loud_share=0.05)
+    said = logged()
+    assert "prompt groups" not in said  # half, not most
+    assert "[rl] 2 of 8 completions (25%) were cut at max_completion_length=4" in said
 
 
-def test_equal_rewards_in_every_group_are_reported_and_warned_about(tmp_path, logged):
-    """A verifier that scores every completion 1.0: no group has reward variance, so no gradient."""
+def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):
+    import logging
+
+    from alignment.verifier_rewards import GroupSignal, VerifierReward
+    from alignment.verifiers import resolve
+
+    reward = VerifierReward(resolve(lambda completion: 1.0), 1.0, "one")
+    signal = GroupSignal([reward], stop_ids=[9], num_generations=2)
+    reward(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=[[9]] * 4)
+    signal.report("rl", max_completion_length=4, loud_share=0.05)
+    assert signal.metrics()["zero_variance_groups"] == 1.0
+    assert [r.levelno for r in caplog.records if "prompt groups" in r.getMessage()] == [logging.WARNING]
+    assert "[rl] 100% of prompt groups got the same reward" in logged()
+
+
+# Flat within the group of a prompt with an even answer (its reward is the answer's length), varied otherwise;
+# every reward is written down in call order, from which the test computes the true share of flat groups.
+MIXED = """import pathlib
+
+LOG = pathlib.Path(__file__).with_name("rewards.log")
+
+
+def mixed(completion, answer):
+    reward = float(len(answer)) if int(answer) % 2 == 0 else float(len(completion.strip()) % 3)
+    with LOG.open("a") as log:
+        log.write(f"{reward}\\n")
+    return reward
+"""
+
+
+@pytest.mark.parametrize("algorithm, train", [
+    ("grpo", {"scale_rewards": "batch"}),  # TRL tests the batch's spread, not each group's
+    ("rloo", {"beta": 0.04}),  # TRL tests the rewards after the KL penalty, which differs per completion
+], ids=["grpo-batch-scaled", "rloo-with-kl"])
+def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_them(tmp_path, logged, algorithm, train):
+    (tmp_path / "signal_verifiers.py").write_text(MIXED)
+    steps = {**FAST_TRAIN, "max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 16,
+             "max_completion_length": 4, "learning_rate": 1.0e-2, **train}
+    _, result, history = run(tmp_path, {"algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "data": {
+        "task": "arithmetic", "split": "train", "n": 32}, "train": steps}, model=SMALLEST_MODEL)
+    rewards = [float(line) for line in (tmp_path / "rewards.log").read_text().split()]
+    groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]
+    truth = sum(len(set(g)) == 1 for g in groups) / len(groups)
+    trl = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
+    print(f"{algorithm}: true share of flat groups {truth:.3f}, TRL frac_reward_zero_std per step {trl}")
+    assert len(rewards) == 3 * 16 and 0 < truth < 1
+    assert abs(sum(trl) / len(trl) - truth) > 0.1  # what TRL's number would have reported
+    metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]
+    assert metrics["zero_variance_groups"] == pytest.approx(truth) == result["metrics"]["zero_variance_groups"]
+    assert [h["signal/zero_variance_groups"] for h in history if "signal/zero_variance_groups" in h] == \
+        pytest.approx([sum(len(set(g)) == 1 for g in groups[k:k + 4]) / 4 for k in (0, 4, 8)])
+    assert metrics["completions_sampled"] == 3 * 16
+    assert 0 < metrics["completions_truncated"] <= 48 and metrics["prompts_over_context"] == 0
+    assert "were cut at max_completion_length=4 tokens" in logged()
+
+
+def test_a_run_whose_groups_all_got_equal_rewards_is_warned_about(tmp_path, logged):
     (tmp_path / "constant_reward.py").write_text("def always_one(completion):\n    return 1.0\n")
     train = {**FAST_TRAIN, "num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4}
-    _, result, history = run(tmp_path, {"verifiers": ["constant_reward:always_one"], "data": {
+    _, result, _ = run(tmp_path, {"verifiers": ["constant_reward:always_one"], "data": {
         "task": "arithmetic", "split": "train", "n": 8}, "train": train}, model=SMALLEST_MODEL)
     assert result["metrics"]["zero_variance_groups"] == 1.0
-    assert all(h["frac_reward_zero_std"] == 1.0 for h in history if "frac_reward_zero_std" in h)
-    stage_json = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())
-    assert stage_json["metrics"]["zero_variance_groups"] == 1.0
     text = logged()
     assert "[rlvr] 100% of prompt groups got the same reward" in text and "train.num_generations" in text
+
+
+def test_prompts_that_do_not_fit_the_context_with_the_completions_are_counted(logged):
+    from types import SimpleNamespace
+
+    from alignment.stages.rlvr import prompts_over_context
+
+    def tokenizer(text):  # one id per character
+        return {"input_ids": list(text)}
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=20))
+    args = SimpleNamespace(max_completion_length=8, use_vllm=False)
+    rows = [{"prompt": "x" * n} for n in (5, 12, 13, 30)]
+    assert prompts_over_context(rows, tokenizer, model, args, "stages.rl") == 2
+    assert "[stages.rl] 2 of 4 prompts (50%) are longer than 12 tokens" in logged()
+    vllm = SimpleNamespace(max_completion_length=8, use_vllm=True, vllm_max_model_length=40)
+    assert prompts_over_context(rows, tokenizer, model, vllm, "stages.rl") == 0  # vLLM's own context applies
 
 
 @pytest.mark.slow

@@ -189,3 +189,25 @@ RSFT_ARITHMETIC = {"data": {"task": "arithmetic", "split": "train", "n": 2000}, 
                    "train": {"learning_rate": 5.0e-4, "num_train_epochs": 2, "per_device_train_batch_size": 16,
                              "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 10, "logging_steps": 50}}
 MIN_GAIN = 0.10
+
+
+def test_selected_rows_longer_than_max_length_are_counted_and_said(tmp_path, logged):
+    """The selected samples are trained by SFT, which cuts rows at max_length: each round counts them
+    (rows_truncated, per round and in all, in stage.json) and says so, as the sft stage does."""
+    from alignment.formatting import render_pair
+    from alignment.models import load_tokenizer
+    from alignment.stages.sft import token_rows
+
+    (tmp_path / "accept.py").write_text("def everything(completion):\n    return 1.0\n")
+    stage = {"verifiers": ["accept:everything"], "sampling": {"n": 4, "max_new_tokens": 40, "temperature": 1.0},
+             "train": {**FAST["train"], "max_length": 32}}
+    recipe, result = run(tmp_path, stage)
+    out = recipe.stage_dir("rsft")
+    tokenizer = load_tokenizer(str(out))
+    selected = [json.loads(line) for line in (out / "selected_round1.jsonl").read_text().splitlines()]
+    longer = sum(len(r["input_ids"]) > 32 for r in token_rows(tokenizer, [render_pair(tokenizer, s) for s in selected]))
+    assert longer > 0
+    stage_json = json.loads((out / "stage.json").read_text())
+    assert result["metrics"]["round1/rows_truncated"] == stage_json["metrics"]["rows_truncated"] == longer
+    said = logged()
+    assert f"round 1] {longer} of {len(selected)} rows" in said and "longer than max_length=32" in said

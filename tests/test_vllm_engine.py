@@ -111,6 +111,37 @@ def test_sampling_is_seeded_per_prompt_from_torch(tiny_model, prompts, fake_vllm
     assert all(len(s.token_ids) <= 8 for s in first)
 
 
+def test_a_checkpoints_generation_config_does_not_change_what_vllm_samples(tiny_model, prompts, tmp_path, fake_vllm,
+                                                                         monkeypatch):
+    """The checkpoint whose generation_config.json sets every sampling field samples through vLLM exactly as the
+    clean one: the engine is told to ignore generation configs (`generation_config="vllm"`, not vLLM's "auto")
+    and every request sets each field that shapes the distribution to its neutral value."""
+    from helpers import with_skewed_generation_config
+
+    from alignment.models import load_policy
+
+    sent = []
+    generate_with = fake_vllm.LLM.generate
+
+    def recording(self, requests, sampling_params=None, **kwargs):
+        sent.extend(sampling_params)
+        return generate_with(self, requests, sampling_params, **kwargs)
+
+    monkeypatch.setattr(fake_vllm.LLM, "generate", recording)
+    tokenizer = load_tokenizer(str(tiny_model))
+    spec = SamplingSpec(temperature=1.0, top_p=0.9, max_new_tokens=8, n=3, backend="vllm")
+    runs = []
+    for model in (load_policy(str(tiny_model)), load_policy(str(with_skewed_generation_config(tiny_model, tmp_path)))):
+        torch.manual_seed(0)
+        runs.append([s.token_ids for s in generate(model, tokenizer, prompts, spec)])
+    assert runs[0] == runs[1]
+    assert all(engine.kwargs["generation_config"] == "vllm" for engine in fake_vllm.LLM.instances)
+    neutral = {"min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "max_tokens": 8}
+    assert len(sent) == 2 * len(prompts)
+    assert all({k: getattr(params, k) for k in neutral} == neutral for params in sent)
+
+
 def test_log_prob_check_catches_a_sampler_without_the_policy_weights(tiny_model, prompts, fake_vllm):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     fake_vllm.LLM.ignore_weights = True  # the push silently does nothing: the engine keeps random weights

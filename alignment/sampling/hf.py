@@ -27,6 +27,7 @@ from contextlib import nullcontext
 import torch
 
 from ..config.sampling import SamplingSpec
+from ..formatting import encode
 from ..progress import track
 from .samples import Sample, checkpoint_sampling_defaults_off, lora_merged, stop_token_ids, to_sample
 
@@ -38,7 +39,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     jobs = [(i, j) for i in range(len(prompts)) for j in range(settings.n)]
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [encode(tokenizer, p) for p in prompts]  # the prompt ids training puts before each completion
     # Longest first: similar lengths share a batch, and an out-of-memory error shows up at once.
     jobs.sort(key=lambda job: -len(encoded[job[0]]))
     results: dict[tuple[int, int], Sample] = {}

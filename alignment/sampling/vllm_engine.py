@@ -199,6 +199,7 @@ def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
                       # the worker in this process, one engine per training process (TRL's colocate mode)
                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                       logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep,
+                      # not "auto": no checkpoint's sampling defaults or EOS ids
                       generation_config="vllm", skip_tokenizer_init=True)
     except Exception as error:
         folder.cleanup()

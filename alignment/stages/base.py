@@ -56,14 +56,10 @@ class StageContext:
     def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
         columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
-        from ..data import check_columns, check_strings
-        from ..prompts import PROMPT_COLUMNS
-        from ..verifier_rewards import check_verifier_columns
+        from ..prompts import check_prompt_rows
 
-        where = f"{self.where}.{key}"
         dataset = self.load_data(spec, key)
-        check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, spec), where)
-        check_verifier_columns(verifiers, dataset.column_names, where)
+        check_prompt_rows(dataset, verifiers, f"{self.where}.{key}", spec, provided=("prompt",), entry="verifiers")
         return [dict(row) for row in dataset]
 
     def resolve_model(self, value: str) -> str:

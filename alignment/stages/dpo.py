@@ -14,9 +14,9 @@ one epoch or a fixed number of steps keeps TRL's default of computing them with 
 
 Pairs come from `data` in any usual preference format (`alignment/pairs.py`) or, with
 `on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
-They are rendered with the shared convention into plain strings; TRL appends its EOS token to answers
-that do not end with it, so it is given a tokenizer whose EOS is the end-of-turn token our rendered
-answers already end with (no second end token, e.g. Qwen's `<|im_end|>` + `<|endoftext|>`).
+They are rendered with the shared convention and tokenized by us (`pairs.pair_token_ids`: the prompt's
+ids exactly as the samplers feed them, then each answer's, which ends with one end-of-turn token), and
+TRL takes those ids as they are (`pretokenized`), so it appends no EOS of its own either.
 `beta`, `loss_type` and every other `trl.DPOConfig` knob go under `train:`.
 
 When chosen and rejected differ in a token or two (arithmetic answers), plain DPO lowers the chosen
@@ -103,7 +103,7 @@ def build_trainer(ctx: StageContext):
 
     from ..formatting import eos_as_end_of_turn
     from ..models import load_policy, peft_config
-    from ..pairs import normalize_pairs, render_pairs, split_eval, stage_pairs
+    from ..pairs import normalize_pairs, pair_token_ids, render_pairs, split_eval, stage_pairs
     from ..trainer_utils import trainer_callbacks
     from .sft import count_truncated
 
@@ -119,18 +119,46 @@ def build_trainer(ctx: StageContext):
     if not held_out:
         args.eval_strategy = "no"
 
-    train_rows, eval_rows = render_pairs(tokenizer, pairs), render_pairs(tokenizer, held_out)
+    train_rows = within_prompt_limit(pair_token_ids(tokenizer, render_pairs(tokenizer, pairs)), args, f"{ctx.where}.data")
+    eval_rows = within_prompt_limit(pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)), args,
+                                    f"{ctx.where} held-out pairs") if held_out else []
     # TRL cuts pairs longer than max_length (truncation_mode); a cut answer loses its end: count and say it.
-    truncated = count_truncated([{"prompt": r["prompt"], "completion": max(r["chosen"], r["rejected"], key=len)}
-                                 for r in train_rows], tokenizer, args.max_length, f"{ctx.where}.data")
-    trainer = DPOTrainer(
+    lengths = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in train_rows]
+    truncated = count_truncated(lengths, args.max_length, f"{ctx.where}.data", what="pairs")
+    trainer = pretokenized(DPOTrainer)(
         model=policy, ref_model=reference_for(ctx, policy, args), args=args,
         processing_class=eos_as_end_of_turn(tokenizer), train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
-    return trainer, tokenizer, {**stats, "pairs_train": len(pairs), "pairs_eval": len(held_out),
+    return trainer, tokenizer, {**stats, "pairs_train": len(train_rows), "pairs_eval": len(eval_rows),
                                 "pairs_truncated": truncated}
+
+
+def pretokenized(base):
+    """`base` (DPOTrainer) taking rows we tokenized ({'prompt_ids', 'chosen_ids', 'rejected_ids'},
+    `pairs.pair_token_ids`) as they are. TRL 1.16 always tokenizes text rows itself, prompt and prompt+answer
+    joined, and starts the answer where the two diverge: where tokens merge across the boundary, the prompt
+    it trains on loses its last token. Its dataset preparation is skipped for our rows, and its one other
+    step, dropping pairs whose prompt fills max_length, is done by `within_prompt_limit`."""
+
+    class PretokenizedDPOTrainer(base):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if "prompt_ids" in dataset.column_names:
+                return dataset
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    return PretokenizedDPOTrainer
+
+
+def within_prompt_limit(rows: list[dict], args, where: str) -> list[dict]:
+    """The pairs TRL keeps: with `truncation_mode: keep_start` a prompt of max_length tokens or more leaves no
+    answer token; those pairs are dropped and said (`sft.drop_overlong`)."""
+    from .sft import drop_overlong
+
+    if args.truncation_mode != "keep_start":
+        return rows
+    return drop_overlong(rows, args.max_length, where, length=lambda row: len(row["prompt_ids"]))
 
 
 def run(ctx: StageContext) -> dict:

@@ -103,16 +103,16 @@ def build_trainer(ctx: StageContext):
     from trl import RewardTrainer
 
     from ..models import peft_config
-    from ..pairs import pair_token_ids, render_pairs
+    from ..pairs import render_pairs, reward_token_ids
     from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     train, held_out, stats = datasets_for(ctx, tokenizer)
 
-    train_ids, dropped_train = within_max_length(pair_token_ids(tokenizer, render_pairs(tokenizer, train)),
+    train_ids, dropped_train = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, train)),
                                                  args.max_length, f"{ctx.where}.data")
-    eval_ids, dropped_eval = within_max_length(pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
+    eval_ids, dropped_eval = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
                                                args.max_length, f"{ctx.where} held-out pairs")
     if not eval_ids:
         args.eval_strategy = "no"

@@ -6,8 +6,12 @@ the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024
 `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
-A group whose completions all score the same has no advantage to learn from: stage.json's
-`zero_variance_groups` is their share over the run, and above half the stage warns.
+What the verifiers' rewards teach is counted from those rewards (`verifier_rewards.GroupSignal`, not TRL's
+`frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
+the share of prompt groups whose completions all scored the same (no advantage to learn from; above half
+the stage warns), `completions_truncated` the completions cut at `max_completion_length` (out of
+`completions_sampled`), and `prompts_over_context` the prompts that with `max_completion_length` do not fit
+the model's context (TRL 1.16 truncates and drops no prompt); both said, loudly above 5%.
 
 Data: prompts (`prompt` or chat `messages`; a final assistant turn is dropped) plus the columns the
 verifiers read (e.g. `answer`). Prompts are rendered with `formatting.render_prompt` and given to TRL
@@ -44,11 +48,9 @@ from ..config.data import DataSpec
 from ..config.stage import BATCH_KNOB, LORA_KNOB, StageConfig
 from ..config.verifier import VerifierSpec
 from ..errors import UserError
-from .base import StageContext
+from .base import LOUD_SHARE, StageContext
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
-# Above this share of prompt groups without reward variance, most of the run had no verifier signal.
-ZERO_VARIANCE_WARNING = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -195,9 +197,9 @@ def run(ctx: StageContext) -> dict:
     import datasets
 
     from ..models import load_policy, peft_config, save_checkpoint
-    from ..sampling.samples import checkpoint_sampling_defaults_off
+    from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
     from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
-    from ..verifier_rewards import build_rewards
+    from ..verifier_rewards import GroupSignal, build_rewards
 
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
@@ -211,43 +213,40 @@ def run(ctx: StageContext) -> dict:
     eval_rows = None
     if ctx.config.eval_data:
         eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+    over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
+    signal = GroupSignal(rewards, [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
+                         args.num_generations_eval)
     trainer = trainer_class(
         model=model, reward_funcs=rewards, args=args, processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
+    signal.training = lambda: trainer.model.training
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
-    result = final_metrics(trainer, rows=len(train_rows), **totals)
-    report_zero_variance(ctx, result["metrics"], result["log_history"])
-    return result
+    signal.report(ctx.stage_id, args.max_completion_length, LOUD_SHARE)
+    return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
 
 
-def zero_variance_share(history: list[dict]) -> float | None:
-    """Share of prompt groups whose completions all got the same total reward, over the whole run: the mean
-    of TRL's per-logging-step `frac_reward_zero_std` (training entries; eval's are `eval_...`). None when
-    TRL logged none. Such a group's advantages are all 0 (GRPO: r - mean over std; RLOO: r minus the
-    leave-one-out mean), so it adds nothing but the KL term to the gradient. Caveats of TRL's number: under
-    `scale_rewards: batch` GRPO tests the batch's spread, not each group's, and RLOO subtracts the KL
-    penalty before testing, so with `beta > 0` it reads near 0 even when the verifiers gave equal rewards."""
-    values = [entry["frac_reward_zero_std"] for entry in history if "frac_reward_zero_std" in entry]
-    return sum(values) / len(values) if values else None
-
-
-def report_zero_variance(ctx: StageContext, metrics: dict, history: list[dict]) -> None:
-    """`zero_variance_groups` in the stage's metrics, and a warning when most groups taught nothing."""
-    share = zero_variance_share(history)
-    if share is None:
-        return
-    metrics["zero_variance_groups"] = share
-    if share > ZERO_VARIANCE_WARNING:
-        log.warning(
-            f"[{ctx.stage_id}] {share:.0%} of prompt groups got the same reward for every one of their "
-            "completions (zero_variance_groups in stage.json): those groups give GRPO/RLOO no gradient, so the "
-            "policy barely moved. Give prompts the policy solves some of the time (harder ones if it solves "
-            "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
-            "train.num_generations.")
+def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -> int:
+    """Prompts too long for the model's context together with max_completion_length. TRL 1.16 neither
+    truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
+    context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
+    and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
+    context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
+        getattr(model.config, "max_position_embeddings", None)
+    if not context or not rows:
+        return 0
+    limit = context - (args.max_completion_length or 0)
+    over = sum(len(tokenizer(r["prompt"])["input_ids"]) > limit for r in rows)
+    if over:
+        say = log.warning if over > LOUD_SHARE * len(rows) else log.info
+        say(f"[{where}] {over} of {len(rows)} prompts ({over / len(rows):.0%}) are longer than {limit} tokens, so "
+            f"with max_completion_length={args.max_completion_length} they do not fit the model's context of "
+            f"{context} tokens (prompts_over_context in stage.json); shorten them or lower "
+            "train.max_completion_length")
+    return over

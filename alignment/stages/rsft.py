@@ -210,22 +210,25 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple
                              lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer))
 
 
-def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]) -> tuple[str, list]:
-    """SFT the policy on the selected pairs; returns (new policy folder, trainer log history)."""
+def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
+    """SFT the policy on the selected pairs; returns (new policy folder, trainer log history, rows truncated
+    at max_length, which TRL cuts: counted and said as the sft stage does)."""
     from ..formatting import render_pair
     from ..models import load_policy, save_checkpoint
     from ..trainer_utils import resume_checkpoint
-    from .sft import drop_overlong, make_trainer
+    from .sft import count_truncated, drop_overlong, make_trainer, row_lengths, token_rows
 
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
-    rows = drop_overlong([render_pair(tokenizer, r) for r in selected], tokenizer, args.max_length, ctx.where)
+    where = f"{ctx.where} round {round_index}"
+    rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where)
+    truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
     trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, rows)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
     if ctx.is_main:
         save_checkpoint(trainer.model, tokenizer, folder / "policy", ctx.save_dtype())
     trainer.accelerator.wait_for_everyone()
-    return str(folder / "policy"), trainer.state.log_history
+    return str(folder / "policy"), trainer.state.log_history, truncated
 
 
 def finished_rounds(ctx: StageContext) -> list[dict]:
@@ -267,12 +270,13 @@ def run(ctx: StageContext) -> dict:
         log.info(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
     for k in range(len(records) + 1, cfg.rounds + 1):
         selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer)
-        history = []
+        history, truncated = [], 0
         if selected:
-            policy, history = train_round(ctx, k, policy, tokenizer, selected)
+            policy, history, truncated = train_round(ctx, k, policy, tokenizer, selected)
         else:
             log.info(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
-        record = {"round": k, "policy": policy, "stats": stats, "log_history": [{**h, "round": k} for h in history]}
+        record = {"round": k, "policy": policy, "stats": {**stats, "rows_truncated": truncated},
+                  "log_history": [{**h, "round": k} for h in history]}
         if ctx.is_main:
             write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))
         records.append(record)
@@ -303,10 +307,11 @@ def stage_result(records: list[dict], rewards) -> dict:
         history += record["log_history"]
         history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
-                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage")})
+                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated")})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)
+    metrics["rows_truncated"] = sum(record["stats"].get("rows_truncated", 0) for record in records)
     for reward in rewards:
         metrics.update(reward.totals())
     return {"metrics": metrics, "log_history": history}

@@ -1,8 +1,8 @@
 """`sft` stage: supervised fine-tuning with `trl.SFTTrainer`.
 
 Data: `prompt`/`completion` rows or chat `messages` (the last assistant turn is the completion).
-Both are rendered with the shared convention (`formatting.py`) into plain prompt/completion text,
-so the policy is trained on exactly the text it will be prompted with later. The loss is on the
+Both are rendered with the shared convention (`formatting.py`) and tokenized by us, so the policy is
+trained on exactly the prompt tokens it will be sampled from later, followed by the completion's. The loss is on the
 completion only by default (`train: {completion_only_loss: false}` trains on the prompt too).
 Recipe keys under `train:` go verbatim to `trl.SFTConfig`.
 """
@@ -37,7 +37,8 @@ def trl_config(ctx: StageContext):
 
 
 def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length: int | None):
-    """Rows rendered to {'prompt', 'completion'} text; rows whose prompt alone fills `max_length` are dropped."""
+    """Rows TRL trains on as they are: pairs tokenized (`token_rows`) and those whose prompt alone fills
+    `max_length` dropped, or plain `text` rows."""
     from ..data import check_columns, check_strings, file_rows
     from ..formatting import render_pair
 
@@ -60,7 +61,7 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
                         "is empty; check the data or its column mapping (rename).")
     if len(rows) < len(dataset):
         log.info(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with an empty completion")
-    return drop_overlong(rows, tokenizer, max_length, f"{ctx.where}.{key}")
+    return drop_overlong(token_rows(tokenizer, rows), max_length, f"{ctx.where}.{key}")
 
 
 def _empty_answer(row: dict) -> bool:
@@ -72,11 +73,29 @@ def _empty_answer(row: dict) -> bool:
         return False  # a malformed conversation is reported by render_pair with its row number
 
 
-def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: str) -> list[dict]:
-    """Drop rows whose prompt leaves no room for the completion; all dropped is an error."""
+def token_rows(tokenizer, rendered: list[dict]) -> list[dict]:
+    """Rendered {'prompt', 'completion'} rows as {'input_ids', 'completion_mask'}, which TRL's SFTTrainer takes
+    as they are: the prompt's ids are exactly those the samplers feed (`formatting.encode_prompt_completion`;
+    TRL would tokenize the joined text, where tokens can merge across the boundary)."""
+    from ..formatting import encode_prompt_completion
+
+    rows = []
+    for row in rendered:
+        prompt, completion = encode_prompt_completion(tokenizer, row["prompt"], row["completion"])
+        rows.append({"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)})
+    return rows
+
+
+def prompt_length(row: dict) -> int:
+    return row["completion_mask"].count(0)
+
+
+def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=prompt_length) -> list[dict]:
+    """Drop the token rows whose prompt (`length(row)` tokens) leaves no room for the completion within
+    `max_length`; said, and all dropped is an error."""
     if not max_length:
         return rows
-    kept = [r for r in rows if len(tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]) < max_length]
+    kept = [r for r in rows if length(r) < max_length]
     if not kept:
         raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
                         "left to train on; raise train.max_length or shorten the prompts.")
@@ -85,17 +104,22 @@ def drop_overlong(rows: list[dict], tokenizer, max_length: int | None, where: st
     return kept
 
 
-def count_truncated(rows: list[dict], tokenizer, max_length: int | None, where: str) -> int:
-    """Rows longer than `max_length` tokens, which TRL cuts (SFT from the right, DPO by its truncation_mode): a
-    cut completion is trained without its end (the end-of-turn token above all). Said, loudly when they are
-    more than a few."""
+def row_lengths(tokenizer, rows: list[dict]) -> list[int]:
+    """Tokens of each SFT row as TRL trains it (a text row's as TRL tokenizes it, before it appends EOS)."""
+    return [len(r["input_ids"]) if "input_ids" in r else len(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
+            for r in rows]
+
+
+def count_truncated(lengths: list[int], max_length: int | None, where: str, what: str = "rows") -> int:
+    """How many of the rows (of `lengths` tokens) are longer than `max_length`, which TRL cuts (SFT from the
+    right, DPO by its truncation_mode): a cut completion is trained without its end (the end-of-turn token
+    above all). Said, loudly when they are more than a few."""
     if not max_length:
         return 0
-    texts = [r["text"] if "text" in r else r["prompt"] + r["completion"] for r in rows]
-    truncated = sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) > max_length for t in texts)
+    truncated = sum(n > max_length for n in lengths)
     if truncated:
-        say = log.warning if truncated > LOUD_SHARE * len(rows) else log.info
-        say(f"[{where}] {truncated} of {len(rows)} rows ({truncated / len(rows):.0%}) are longer than "
+        say = log.warning if truncated > LOUD_SHARE * len(lengths) else log.info
+        say(f"[{where}] {truncated} of {len(lengths)} {what} ({truncated / len(lengths):.0%}) are longer than "
             f"max_length={max_length} tokens and are trained cut off, without their end; raise train.max_length "
             "or shorten them")
     return truncated
@@ -108,7 +132,7 @@ def check(ctx: StageContext) -> None:
 
 
 def make_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dict], eval_rows: list[dict] | None = None):
-    """The SFTTrainer of the `sft` stage and of each `rsft` round: rendered {'prompt', 'completion'} rows,
+    """The SFTTrainer of the `sft` stage and of each `rsft` round: token rows (`token_rows`) or text rows,
     the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
     `formatting.eos_as_end_of_turn`)."""
     import datasets
@@ -136,7 +160,7 @@ def build_trainer(ctx: StageContext):
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
     counts = {"rows": len(train_rows),
-              "rows_truncated": count_truncated(train_rows, tokenizer, args.max_length, f"{ctx.where}.data")}
+              "rows_truncated": count_truncated(row_lengths(tokenizer, train_rows), args.max_length, f"{ctx.where}.data")}
     return make_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, counts
 
 

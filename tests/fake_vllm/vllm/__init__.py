@@ -48,6 +48,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     detokenize: bool = True
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -182,7 +183,8 @@ class LLM:
                 do_sample=sample, temperature=params.temperature if sample else None,
                 top_p=params.top_p if sample else None, top_k=(params.top_k or None) if sample else None,
                 eos_token_id=stops, pad_token_id=stops[0], output_logits=True, return_dict_in_generate=True,
-                repetition_penalty=params.repetition_penalty)
+                repetition_penalty=params.repetition_penalty, min_p=params.min_p or None,
+                min_new_tokens=params.min_tokens or None)
         new = out.sequences[:, len(prompt_ids):].tolist()
         raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [n, steps, vocab], before temperature
         request = RequestOutput(prompt_token_ids=list(prompt_ids))
