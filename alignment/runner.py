@@ -33,6 +33,7 @@ from .model_card import write_model_card
 from .models import build_tiny_model, check_lora_targets, check_model_source, convert_gguf
 from .recipe import GgufSpec, Recipe, TinyModel
 from .redact import redact
+from .sampling import vllm_engine
 from .stages import stage_module
 from .stages.base import StageContext
 
@@ -166,7 +167,10 @@ def flush_denormals() -> bool:
 
 def close_process_group() -> None:
     """Tear down torch.distributed before exit: a gloo group left to interpreter shutdown can abort a
-    worker ("terminate called without an active exception") after all its work is done."""
+    worker ("terminate called without an active exception") after all its work is done. A vLLM engine
+    (`backend: vllm`) is shut down first: its own exit hook tears down sub-groups of this group, and
+    raises once the group is gone."""
+    vllm_engine.close(final=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

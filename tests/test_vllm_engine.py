@@ -1,7 +1,7 @@
 """`backend: vllm` (alignment/sampling/vllm_engine.py), against the stand-in in tests/fake_vllm, in the default suite:
 our side of the interface (weights pushed before every call with LoRA merged, samples and their order, seeds,
 the sampling parameters, the log-prob check, sleep mode, errors). The real engine (vLLM's CPU build, in an
-environment of its own) runs in tests/vllm/."""
+environment of its own) runs in tests/vllm_cpu/."""
 
 from __future__ import annotations
 

