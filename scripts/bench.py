@@ -220,6 +220,11 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
     engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
     results = []
+
+    def add(result: dict) -> None:  # printed as it comes: a long run cut short keeps what it measured
+        results.append(result)
+        print(json.dumps(result), flush=True)
+
     for eager in (True, False):
         settings = {"enforce_eager": eager, **engine}
         label = "eager" if eager else "compiled"
@@ -227,31 +232,31 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
         vllm_engine.close()
         with Peak() as start:
             started = vllm_engine._engine_for(model, spec.vllm, "bench")
-        results.append(row("vllm", f"vLLM engine start-up ({label})", start.seconds, "s", start, model, args, False))
+        add(row("vllm", f"vLLM engine start-up ({label})", start.seconds, "s", start, model, args, False))
         pushes = []
         for _ in range(3):
             with Peak() as push:
                 vllm_engine.push_weights(started, model)
             pushes.append(push.seconds)
-        results.append(row("vllm", f"vLLM weight push ({label}, best of 3)", min(pushes), "s", push, model, args, False))
+        add(row("vllm", f"vLLM weight push ({label}, best of 3)", min(pushes), "s", push, model, args, False))
         shapes = args.vllm_shapes if eager else args.vllm_shapes[:1]  # compiled: the first shape, beside eager's
         for batch, new_tokens in shapes:
             prompts = vllm_prompts(tokenizer, batch, args.model is not None)
             shape = f"batch {batch} x {new_tokens} new tokens"
             spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, batch_size=batch, backend="vllm", vllm=settings)
             generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": 4}))  # warm-up
-            results.append(timed_generate("vllm", f"vLLM {label}, {shape}", model, tokenizer, prompts, spec, args))
+            add(timed_generate("vllm", f"vLLM {label}, {shape}", model, tokenizer, prompts, spec, args))
             if not eager:
                 continue
             hf = spec.model_copy(update={"backend": "transformers"})
             warm_up(model, tokenizer, prompts, hf)
-            results.append(timed_generate("vllm", f"ours: HF sampler, {shape}", model, tokenizer, prompts, hf, args))
+            add(timed_generate("vllm", f"ours: HF sampler, {shape}", model, tokenizer, prompts, hf, args))
             with Peak() as peak, torch.no_grad():
                 batch_ids = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
                 out = model.generate(**batch_ids, max_new_tokens=new_tokens, do_sample=True,
                                      pad_token_id=tokenizer.pad_token_id)
                 tokens = int((out[:, batch_ids["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
-            results.append(row("vllm", f"plain: model.generate, {shape}", tokens / peak.seconds, "tokens/s", peak,
+            add(row("vllm", f"plain: model.generate, {shape}", tokens / peak.seconds, "tokens/s", peak,
                                model, args, False))
     vllm_engine.close()
     return results
