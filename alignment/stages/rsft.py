@@ -213,18 +213,16 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]) -> tuple[str, list]:
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history)."""
     from ..formatting import render_pair
-    from ..models import load_policy, save_checkpoint
-    from ..trainer_utils import resume_checkpoint
+    from ..models import load_policy
+    from ..trainer_utils import save_model, train
     from .sft import drop_overlong, make_trainer
 
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     rows = drop_overlong([render_pair(tokenizer, r) for r in selected], tokenizer, args.max_length, ctx.where)
-    trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, rows)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
-    if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, folder / "policy", ctx.save_dtype())
-    trainer.accelerator.wait_for_everyone()
+    trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True), tokenizer, rows)
+    train(ctx, trainer)
+    save_model(trainer, tokenizer, folder / "policy", ctx.save_dtype())
     return str(folder / "policy"), trainer.state.log_history
 
 
