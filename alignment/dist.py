@@ -77,18 +77,22 @@ def launched_engine() -> str | None:
     return None
 
 
-def deepspeed_stage() -> int:
-    """The ZeRO stage of the launch: `zero_stage` of the accelerate config, or of its `deepspeed_config_file`."""
-    if stage := os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"):
-        return int(stage)
+def deepspeed_setting(key: str, env: str, default):
+    """A `zero_optimization` setting of the launch: from its `deepspeed_config_file` if it has one, else the
+    accelerate config's field (`env`, as accelerate launch passes it)."""
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if not path:
-        return 0
+        return os.environ.get(env, default)
     try:
-        return int(json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0))
+        return json.loads(Path(path).read_text()).get("zero_optimization", {}).get(key, default)
     except (OSError, ValueError) as error:
-        raise UserError(f"the accelerate config's deepspeed_config_file '{path}' could not be read ({error}); paths in "
-                        "it are relative to the folder `accelerate launch` runs in.") from None
+        raise UserError(f"the accelerate config's deepspeed_config_file '{path}' could not be read ({error}); its "
+                        "path is relative to the folder `accelerate launch` runs in.") from None
+
+
+def deepspeed_stage() -> int:
+    """The ZeRO stage of the launch: `zero_stage` of the accelerate config, or of its `deepspeed_config_file`."""
+    return int(deepspeed_setting("stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", 0))
 
 
 def engine_of(state: AcceleratorState) -> str:
@@ -127,6 +131,12 @@ def check_launch(asked: str | None, num_processes: int) -> None:
     if asked.startswith("zero") and _flag("ACCELERATE_USE_CPU"):
         raise UserError(f"the launch asks for DeepSpeed {asked}, but ACCELERATE_USE_CPU is set, with which accelerate "
                         "runs plain DDP instead; unset it (DeepSpeed runs on CPU without it).")
+    if asked == "zero3" and str(deepspeed_setting(  # false is accelerate's and DeepSpeed's default
+            "stage3_gather_16bit_weights_on_model_save", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false")).lower() \
+            not in ("true", "1"):
+        raise UserError("the launch's ZeRO-3 config does not gather the weights for saving, so no stage could write its "
+                        "checkpoint: set zero3_save_16bit_model: true in the accelerate config (or "
+                        "stage3_gather_16bit_weights_on_model_save in its deepspeed_config_file).")
 
 
 def check_engine(state: AcceleratorState, where: str) -> str:
@@ -172,19 +182,20 @@ def check_shared_folder(folder: Path) -> None:
     """Every process must see the files rank 0 writes in `folder` (stages read earlier stages' outputs, and
     only rank 0 writes): rank 0 writes a random token there, every process reads it back. A node that has its
     own local folder instead fails here, before any work, rather than at its first stage."""
+    state = PartialState()
     token = uuid.uuid4().hex
     probe = folder / ".shared-check"
     if is_main_process():
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_text(token)
     token = broadcast_object_list([token])[0]
-    torch.distributed.barrier()
+    state.wait_for_everyone()
     try:
         seen = probe.read_text() == token
     except OSError:
         seen = False
-    results = gather_object([(torch.distributed.get_rank(), socket.gethostname(), seen)])
-    torch.distributed.barrier()
+    results = gather_object([(state.process_index, socket.gethostname(), seen)])
+    state.wait_for_everyone()
     if is_main_process():
         probe.unlink(missing_ok=True)
     blind = [f"rank {rank} on {host}" for rank, host, ok in results if not ok]

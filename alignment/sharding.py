@@ -40,7 +40,9 @@ def plain_class(module: torch.nn.Module) -> type:
 
 def unsharded_copy(model: torch.nn.Module, state_dict: dict, adapter: str = "default") -> torch.nn.Module:
     """A plain CPU model like `model` (a transformers model, or a PeftModel over one, of which only `adapter` is
-    kept) holding `state_dict`, the full state gathered from the engine."""
+    kept) holding `state_dict`, the full state gathered from the engine. Where that state is the model's own
+    tensors (one process, DDP), the copy shares them: saving merges LoRA into them, so the trained model is done
+    with once saved (every stage saves last)."""
     is_peft = isinstance(model, PeftModel)
     base = model.get_base_model() if is_peft else model
     with full_weights(), init_empty_weights(include_buffers=False):
