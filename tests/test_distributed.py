@@ -38,10 +38,12 @@ def digit_share(completion, **row):
 FEW = {"per_device_train_batch_size": 4, "max_steps": 3, "learning_rate": 1.0e-3, "max_length": 64}
 FULL = {"lora": None}
 # merge_lora off: FSDP2 cannot merge LoRA in place for sampling (sharding.can_merge_lora), and merged and
-# unmerged sampling round differently, which would hide a real difference behind a loose tolerance.
+# unmerged sampling round differently, which would hide a real difference behind a loose tolerance. Two
+# micro-batches per optimizer step: accumulation is each engine's own (DeepSpeed steps inside backward).
 PPO = {"kind": "ppo", "verifiers": [{"name": "my_verifiers:digit_share"}], "data": {"task": "arithmetic", "n": 64},
        "rollout": {"batch_size": 8, "max_new_tokens": 6, "merge_lora": False},
-       "train": {"total_updates": 3, "save_every": 1, "mini_batch_size": 4, "ppo_epochs": 1, "learning_rate": 1.0e-3}}
+       "train": {"total_updates": 3, "save_every": 1, "mini_batch_size": 4, "gradient_accumulation_steps": 2,
+                 "ppo_epochs": 1, "learning_rate": 1.0e-3}}
 DPO = {"kind": "dpo", "model": "${sft}", "data": {"task": "arithmetic", "n": 64}, "train": {**FEW, "beta": 0.1}}
 RSFT = {"kind": "rsft", "model": "${sft}", "data": {"task": "arithmetic", "n": 16}, "verifiers": ["arithmetic"],
         "sampling": {"n": 4, "max_new_tokens": 6}, "select": "threshold", "threshold": 0.0, "train": FEW}

@@ -448,7 +448,7 @@ class PPOLoop:
         from ..trainer_utils import NonFiniteError
 
         norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
-        norm = float("nan") if norm is None else float(norm)
+        norm = float(norm)
         bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.acc.device)
         if self.acc.reduce(bad, reduction="sum").item() > 0:
             raise NonFiniteError(
