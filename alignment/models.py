@@ -12,6 +12,7 @@ Security: `trust_remote_code` is off unless the recipe opts in, and weights load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
@@ -34,7 +36,7 @@ from transformers.utils import is_gguf_available
 from transformers.utils import logging as hf_logging
 
 from .config.model import LoraSpec, TemplateSpec, TinySpec
-from .dist import get_logger
+from .dist import full_weights, get_logger
 from .errors import UserError
 from .formatting import end_of_turn, has_chat_template, marker_tokens, render_completion, render_prompt
 
@@ -255,9 +257,15 @@ def is_reward_adapter(path: str | Path) -> bool:
     return is_adapter_dir(path) and adapter_config(path).get("task_type") == "SEQ_CLS"
 
 
-def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
-    """A causal LM from a folder, hub id or adapter folder (adapter merged into its base)."""
-    dtype = dtype or default_dtype()
+def load_policy(name: str, trust_remote_code: bool = False, dtype=None, partitioned: bool = False):
+    """A causal LM from a folder, hub id or adapter folder (adapter merged into its base). Whole on every process
+    (`dist.full_weights`), unless `partitioned`: a model a trainer is about to wrap, which under ZeRO-3 loads into
+    its partitions (zero.Init) and under FSDP's rank-0-only loading on rank 0 alone."""
+    with contextlib.nullcontext() if partitioned else full_weights():
+        return _load_policy(name, trust_remote_code, dtype or default_dtype())
+
+
+def _load_policy(name: str, trust_remote_code: bool, dtype):
     if is_adapter_dir(name):
         base = AutoModelForCausalLM.from_pretrained(adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
         return PeftModel.from_pretrained(base, name).merge_and_unload()
@@ -270,7 +278,13 @@ def load_policy(name: str, trust_remote_code: bool = False, dtype=None):
 
 def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model); a reward
-    adapter folder is merged into its base, score head included (peft keeps the trained head)."""
+    adapter folder is merged into its base, score head included (peft keeps the trained head). Whole on every
+    process: it scores, it is never wrapped by an engine."""
+    with full_weights():
+        return _load_reward_model(name, trust_remote_code, dtype)
+
+
+def _load_reward_model(name: str, trust_remote_code: bool, dtype):
     if is_reward_adapter(name):
         base = AutoModelForSequenceClassification.from_pretrained(
             adapter_base(name), num_labels=1, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code)
@@ -336,5 +350,23 @@ def save_checkpoint(model, tokenizer, out_dir: Path, dtype: torch.dtype | None =
         model = model.to(dtype)  # the stage is over: nothing trains on these weights any more
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    check_saved_tensors(out_dir)
+
+
+def check_saved_tensors(out_dir: Path) -> None:
+    """Read back every tensor written under `out_dir`: one with no elements is an error, never a finished stage.
+    A model whose parameters are partitioned (ZeRO-3) or sharded and saved without gathering writes such tensors
+    (shape [0]) and loads into nothing useful."""
+    empty, files = [], sorted(Path(out_dir).rglob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), framework="pt") as weights:
+            empty += [f"{path.relative_to(out_dir)}: {name}" for name in weights.keys()
+                      if 0 in weights.get_slice(name).get_shape()]
+    if not files:
+        raise UserError(f"the checkpoint written to {out_dir} holds no weights files.")
+    if empty:
+        raise UserError(f"the checkpoint written to {out_dir} has {len(empty)} empty tensor(s) ({'; '.join(empty[:3])}"
+                        f"{', ...' if len(empty) > 3 else ''}): the weights were saved without being gathered from "
+                        "the processes that hold them. The stage is not marked finished.")
 
 

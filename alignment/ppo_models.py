@@ -11,15 +11,22 @@ With `lora: null` (full fine-tuning): the policy, a frozen deep copy as the refe
 copy of the policy's backbone + value head as the critic.
 
 `ActorCritic.forward` runs the policy pass and then the critic pass on the same batch, so a single
-forward/backward through the (DDP-)wrapped module trains both; the reference never enters the
-wrapper (it is frozen, and DDP should not track it).
+forward/backward through the wrapped module (DDP, FSDP2, DeepSpeed) trains both; the reference never
+enters the wrapper (it is frozen, and the engine should not track it). Under FSDP2 and ZeRO-3 the
+ActorCritic is what gets sharded; the reference copy (full fine-tuning) and the reward model stay whole
+on every process, loaded outside zero.Init (`models.load_policy`, `dist.full_weights`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import re
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,7 +56,8 @@ class ActorCritic(nn.Module):
         self.policy = policy
         self.value_head = value_head
         self.critic_backbone = critic_backbone  # None with LoRA: the critic is the shared base + critic adapter
-        self._trainable = [p for p in self.parameters() if p.requires_grad]
+        # By name: FSDP2 replaces the parameter objects when it shards them.
+        self._trainable = {name for name, p in self.named_parameters() if p.requires_grad}
         self.active_adapter = POLICY_ADAPTER
         self._checkpointed_layers: list[nn.Module] = []
 
@@ -57,13 +65,23 @@ class ActorCritic(nn.Module):
     def is_lora(self) -> bool:
         return self.critic_backbone is None
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The policy's decoder-layer classes: FSDP2's transformer auto-wrap shards each such layer apart."""
+        return list(getattr(self.policy, "_no_split_modules", None) or [])
+
+    def tie_weights(self) -> None:
+        """FSDP2's prepare re-ties embeddings through the root module it wraps, which is this one."""
+        self.policy.tie_weights()
+
     def use_adapter(self, name: str) -> None:
         """Activate one LoRA adapter. peft's `set_adapter` also freezes every other adapter, and a
         parameter frozen after the forward pass that used it gets no gradient, so we unfreeze again."""
         self.policy.base_model.set_adapter(name)
         self.active_adapter = name
-        for param in self._trainable:
-            param.requires_grad_(True)
+        for param_name, param in self.named_parameters():
+            if param_name in self._trainable:
+                param.requires_grad_(True)
 
     def enable_checkpointing(self) -> None:
         """Recompute each decoder layer in the backward pass instead of keeping its activations.
@@ -159,18 +177,8 @@ class ActorCritic(nn.Module):
                 {"params": critic, "lr": critic_learning_rate, "weight_decay": weight_decay}]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Trainable tensors only (adapters + value head with LoRA): what a resume checkpoint holds."""
+        """Trainable tensors only (adapters + value head with LoRA), as this process holds them."""
         return {n: p.detach().cpu().clone() for n, p in self.named_parameters() if p.requires_grad}
-
-    def load_trainable_state(self, state: dict[str, torch.Tensor]) -> None:
-        params = dict(self.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in state]
-        unknown = [n for n in state if n not in params]
-        if missing or unknown:
-            raise ValueError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {unknown[:3]}")
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor)
 
 
 @dataclass
@@ -231,10 +239,56 @@ def build_models(policy_path: str, lora, reward_model: nn.Module | None = None,
     return PPOModels(ActorCritic(policy, head), None)
 
 
-def policy_for_saving(models: PPOModels) -> nn.Module:
-    """The policy alone, ready for `models.save_checkpoint` (LoRA: the critic adapter is dropped)."""
-    policy = models.policy
-    if models.actor_critic.is_lora and CRITIC_ADAPTER in policy.peft_config:
-        policy.base_model.set_adapter(POLICY_ADAPTER)
-        policy.delete_adapter(CRITIC_ADAPTER)
-    return policy
+def policy_state(actor_critic: ActorCritic, state: dict) -> tuple[nn.Module, dict]:
+    """The policy and its part of the actor-critic's gathered state (`sharding.save_trained`'s `pick`): the
+    value head, the critic's backbone copy and the critic adapter are left out."""
+    prefix, critic = "policy.", f".{CRITIC_ADAPTER}."
+    policy = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and critic not in k}
+    return actor_critic.policy, policy
+
+
+def configure_deepspeed(accelerator, micro_batch_size: int, accumulation: int, max_grad_norm: float | None) -> None:
+    """The DeepSpeed settings accelerate takes from a trainer's dataloader and arguments, which our loop has
+    not: the micro-batch size, accumulation steps and gradient clipping (DeepSpeed clips in its step). Set
+    before `prepare`, replacing whatever an earlier stage's trainer filled into the shared plugin."""
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    config.update(train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=accumulation,
+                  train_batch_size=micro_batch_size * accumulation * accelerator.num_processes,
+                  gradient_clipping=max_grad_norm or 0.0)
+
+
+def checkpoints(work_dir: Path) -> list[Path]:
+    """Complete loop checkpoints (`checkpoint-N`, never a `.tmp`), oldest first."""
+    if not work_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in work_dir.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    return [p for _, p in sorted(found) if (p / "state.json").exists()]
+
+
+def save_loop_state(accelerator, work_dir: Path, update: int, state: dict) -> None:
+    """`accelerator.save_state` (model, optimizer and what is registered for checkpointing: scheduler, KL
+    controller; under FSDP2 and DeepSpeed every process writes its own shards) and `state` as state.json, into
+    `checkpoint-<update>.tmp`, which rank 0 renames when every process is done, then drops older ones."""
+    tmp, final = work_dir / f"checkpoint-{update}.tmp", work_dir / f"checkpoint-{update}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=False)  # tied embeddings share storage: safetensors refuses
+    accelerator.wait_for_everyone()  # every process has written its part (its RNG state at least)
+    if accelerator.is_main_process:
+        (tmp / "state.json").write_text(json.dumps(state))
+        os.replace(tmp, final)
+        for old in checkpoints(work_dir):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def load_loop_state(accelerator, work_dir: Path) -> tuple[dict | None, Path | None]:
+    """Restore the newest complete checkpoint into the prepared objects; its state.json, or None."""
+    found = checkpoints(work_dir)
+    if not found:
+        return None, None
+    accelerator.load_state(str(found[-1]))
+    return json.loads((found[-1] / "state.json").read_text()), found[-1]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed
 
 from .config.base import did_you_mean
-from .dist import distributed_state, get_logger
+from .dist import distributed_state, get_logger, start_engine
 from .errors import UserError
 from .evaluate import check_evaluate_block, run_evaluate_block
 from .files import write_atomic
@@ -127,6 +127,9 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
                         f"accelerate launch ({state.num_processes} processes); drop one of the two.")
     if state.is_main_process:
         ensure_writable(recipe.out)
+    engine = start_engine(recipe.out)
+    if engine:
+        log.info(f"engine: {engine} on {state.num_processes} processes")
     with state.main_process_first():
         ensure_base_model(recipe)
     to_run = []

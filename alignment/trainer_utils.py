@@ -1,7 +1,9 @@
-"""Glue shared by the TRL-backed stages: resume, the non-finite guard, final metrics.
+"""Glue shared by the TRL-backed stages: training (engine check, resume), saving, the non-finite guard,
+final metrics.
 
 Resume: the Trainer checkpoints into the stage's work folder (`<output_dir>/.work/<stage>/trainer`);
 a rerun after a crash passes the newest checkpoint to `trainer.train(resume_from_checkpoint=...)`.
+Saving goes through `sharding.save_trained`, so it works the same under DDP, FSDP2 and ZeRO-2/3.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from .dist import check_engine
 from .errors import UserError
+from .sharding import save_trained
 
 
 class NonFiniteError(UserError):
@@ -24,6 +28,19 @@ def resume_checkpoint(trainer_dir: str | Path) -> str | None:
     """The newest `checkpoint-N` folder in a trainer's output dir, if any."""
     path = Path(trainer_dir)
     return get_last_checkpoint(str(path)) if path.is_dir() else None
+
+
+def train(ctx, trainer) -> None:
+    """Check the engine the trainer's accelerator runs is the one the launch asked for, then train (resuming
+    from the newest checkpoint in the work folder, if any)."""
+    check_engine(trainer.accelerator.state, ctx.where)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
+
+
+def save_model(trainer, tokenizer, out_dir: Path, dtype=None, save=None) -> None:
+    """The trained model as a stage checkpoint: gathered on every process, written by rank 0 with `save`
+    (default `models.save_checkpoint`)."""
+    save_trained(trainer.accelerator, trainer.model_wrapped, tokenizer, out_dir, dtype, save=save)
 
 
 def gradient_norm(model) -> float:

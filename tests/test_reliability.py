@@ -10,7 +10,6 @@ from conftest import SMALLEST_MODEL, write_recipe
 from helpers import tiny_ppo_recipe
 from transformers import TrainerCallback
 
-import alignment.stages.sft as sft_stage
 from alignment.errors import UserError
 from alignment.recipe import load_recipe
 from alignment.runner import run_recipe
@@ -145,10 +144,9 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
 
-    monkeypatch.setattr(sft_stage, "save_checkpoint", full_disk, raising=False)
-    import alignment.models as models
+    import alignment.sharding as sharding
 
-    monkeypatch.setattr(models, "save_checkpoint", full_disk)
+    monkeypatch.setattr(sharding, "save_checkpoint", full_disk)  # every stage saves through sharding.save_trained
     with pytest.raises(UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"):
         run_recipe(recipe, only=["sft2"])
     assert not recipe.stage_dir("sft2").exists()

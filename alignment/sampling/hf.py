@@ -25,6 +25,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from ..config.sampling import SamplingSpec
 from ..formatting import encode
@@ -46,6 +47,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    synced = is_sharded(model)
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
@@ -60,12 +62,20 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 do_sample=settings.temperature > 0, temperature=settings.temperature or None,
                 top_p=settings.top_p if settings.temperature > 0 else None,
                 top_k=settings.top_k if settings.temperature > 0 else None,
-                eos_token_id=stops, pad_token_id=pad_id,
+                eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced,
                 **({"cache_implementation": "static"} if settings.cache == "static" else {}),
             )
             for (i, j), ids in zip(batch, output[:, width:].tolist()):
                 results[(i, j)] = to_sample(i, ids, stops, tokenizer)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+
+
+def is_sharded(model) -> bool:
+    """Whether parts of `model` are FSDP2 units, which gather their parameters with every process at each
+    forward: then every process must run the same number of decoding steps (`synced_gpus`). Any other model
+    decodes on its own; transformers' default would also sync once a ZeRO-3 config exists, and a model sampled
+    on one process alone (rsft, evaluation) would then wait for the others forever."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 

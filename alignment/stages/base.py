@@ -120,13 +120,16 @@ class StageContext:
 
 
 def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
-    """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`)."""
+    """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`).
+    Where the run set up FSDP2 itself (`dist.fsdp_on_cpu`), the trainer reuses that process state."""
+    import torch
+
+    from ..dist import keeps_configured_state
     from ..models import is_cuda
 
     cuda = is_cuda()
-    import torch
-
-    return dict(
+    configured = {"accelerator_config": {"use_configured_state": True}} if keeps_configured_state() else {}
+    return dict(**configured,
         output_dir=str(work_dir / "trainer"), seed=recipe.seed, data_seed=recipe.seed,
         bf16=cuda and torch.cuda.is_bf16_supported(), fp16=False, use_cpu=not cuda,
         report_to=recipe.report_to, logging_steps=10,
@@ -151,12 +154,22 @@ def checkpointing_defaults(fields: set[str], on: bool) -> dict[str, Any]:
     return {key: on, f"{key}_kwargs": {"use_reentrant": False}} if on else {key: False}
 
 
+# TrainingArguments keys that would choose an engine per stage; the launch's accelerate config chooses it
+# for the whole run (every stage, PPO's own loop included).
+ENGINE_KEYS = ("deepspeed", "fsdp", "fsdp_config")
+
+
 def build_trl_config(config_class, recipe: "Recipe", stage_id: str, train: dict, work_dir: Path,
                      checkpointing: bool = False, **stage_defaults):
     """Build `config_class` (e.g. trl.SFTConfig); unknown or rejected knobs become UserErrors."""
     where = f"stages.{stage_id}.train"
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key in train:
+        if key in ENGINE_KEYS:
+            raise UserError(f"{where}.{key}: the engine (FSDP, DeepSpeed) is chosen by the accelerate config of the "
+                            "launch, for every stage at once, not per stage: drop this key and launch with e.g. "
+                            "`accelerate launch --config_file configs/accelerate/zero3.yaml -m alignment run RECIPE` "
+                            "(README \"Distributed runs\").")
         if key not in fields:
             raise UserError(f"{where}: unknown {config_class.__name__} option '{key}'{did_you_mean(key, fields)}.")
     device = device_defaults(recipe, work_dir)

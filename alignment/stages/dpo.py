@@ -86,14 +86,22 @@ def check(ctx: StageContext) -> None:
 
 
 def reference_for(ctx: StageContext, policy, args):
-    """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs)."""
+    """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs).
+    Where the policy is not whole on this process before the trainer wraps it (ZeRO-3, FSDP's rank-0-only
+    loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
+    instead of copied."""
     import copy
+
+    from ..dist import loads_partitioned
+    from ..models import load_policy
 
     if ctx.lora or args.precompute_ref_log_probs:
         return None
-    reference = copy.deepcopy(policy).eval()
-    reference.requires_grad_(False)
-    return reference
+    if loads_partitioned():
+        reference = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
+    else:
+        reference = copy.deepcopy(policy)
+    return reference.eval().requires_grad_(False)
 
 
 def build_trainer(ctx: StageContext):
@@ -101,6 +109,7 @@ def build_trainer(ctx: StageContext):
     import datasets
     from trl import DPOTrainer
 
+    from ..dist import loads_partitioned
     from ..formatting import eos_as_end_of_turn
     from ..models import load_policy, peft_config
     from ..pairs import normalize_pairs, pair_token_ids, render_pairs, split_eval, stage_pairs
@@ -109,8 +118,9 @@ def build_trainer(ctx: StageContext):
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
-    policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
-    pairs, stats = stage_pairs(ctx, tokenizer, lambda: policy)
+    policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
+    sampler = (lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code)) if loads_partitioned() else (lambda: policy)
+    pairs, stats = stage_pairs(ctx, tokenizer, sampler)
     if ctx.config.eval_data is not None:
         held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
                                       ctx.config.eval_data)
@@ -162,11 +172,9 @@ def within_prompt_limit(rows: list[dict], args, where: str) -> list[dict]:
 
 
 def run(ctx: StageContext) -> dict:
-    from ..models import save_checkpoint
-    from ..trainer_utils import final_metrics, resume_checkpoint
+    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, tokenizer, counts = build_trainer(ctx)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
-    if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
+    train(ctx, trainer)
+    save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     return final_metrics(trainer, **counts)

@@ -22,35 +22,29 @@ the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estim
 Warm the learning rate up (`train.warmup_steps`, `lr_scheduler_type: cosine`): in the quickstart, PPO
 with warm-up gained 9 points of held-out accuracy where a similar run without it lost 8.
 
-Runs: `align run RECIPE` (one process) or `accelerate launch -m alignment run RECIPE` (DDP: each
-process samples its own prompt shard, gradients are all-reduced, only rank 0 writes files; batch
-sizes are per process). Tested: one process, and 2-process DDP on CPU (gloo) in tests/test_ppo.py;
-on GPUs the same code runs with NCCL (not exercised by the CPU test suite). Not supported yet: FSDP
-and DeepSpeed ZeRO, which shard what this loop reads directly: generation and the reference pass call
-the unwrapped model outside the wrapper's forward (FSDP would have to gather its parameters there),
-and checkpoints save rank 0's optimizer state (ZeRO shards it; `accelerator.save_state` would be
-needed). For a model too big for DDP, use LoRA: one base copy plus small adapters per process.
+Runs: `align run RECIPE` (one process) or `accelerate launch -m alignment run RECIPE` with DDP, FSDP2 or
+DeepSpeed ZeRO-1/2/3 (each process samples its own prompt shard; batch sizes are per process; only rank 0
+writes files). The actor-critic is what the engine wraps; generation and the reference pass call its
+policy directly, with the parameters gathered for them (`sharding.gathered`); the reference copy (full
+fine-tuning) and the reward model stay whole on every process. Tested on 2 CPU processes (gloo) under
+each engine in tests/test_distributed.py; on GPUs the same code runs with NCCL.
 
-Checkpoints: every `train.save_every` updates into `.work/<stage>/checkpoint-N` (trainable tensors,
-optimizer, scheduler, KL controller, reward statistics, log history), written to a temporary folder
-and renamed; a rerun resumes from the newest. Instead of saving RNG states, randomness is reseeded
-from (seed, update, rank) at every update, so a resumed run samples and trains exactly as an
-uninterrupted one (the test checks the final weights are bit-identical). The final policy is saved
-with `models.save_checkpoint` (merged weights + `adapter/`); the critic is not kept.
-`missing_eos_penalty` is subtracted from the score, as in TRL.
+Checkpoints: every `train.save_every` updates into `.work/<stage>/checkpoint-N` with
+`accelerator.save_state` (model, optimizer, scheduler and KL controller, each engine's shards written by
+every process) plus the update, reward statistics and log history, written to a temporary folder and
+renamed; a rerun resumes from the newest. Instead of relying on RNG states, randomness is reseeded from
+(seed, update, rank) at every update, so a resumed run samples and trains exactly as an uninterrupted one
+(the tests check the final weights). The final policy is gathered and saved by `sharding.save_trained`
+(merged weights + `adapter/`); the critic is not kept. `missing_eos_penalty` is subtracted from the
+score, as in TRL.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import random
-import re
-import shutil
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -226,13 +220,20 @@ class PPOLoop:
         from accelerate.utils import set_seed
         from transformers import get_scheduler
 
-        from ..ppo_models import build_models
+        from ..dist import PARTITIONED, check_engine
+        from ..ppo_models import build_models, configure_deepspeed
         from ..rl import make_kl_controller
 
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
         report_to = ctx.recipe.report_to
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
-        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"))
+        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"),
+                               gradient_accumulation_steps=self.t.gradient_accumulation_steps)
+        self.engine = check_engine(self.acc.state, ctx.where)
+        if self.engine in PARTITIONED and self.cfg.rollout.backend == "vllm":
+            raise UserError(f"{ctx.where}.rollout.backend: vllm takes the policy's weights whole for every rollout, "
+                            f"which {self.engine} partitions across processes; that is not supported: sample with "
+                            "backend: transformers, or run under DDP or ZeRO-2.")
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = ctx.load_tokenizer()
         self.scorer = Scorer(ctx, self.acc.device)
@@ -251,8 +252,11 @@ class PPOLoop:
         # Not passed to `prepare`: accelerate's scheduler wrapper steps once per process.
         self.scheduler = get_scheduler(self.t.lr_scheduler_type, optimizer, num_warmup_steps=self.t.warmup_steps,
                                        num_training_steps=self.total * self.steps_per_update)
+        if self.engine.startswith("zero"):
+            configure_deepspeed(self.acc, self.micro_batch_size, self.t.gradient_accumulation_steps, self.t.max_grad_norm)
         self.model, self.optimizer = self.acc.prepare(self.ac, optimizer)
         self.kl_ctl = make_kl_controller(self.cfg.kl_coef, self.cfg.kl_target, self.cfg.kl_horizon)
+        self.acc.register_for_checkpointing(self.scheduler, self.kl_ctl)
         self.update, self.history, self.reward_stats = 0, [], {"count": 0.0, "mean": 0.0, "m2": 0.0}
         self._orders: dict[int, list[int]] = {}
 
@@ -301,11 +305,14 @@ class PPOLoop:
         import torch
 
         from ..sampling import generate
+        from ..sharding import can_merge_lora, gathered
 
         r, started = self.cfg.rollout, time.time()
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
-        samples = generate(self.ac.policy, self.tokenizer, prompts, r)
+        sampling = r if can_merge_lora(self.acc) else r.model_copy(update={"merge_lora": False})
+        with gathered(self.acc, self.model) as call:
+            samples = call(generate, self.ac.policy, self.tokenizer, prompts, sampling)
         rollout_time = time.time() - started
         batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
                              [s.token_ids for s in samples])
@@ -317,8 +324,9 @@ class PPOLoop:
             outs = [self.ac(batch["input_ids"][s:s + chunk], batch["attention_mask"][s:s + chunk], k,
                             r.temperature, with_entropy=True) for s in range(0, len(samples), chunk)]
             batch["logprobs"], batch["values"], batch["entropy"] = (torch.cat(x) for x in zip(*outs))
-            batch["ref_logprobs"] = self.models.reference_logprobs(batch["input_ids"], batch["attention_mask"], k,
-                                                                   r.temperature, chunk)
+            with gathered(self.acc, self.model) as call:
+                batch["ref_logprobs"] = call(self.models.reference_logprobs, batch["input_ids"],
+                                             batch["attention_mask"], k, r.temperature, chunk)
         return batch
 
     def collate(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
@@ -398,10 +406,11 @@ class PPOLoop:
                 local_loss = 0.0
                 for j in range(accum):
                     micro = rows[j * self.micro_batch_size:(j + 1) * self.micro_batch_size]
-                    context = self.acc.no_sync(self.model) if j < accum - 1 else nullcontext()
-                    with context:
+                    # accelerate's accumulation: no gradient sync before the last micro-batch (DDP, FSDP2), the
+                    # loss divided by `accum` (DeepSpeed divides it itself and steps at the last one)
+                    with self.acc.accumulate(self.model):
                         loss, stats, n_tokens = self.micro_loss(batch, micro.to(batch["mask"].device))
-                        self.acc.backward(loss / accum)
+                        self.acc.backward(loss)
                     local_loss += loss.item() / accum
                     tokens += n_tokens
                     for key, value in stats.items():
@@ -431,7 +440,9 @@ class PPOLoop:
 
     def step(self, local_loss: float) -> float:
         """Clip, check, step. A non-finite loss or gradient on any process stops every process before
-        the optimizer step, so the weights and the last checkpoint stay intact."""
+        the optimizer step, so the weights and the last checkpoint stay intact. (DeepSpeed clips and steps
+        inside the last micro-batch's backward pass; there the stop comes after its step, and the last
+        checkpoint stays intact.)"""
         import torch
 
         from ..trainer_utils import NonFiniteError
@@ -514,61 +525,31 @@ class PPOLoop:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def save_final(self) -> None:
-        """The trained policy as the stage's checkpoint (merged weights + adapter), written by rank 0."""
-        from ..models import save_checkpoint
-        from ..ppo_models import policy_for_saving
+        """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
+        process, written by rank 0 (`sharding.save_trained`)."""
+        from ..ppo_models import policy_state
+        from ..sharding import save_trained
 
         self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            save_checkpoint(policy_for_saving(self.models), self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype())
+        save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=policy_state)
 
     def save_state(self) -> None:
-        import torch
+        from ..ppo_models import save_loop_state
 
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            work = Path(self.ctx.work_dir)
-            tmp, final = work / f"checkpoint-{self.update}.tmp", work / f"checkpoint-{self.update}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            torch.save(self.ac.trainable_state(), tmp / "model.pt")
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
-            state = {"update": self.update, "kl_controller": self.kl_ctl.state_dict(),
-                     "reward_stats": self.reward_stats, "log_history": self.history}
-            (tmp / "state.json").write_text(json.dumps(state))
-            os.replace(tmp, final)
-            for old in checkpoints(work):
-                if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
-        self.acc.wait_for_everyone()
+        save_loop_state(self.acc, Path(self.ctx.work_dir), self.update,
+                        {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history})
 
     def resume(self) -> None:
-        import torch
+        from ..ppo_models import load_loop_state
 
-        found = checkpoints(Path(self.ctx.work_dir))
-        if not found:
-            return
-        path = found[-1]
-        state = json.loads((path / "state.json").read_text())
-        self.ac.load_trainable_state(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
-        self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-        self.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
-        log.info(f"[{self.ctx.stage_id}] resuming from update {self.update} ({path})")
+        state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
+        if state is not None:
+            self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
+            log.info(f"[{self.ctx.stage_id}] resuming from update {self.update} ({path})")
 
 
 LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
             "explained_variance", "response_length", "eos_fraction"]
-
-
-def checkpoints(work_dir: Path) -> list[Path]:
-    """Complete checkpoints (`checkpoint-N`, never a `.tmp`), oldest first."""
-    if not work_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in work_dir.iterdir() if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
-    return [p for _, p in sorted(found) if (p / "state.json").exists()]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -192,10 +192,10 @@ def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    from ..trainer_utils import final_metrics, resume_checkpoint
+    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, counts = build_trainer(ctx)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
+    train(ctx, trainer)
     held_out = {}
     if trainer.eval_dataset is not None:
         scores = trainer.evaluate()
@@ -203,6 +203,5 @@ def run(ctx: StageContext) -> dict:
         if ctx.is_main:
             log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
                      f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
-    if ctx.is_main:
-        save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir, ctx.save_dtype())
+    save_model(trainer, trainer.processing_class, ctx.out_dir, ctx.save_dtype(), save=save_reward_model)
     return final_metrics(trainer, **counts, **held_out)

@@ -196,9 +196,9 @@ def check(ctx: StageContext) -> None:
 def run(ctx: StageContext) -> dict:
     import datasets
 
-    from ..models import load_policy, peft_config, save_checkpoint
+    from ..models import load_policy, peft_config
     from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
-    from ..trainer_utils import final_metrics, resume_checkpoint, trainer_callbacks
+    from ..trainer_utils import final_metrics, save_model, train, trainer_callbacks
     from ..verifier_rewards import GroupSignal, build_rewards
 
     args = trl_config(ctx)
@@ -206,7 +206,7 @@ def run(ctx: StageContext) -> dict:
     rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     verifiers = [r.verifier for r in rewards]
     tokenizer = ctx.load_tokenizer()
-    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
+    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     stop_at_end_of_turn(model, tokenizer)
     stop_vllm_at_end_of_turn(args, tokenizer, model)
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
@@ -224,9 +224,8 @@ def run(ctx: StageContext) -> dict:
     )
     signal.training = lambda: trainer.model.training
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
-        trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
-    if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
+        train(ctx, trainer)
+    save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
     signal.report(ctx.stage_id, args.max_completion_length, LOUD_SHARE)
     return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)

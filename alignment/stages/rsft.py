@@ -214,8 +214,8 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history, rows truncated
     at max_length, which TRL cuts: counted and said as the sft stage does)."""
     from ..formatting import render_pair
-    from ..models import load_policy, save_checkpoint
-    from ..trainer_utils import resume_checkpoint
+    from ..models import load_policy
+    from ..trainer_utils import save_model, train
     from .sft import count_truncated, drop_overlong, make_trainer, row_lengths, token_rows
 
     folder = ctx.work_dir / f"round{round_index}"
@@ -223,11 +223,10 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     where = f"{ctx.where} round {round_index}"
     rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where)
     truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
-    trainer = make_trainer(ctx, args, load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, rows)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(args.output_dir))
-    if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, folder / "policy", ctx.save_dtype())
-    trainer.accelerator.wait_for_everyone()
+    policy_model = load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True)
+    trainer = make_trainer(ctx, args, policy_model, tokenizer, rows)
+    train(ctx, trainer)
+    save_model(trainer, tokenizer, folder / "policy", ctx.save_dtype())
     return str(folder / "policy"), trainer.state.log_history, truncated
 
 

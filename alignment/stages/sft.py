@@ -156,7 +156,7 @@ def build_trainer(ctx: StageContext):
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
-    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code)
+    model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
     counts = {"rows": len(train_rows),
@@ -165,11 +165,9 @@ def build_trainer(ctx: StageContext):
 
 
 def run(ctx: StageContext) -> dict:
-    from ..models import save_checkpoint
-    from ..trainer_utils import final_metrics, resume_checkpoint
+    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, tokenizer, counts = build_trainer(ctx)
-    trainer.train(resume_from_checkpoint=resume_checkpoint(trainer.args.output_dir))
-    if ctx.is_main:
-        save_checkpoint(trainer.model, tokenizer, ctx.out_dir, ctx.save_dtype())
+    train(ctx, trainer)
+    save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     return final_metrics(trainer, **counts)
