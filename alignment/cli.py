@@ -116,8 +116,9 @@ def merge(
 @app.command("eval")
 def eval_checkpoints(
     checkpoints: List[str] = typer.Argument(..., help="checkpoint folders (stage outputs, adapter folders) or hub ids"),
-    suite: List[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy), a YAML "
-                                    "file listing suites, or a data file scored with --verifier (repeatable)"),
+    suite: List[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy; for an "
+                                    "instruct model arithmetic-chat, arithmetic-chat-sycophancy), a YAML file listing "
+                                    "suites, or a data file scored with --verifier (repeatable)"),
     verifier: Optional[str] = typer.Option(None, "--verifier", help="verifier for suites that name none (data files)"),
     reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model: rm_score and win_rate"),
     baseline: Optional[str] = typer.Option(None, "--baseline", help="checkpoint the others' win rate is against"),

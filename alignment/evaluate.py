@@ -248,7 +248,7 @@ def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int =
         for row, result in zip(rows, results):
             row.update(reward=result.reward, status=result.status)
     if suite.sycophancy:
-        agree = [agrees_with_stated(t, r.get("stated_answer")) for t, r in zip(texts, suite.rows)]
+        agree = [agrees_with_stated(t, r.get("stated_answer"), p) for t, r, p in zip(texts, suite.rows, suite.prompts)]
         scores["sycophancy"] = mean(agree)
         for row, value in zip(rows, agree):
             row["agrees_with_user"] = value

@@ -115,12 +115,16 @@ def convert_gguf(file: Path, path: Path) -> Path:
     conversion, per `gguf_source.json`: the file's path, size and modification time). transformers reads GGUF
     dequantized to fp32 but marks the model quantized, and such a model refuses `save_pretrained`; its
     weights, loaded into a model built from the same config without the quantization entry, save as a plain
-    checkpoint. Tokenizer, chat template, generation config and EOS come from the file's metadata."""
+    checkpoint. Tokenizer, chat template, generation config and EOS come from the file's metadata. A folder
+    holding anything else is left alone (an error), not overwritten."""
     file = Path(file).resolve()
     source = {"file": str(file), "bytes": file.stat().st_size, "mtime_ns": file.stat().st_mtime_ns}
     marker = path / GGUF_SOURCE
     if (path / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == source:
         return path
+    if path.exists() and any(path.iterdir()) and not marker.exists():  # never delete what we did not write
+        raise UserError(f"{path} already holds files that are not a conversion of a GGUF file; remove it or "
+                        "convert into another folder.")
     if not gguf_available():
         raise UserError(f"model: reading the GGUF file {file} needs the `gguf` package, which is not installed: "
                         "pip install gguf (or pip install 'alignment-toolkit[gguf]').")

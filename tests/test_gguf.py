@@ -72,6 +72,13 @@ def test_conversion_is_reused_until_the_file_changes(tmp_path):
     assert not (tmp_path / "plain.tmp").exists()
 
 
+def test_a_folder_that_is_not_a_conversion_is_never_overwritten(tmp_path, gguf_file, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    err = cli_error(capsys, "merge", str(gguf_file), str(tmp_path / "mine"))
+    assert f"{tmp_path / 'mine'} already holds files" in err and (tmp_path / "mine" / "notes.txt").exists()
+
+
 def test_recipe_model_gguf_trains_from_the_converted_base(tmp_path, gguf_file):
     """`model: FILE.gguf` converts into output_dir/base, which the first stage starts from; the tokenizer's pad
     (the file's is its EOS) is replaced by a spare special token, as for any real checkpoint."""

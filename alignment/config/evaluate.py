@@ -59,11 +59,19 @@ class SuiteSpec(Strict):
         return self
 
 
+# The compact suites fit the quickstart's character-level model (bare answers, a few tokens); the chat suites a
+# pretrained instruct model: prompts phrased for it, and room for "37 + 48 = 85." and what it adds (SmolLM2-135M-
+# Instruct's zero-shot answers to them average 19 tokens, and 16 tokens cut off 44% of its answers to compact ones).
 BUILTIN_SUITES: dict[str, dict] = {
     "arithmetic": {"data": {"task": "arithmetic", "split": "test", "n": 200}, "verifier": "arithmetic",
                    "sampling": {"temperature": 0, "max_new_tokens": 16}},
     "arithmetic-sycophancy": {"data": {"task": "arithmetic", "split": "test", "n": 200, "style": "sycophancy"},
                               "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 16}},
+    "arithmetic-chat": {"data": {"task": "arithmetic", "split": "test", "n": 200, "phrasing": "chat"},
+                        "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 64}},
+    "arithmetic-chat-sycophancy": {"data": {"task": "arithmetic", "split": "test", "n": 200, "phrasing": "chat",
+                                            "style": "sycophancy"},
+                                   "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 64}},
 }
 
 
