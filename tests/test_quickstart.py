@@ -46,12 +46,12 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
         assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
-    # Directions, not one machine's margins: the seeded run moves with the CPU's float rounding (README: sft
-    # 0.363 -> dpo +53, rsft +18, rlvr +12, ppo +9 on one 2-core machine; sft 0.507 -> dpo +44, rsft +7,
-    # rlvr +5, ppo +3 on another). Every stage beats SFT on both; DPO's margin is large on both.
+    # Margins below the minimum measured over seeds 1-3 (scripts/seeds.py; README): SFT imitates demonstrations
+    # that drop most carries, so it plateaus near the share of sums without a carry, and every stage that
+    # learns from rewards or preferences recovers the carry (measured gains +30 points or more).
+    assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
     for stage in ("ppo", "dpo", "rsft", "rlvr"):
-        assert metrics[stage]["arithmetic/pass@1"] > sft, f"{stage} does not beat SFT"
-    assert metrics["dpo"]["arithmetic/pass@1"] > sft + 0.10
+        assert metrics[stage]["arithmetic/pass@1"] > sft + 0.20, f"{stage} does not beat SFT by 20 points"
     assert metrics["ppo"]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"]  # RLHF raised the RM score
     assert metrics["ppo"]["arithmetic/kl"] > 0 and metrics["ppo"]["arithmetic/reward_hacking"] == 0
     for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):

@@ -9,6 +9,11 @@ stage may need: `prompt`/`completion` (SFT), `answer` (RL and verifiers), `chose
 `phrasing: chat` asks the way one asks an instruct model ("What is 37 + 48? Answer with just the number.");
 the default `compact` ("What is 37+48?") is what the quickstart's character-level model learns from scratch.
 Answers are read by `final_answer`, which copes with the ways instruct models answer ("37 + 48 = 85.").
+`carry_mistake_rate` makes the demonstrations (`completion`, `messages`) imperfect the way a human
+demonstrator is: that share of problems whose units digits carry is demonstrated with the carry dropped
+(37+48 -> 75). A policy that imitates them learns the mistake as its most likely answer on those
+problems, while `answer`, `chosen` and the verifier stay correct: what the reward-driven stages can
+recover and imitation cannot.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Params(Strict):
                                                  "37 + 48? Answer with just the number.'")
     sycophancy_fraction: float = Field(0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way")
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
+    carry_mistake_rate: float = Field(0.0, ge=0, le=1, description="share of carrying additions whose demonstrated "
+                                      "completion drops the carry (answer, chosen and the verifier stay correct)")
 
 
 def _is_test_problem(a: int, op: str, b: int, fraction: float) -> bool:
@@ -51,6 +58,11 @@ def plausible_mistake(a: int, op: str, b: int, rng: random.Random) -> int:
         candidates.add(int(digits[::-1]) * (1 if right >= 0 else -1))
     candidates.discard(right)
     return rng.choice(sorted(candidates))
+
+
+def carries(a: int, op: str, b: int) -> bool:
+    """Whether an addition carries out of the units digit (the step a learner most often drops)."""
+    return op == "+" and (abs(a) % 10 + abs(b) % 10) >= 10
 
 
 def _operand(rng: random.Random, digits: int | tuple[int, int]) -> int:
@@ -83,10 +95,13 @@ def _row(a: int, op: str, b: int, params: Params, rng: random.Random) -> dict:
     sycophantic = params.style == "sycophancy" or (params.sycophancy_fraction > 0 and rng.random() < params.sycophancy_fraction)
     if sycophantic:
         question = f"I think {problem} is {wrong}. {question}"
-    row = {"prompt": question, "completion": answer, "answer": answer, "chosen": answer, "rejected": wrong,
+    demonstrated = answer
+    if params.carry_mistake_rate > 0 and carries(a, op, b) and rng.random() < params.carry_mistake_rate:
+        demonstrated = str(OPERATORS[op](a, b) - 10)
+    row = {"prompt": question, "completion": demonstrated, "answer": answer, "chosen": answer, "rejected": wrong,
            "stated_answer": wrong if sycophantic else ""}
     if params.format == "messages":
-        row["messages"] = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        row["messages"] = [{"role": "user", "content": question}, {"role": "assistant", "content": demonstrated}]
         del row["prompt"], row["completion"]
     return row
 

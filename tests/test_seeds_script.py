@@ -1,0 +1,37 @@
+"""scripts/seeds.py: the across-seeds table the README's quickstart figures come from."""
+
+import importlib.util
+import json
+
+import pytest
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("seeds", REPO / "scripts" / "seeds.py")
+seeds = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(seeds)
+
+
+def finished_seed(out, seed, sft, rlvr):
+    metrics = {"sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
+               "rlvr": {"arithmetic/pass@1": rlvr, "arithmetic/kl": 0.5}}
+    (out / f"seed-{seed}" / "eval").mkdir(parents=True)
+    (out / f"seed-{seed}" / "eval" / "metrics.json").write_text(json.dumps({"checkpoints": metrics}))
+
+
+def test_the_table_has_mean_min_max_per_stage_and_every_seeds_gain(tmp_path):
+    finished_seed(tmp_path, 1, sft=0.60, rlvr=0.95)
+    finished_seed(tmp_path, 2, sft=0.70, rlvr=0.90)
+    data = seeds.main(["--seeds", "1", "2", "--out", str(tmp_path), "--table-only"])
+    assert data["summary"]["arithmetic/pass@1"]["rlvr"] == pytest.approx({"mean": 0.925, "min": 0.90, "max": 0.95})
+    assert data["gains_points"][1]["rlvr"] == pytest.approx(35.0) and data["gains_points"][2]["rlvr"] == pytest.approx(20.0)
+    table = (tmp_path / "seeds.md").read_text()
+    assert "0.925 [0.900, 0.950]" in table and "| min | | +20.0 |" in table and "--jobs 2" in table
+    assert json.loads((tmp_path / "seeds.json").read_text())["gains_points"]["1"]["rlvr"] == pytest.approx(35.0)
+
+
+def test_a_seed_that_fails_stops_the_script_naming_its_log(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nstages: {}\nunknown_key: 1\n")
+    with pytest.raises(SystemExit) as stop:
+        seeds.main([str(bad), "--seeds", "4", "--out", str(tmp_path / "out")])
+    assert "seed 4 failed" in str(stop.value) and "seed-4.log" in str(stop.value)
