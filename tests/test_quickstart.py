@@ -46,7 +46,7 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
         assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
-    # Margins below the minimum measured over seeds 1-3 (scripts/seeds.py; README): SFT imitates demonstrations
+    # Margins well below what the measured runs reached (README; scripts/seeds.py): SFT imitates demonstrations
     # that drop most carries, so it plateaus near the share of sums without a carry, and every stage that
     # learns from rewards or preferences recovers the carry (measured gains +30 points or more).
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
