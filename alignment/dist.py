@@ -10,7 +10,7 @@ of a recipe: it refuses launches that would not shard (one process, FSDP1, DeepS
 precision on CPU), turns FSDP2 on where accelerate leaves it off (CPU process groups), and checks that
 every process sees the same `output_dir`. Every stage then checks the engine its accelerator really
 runs (`check_engine`) before training. `full_weights()` loads a model whole on every process even
-under ZeRO-3 or FSDP's rank-0-only loading, for the models that are used but not trained.
+under ZeRO-3 or FSDP's CPU-RAM-efficient loading, for the models that are used but not trained.
 
 Every message of the toolkit goes through Python `logging`, under the `alignment` logger
 (`get_logger(__name__)` in each module). `configure_logging()`, called by the CLI, prints INFO
@@ -207,8 +207,10 @@ def check_shared_folder(folder: Path) -> None:
 
 
 def loads_partitioned() -> bool:
-    """Whether `from_pretrained` would now give this process less than the whole model: ZeRO-3's zero.Init
-    (a DeepSpeed config with stage 3 is registered with transformers), or FSDP's rank-0-only loading."""
+    """Whether `from_pretrained` may now give this process less than the whole model: ZeRO-3's zero.Init (a
+    DeepSpeed config with stage 3 is registered with transformers), or FSDP's CPU-RAM-efficient loading, under
+    which transformers leaves the weights a checkpoint lacks (a fresh score head) on the meta device on every
+    rank but 0, for the engine to broadcast rank 0's when it wraps the model."""
     fsdp_rank0_loading = _flag("ACCELERATE_USE_FSDP") and _flag("FSDP_CPU_RAM_EFFICIENT_LOADING")
     return hf_deepspeed.is_deepspeed_zero3_enabled() or (fsdp_rank0_loading and torch.distributed.is_initialized())
 
@@ -216,8 +218,8 @@ def loads_partitioned() -> bool:
 @contextlib.contextmanager
 def full_weights():
     """Load models whole on every process inside this block, also under ZeRO-3 (transformers otherwise loads
-    into zero.Init partitions once a ZeRO-3 config exists) and FSDP's rank-0-only loading (`meta` tensors on
-    the other ranks). For models that are used but never wrapped by the engine: samplers, reward models,
+    into zero.Init partitions once a ZeRO-3 config exists) and FSDP's CPU-RAM-efficient loading (`meta`
+    tensors on the other ranks for weights the checkpoint lacks). For models that are used but never wrapped by the engine: samplers, reward models,
     references of our own loop, evaluation."""
     registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps it as a weak reference
     config = registered() if registered is not None else None

@@ -264,7 +264,8 @@ def is_reward_adapter(path: str | Path) -> bool:
 def load_policy(name: str, trust_remote_code: bool = False, dtype=None, partitioned: bool = False):
     """A causal LM from a folder, hub id or adapter folder (adapter merged into its base). Whole on every process
     (`dist.full_weights`), unless `partitioned`: a model a trainer is about to wrap, which under ZeRO-3 loads into
-    its partitions (zero.Init) and under FSDP's rank-0-only loading on rank 0 alone."""
+    its partitions (zero.Init) and under FSDP's CPU-RAM-efficient loading may leave parts on the meta device
+    off rank 0 (`dist.loads_partitioned`)."""
     with contextlib.nullcontext() if partitioned else full_weights():
         return _load_policy(name, trust_remote_code, dtype or default_dtype())
 

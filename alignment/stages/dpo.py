@@ -87,8 +87,8 @@ def check(ctx: StageContext) -> None:
 
 def reference_for(ctx: StageContext, policy, args):
     """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs).
-    Where the policy is not whole on this process before the trainer wraps it (ZeRO-3, FSDP's rank-0-only
-    loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
+    Where the policy may not be whole on this process before the trainer wraps it (ZeRO-3, FSDP's
+    CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
     instead of copied."""
     import copy
 
