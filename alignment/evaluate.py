@@ -41,7 +41,7 @@ from .config.sampling import SamplingSpec
 from .data import load_rows
 from .dist import distributed_state, get_logger
 from .errors import UserError
-from .formatting import render_prompt
+from .formatting import encode, render_prompt
 from .metrics import (
     agrees_with_stated,
     mean,
@@ -295,7 +295,7 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     sampled from `policy` (Sample.token_ids). The mean over samples is the k1 Monte-Carlo estimate of
     KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [encode(tokenizer, p) for p in prompts]
     order = sorted(range(len(samples)), key=lambda i: len(encoded[samples[i].prompt_index]) + len(samples[i].token_ids))
     kl = [0.0] * len(samples)
     for start in range(0, len(order), batch_size):

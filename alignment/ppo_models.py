@@ -176,10 +176,6 @@ class ActorCritic(nn.Module):
         return [{"params": policy, "lr": learning_rate, "weight_decay": weight_decay},
                 {"params": critic, "lr": critic_learning_rate, "weight_decay": weight_decay}]
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Trainable tensors only (adapters + value head with LoRA), as this process holds them."""
-        return {n: p.detach().cpu().clone() for n, p in self.named_parameters() if p.requires_grad}
-
 
 @dataclass
 class PPOModels:

@@ -58,7 +58,7 @@ def install(folder: Path) -> None:
     save = ppo.PPOLoop.save_final
 
     def save_final(loop):
-        write_digest(folder, loop.ac.trainable_state(), loop.ctx.stage_id)
+        write_digest(folder, {n: p for n, p in loop.ac.named_parameters() if p.requires_grad}, loop.ctx.stage_id)
         return save(loop)
 
     ppo.PPOLoop.save_final = save_final

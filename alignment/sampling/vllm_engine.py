@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from ..config.sampling import TESTED_VERSIONS, SamplingSpec, VllmSpec
 from ..errors import UserError
+from ..formatting import encode
 from ..rl import prompt_completion_batch, sequence_logprobs
 from .samples import lora_merged, stop_token_ids, to_sample
 
@@ -87,7 +88,7 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     """`sampling.generate` with vLLM doing the sampling; same arguments, same result."""
     where = progress or "sampling"
     stops = stop_token_ids(tokenizer, model)
-    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [encode(tokenizer, p) for p in prompts]
     engine = _engine_for(model, settings.vllm, where)
     _check_prompt_lengths(encoded, engine, where)
     llm = engine.llm

@@ -149,7 +149,7 @@ class Config(StageConfig):
 
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
-    from ..formatting import render_prompt
+    from ..formatting import encode, render_prompt
     from ..prompts import prompt_of
 
     cfg, where = ctx.config, f"{ctx.where}.data"
@@ -157,7 +157,7 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dic
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
     limit = cfg.rollout.max_prompt_length
     if limit:
-        keep = [i for i, p in enumerate(prompts) if len(tokenizer(p, add_special_tokens=False)["input_ids"]) <= limit]
+        keep = [i for i, p in enumerate(prompts) if len(encode(tokenizer, p)) <= limit]
         if not keep:
             raise UserError(f"{where}: every prompt is longer than rollout.max_prompt_length={limit} tokens.")
         if len(keep) < len(rows):
@@ -263,6 +263,7 @@ class PPOLoop:
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
+        from ..formatting import encode
         from ..memory import StepShape, needs_checkpointing
         from ..models import default_dtype
 
@@ -270,7 +271,7 @@ class PPOLoop:
             return self.t.gradient_checkpointing
 
         def micro_batch() -> StepShape:
-            longest = max(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in self.prompts)
+            longest = max(len(encode(self.tokenizer, p)) for p in self.prompts)
             new_tokens = self.cfg.rollout.max_new_tokens
             return StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
                              lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True,
@@ -304,6 +305,7 @@ class PPOLoop:
         """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
         import torch
 
+        from ..formatting import encode
         from ..sampling import generate
         from ..sharding import can_merge_lora, gathered
 
@@ -314,7 +316,7 @@ class PPOLoop:
         with gathered(self.acc, self.model) as call:
             samples = call(generate, self.ac.policy, self.tokenizer, prompts, sampling)
         rollout_time = time.time() - started
-        batch = self.collate([self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts],
+        batch = self.collate([encode(self.tokenizer, p) for p in prompts],
                              [s.token_ids for s in samples])
         scores, parts = self.scorer(rows, samples, self.micro_batch_size)
         batch.update(raw_scores=scores.to(self.acc.device), parts=parts, rollout_time=rollout_time,
