@@ -237,6 +237,16 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(name if name.startswith(ROOT) else f"{ROOT}.{name}")
 
 
+# Above this share of a stage's rows dropped, truncated or cut, saying so is a warning, not a note.
+LOUD_SHARE = 0.05
+
+
+def log_share(logger: logging.Logger, count: int, total: int, message: str) -> None:
+    """Say `message` about `count` of `total` rows: a warning when they are more than LOUD_SHARE of them, else
+    a note (a few cut rows are routine; many change what the stage trains on)."""
+    (logger.warning if count > LOUD_SHARE * total else logger.info)(message)
+
+
 class MainProcessOnly(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return is_main_process()

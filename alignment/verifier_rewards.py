@@ -27,7 +27,7 @@ from pathlib import Path
 from accelerate.utils import gather_object
 
 from .config.verifier import VerifierSpec
-from .dist import get_logger
+from .dist import get_logger, log_share
 from .errors import UserError
 from .verifiers import VerifyResult, is_pass, resolve
 
@@ -220,7 +220,7 @@ class GroupSignal:
         return {"zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
                 "completions_truncated": self.counts["truncated"], "completions_sampled": self.counts["completions"]}
 
-    def report(self, where: str, max_completion_length: int | None, loud_share: float) -> None:
+    def report(self, where: str, max_completion_length: int | None) -> None:
         """Say what the counts mean: a warning when most groups taught nothing or many answers were cut."""
         found = self.metrics()
         if not found:
@@ -234,8 +234,8 @@ class GroupSignal:
                 "train.num_generations.")
         cut, total = found["completions_truncated"], found["completions_sampled"]
         if cut:
-            say = log.warning if cut > loud_share * total else log.info
-            say(f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at max_completion_length="
-                f"{max_completion_length} tokens before their end-of-turn token (completions_truncated in "
-                "stage.json); they were scored and trained as cut off. Raise train.max_completion_length, or set "
-                "train.mask_truncated_completions: true to leave them out of the loss.")
+            log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
+                      f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
+                      "(completions_truncated in stage.json); they were scored and trained as cut off. Raise "
+                      "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
+                      "of the loss.")

@@ -224,3 +224,12 @@ def test_shipped_accelerate_configs_load_and_the_cpu_ones_really_shard_in_fp32()
     assert zero3["zero_optimization"]["stage3_param_persistence_threshold"] == 0  # tiny models really partitioned
     assert zero3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
     assert configs["zero3"].deepspeed_config["zero3_save_16bit_model"] is True
+
+
+def test_a_few_dropped_rows_are_a_note_and_more_are_a_warning(caplog):
+    log = dist.get_logger("alignment.test")
+    caplog.set_level(logging.INFO, logger="alignment")
+    dist.log_share(log, 5, 100, "five of a hundred")     # at LOUD_SHARE: routine
+    dist.log_share(log, 6, 100, "six of a hundred")      # above it
+    levels = {r.getMessage(): r.levelno for r in caplog.records}
+    assert levels == {"five of a hundred": logging.INFO, "six of a hundred": logging.WARNING}

@@ -315,7 +315,7 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
     training[0] = True
     call(a=[1, 0], b=[0, 0], ids=[[9], [9]])
     assert signal.metrics() == {"zero_variance_groups": 0.5, "completions_truncated": 2, "completions_sampled": 8}
-    signal.report("rl", max_completion_length=4, loud_share=0.05)
+    signal.report("rl", max_completion_length=4)
     said = logged()
     assert "prompt groups" not in said  # half, not most
     assert "[rl] 2 of 8 completions (25%) were cut at max_completion_length=4" in said
@@ -330,7 +330,7 @@ def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):
     reward = VerifierReward(resolve(lambda completion: 1.0), 1.0, "one")
     signal = GroupSignal([reward], stop_ids=[9], num_generations=2)
     reward(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=[[9]] * 4)
-    signal.report("rl", max_completion_length=4, loud_share=0.05)
+    signal.report("rl", max_completion_length=4)
     assert signal.metrics()["zero_variance_groups"] == 1.0
     assert [r.levelno for r in caplog.records if "prompt groups" in r.getMessage()] == [logging.WARNING]
     assert "[rl] 100% of prompt groups got the same reward" in logged()

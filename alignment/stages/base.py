@@ -18,9 +18,6 @@ from ..config.model import LoraSpec
 from ..config.stage import StageConfig
 from ..errors import UserError
 
-# Above this share of a stage's rows dropped or truncated, saying so is a warning, not a note.
-LOUD_SHARE = 0.05
-
 if TYPE_CHECKING:
     from ..recipe import Recipe
 

@@ -31,7 +31,7 @@ from ..config.data import DataSpec
 from ..config.sampling import OnPolicySpec
 from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import LOUD_SHARE, StageContext
+from .base import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
     """The tokenized pairs whose chosen and rejected texts both fit `max_length`, and how many did not. TRL
     drops the longer ones itself, with only a progress bar to show for it: here they are counted and said,
     and a share above a few percent is a warning. All dropped is an error."""
+    from ..dist import log_share
+
     if not max_length or not pairs:
         return pairs, 0
     kept = [p for p in pairs if max(len(p["chosen_ids"]), len(p["rejected_ids"])) <= max_length]
@@ -139,9 +141,8 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
         raise UserError(f"{where}: all {len(pairs)} pairs are longer than train.max_length={max_length} tokens; "
                         "raise it or shorten the data.")
     if dropped:
-        say = log.warning if dropped > LOUD_SHARE * len(pairs) else log.info
-        say(f"[{where}] dropped {dropped} of {len(pairs)} pairs ({dropped / len(pairs):.0%}) longer than "
-            f"train.max_length={max_length} tokens")
+        log_share(log, dropped, len(pairs), f"[{where}] dropped {dropped} of {len(pairs)} pairs "
+                  f"({dropped / len(pairs):.0%}) longer than train.max_length={max_length} tokens")
     return kept, dropped
 
 

@@ -48,7 +48,7 @@ from ..config.data import DataSpec
 from ..config.stage import BATCH_KNOB, LORA_KNOB, StageConfig
 from ..config.verifier import VerifierSpec
 from ..errors import UserError
-from .base import LOUD_SHARE, StageContext
+from .base import StageContext
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
 
@@ -227,7 +227,7 @@ def run(ctx: StageContext) -> dict:
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
-    signal.report(ctx.stage_id, args.max_completion_length, LOUD_SHARE)
+    signal.report(ctx.stage_id, args.max_completion_length)
     return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
 
 
@@ -236,6 +236,8 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
     context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
     and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
+    from ..dist import log_share
+
     context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
         getattr(model.config, "max_position_embeddings", None)
     if not context or not rows:
@@ -243,9 +245,8 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     limit = context - (args.max_completion_length or 0)
     over = sum(len(tokenizer(r["prompt"])["input_ids"]) > limit for r in rows)
     if over:
-        say = log.warning if over > LOUD_SHARE * len(rows) else log.info
-        say(f"[{where}] {over} of {len(rows)} prompts ({over / len(rows):.0%}) are longer than {limit} tokens, so "
-            f"with max_completion_length={args.max_completion_length} they do not fit the model's context of "
-            f"{context} tokens (prompts_over_context in stage.json); shorten them or lower "
-            "train.max_completion_length")
+        log_share(log, over, len(rows), f"[{where}] {over} of {len(rows)} prompts ({over / len(rows):.0%}) are "
+                  f"longer than {limit} tokens, so with max_completion_length={args.max_completion_length} they do "
+                  f"not fit the model's context of {context} tokens (prompts_over_context in stage.json); shorten "
+                  "them or lower train.max_completion_length")
     return over

@@ -15,7 +15,7 @@ from typing import Literal
 from ..config.data import DataSpec
 from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import LOUD_SHARE, StageContext
+from .base import StageContext
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,9 @@ def prompt_length(row: dict) -> int:
 
 def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=prompt_length) -> list[dict]:
     """Drop the token rows whose prompt (`length(row)` tokens) leaves no room for the completion within
-    `max_length`; said, and all dropped is an error."""
+    `max_length`; said (loudly when they are more than a few), and all dropped is an error."""
+    from ..dist import log_share
+
     if not max_length:
         return rows
     kept = [r for r in rows if length(r) < max_length]
@@ -100,7 +102,9 @@ def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=p
         raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
                         "left to train on; raise train.max_length or shorten the prompts.")
     if len(kept) < len(rows):
-        log.info(f"[{where}] dropped {len(rows) - len(kept)} of {len(rows)} rows whose prompt exceeds max_length={max_length}")
+        dropped = len(rows) - len(kept)
+        log_share(log, dropped, len(rows), f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves no room "
+                  f"for the completion within max_length={max_length} tokens")
     return kept
 
 
@@ -114,14 +118,15 @@ def count_truncated(lengths: list[int], max_length: int | None, where: str, what
     """How many of the rows (of `lengths` tokens) are longer than `max_length`, which TRL cuts (SFT from the
     right, DPO by its truncation_mode): a cut completion is trained without its end (the end-of-turn token
     above all). Said, loudly when they are more than a few."""
+    from ..dist import log_share
+
     if not max_length:
         return 0
     truncated = sum(n > max_length for n in lengths)
     if truncated:
-        say = log.warning if truncated > LOUD_SHARE * len(lengths) else log.info
-        say(f"[{where}] {truncated} of {len(lengths)} {what} ({truncated / len(lengths):.0%}) are longer than "
-            f"max_length={max_length} tokens and are trained cut off, without their end; raise train.max_length "
-            "or shorten them")
+        log_share(log, truncated, len(lengths), f"[{where}] {truncated} of {len(lengths)} {what} "
+                  f"({truncated / len(lengths):.0%}) are longer than max_length={max_length} tokens and are trained "
+                  "cut off, without their end; raise train.max_length or shorten them")
     return truncated
 
 
