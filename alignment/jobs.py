@@ -10,7 +10,11 @@ stage it reads has finished. The stages themselves are unchanged: same code, sam
 The machine is split between the jobs: on CPU each child gets its share of torch's threads (at least
 one), on GPUs each child gets a GPU of its own. Why it pays on CPU: one process does not keep two cores
 busy on a small model (two threads ran the quickstart's SFT 1.65x faster than one, not 2x), while two
-one-thread processes ran side by side each as fast as alone. A child's output goes to
+one-thread processes ran side by side each as fast as alone. A stage that can never run beside another
+(every other stage of the recipe is upstream or downstream of it, as the quickstart's `sft`) gets all
+the threads instead. That is read from the recipe's graph, never from timing, so a stage trains on the
+same number of threads in every run with the same `--jobs` (also `--only` one stage), and its floats come
+out the same. A child's output goes to
 `<output_dir>/logs/<stage>.log`. When a stage fails, no new stage starts; the stages already running
 finish (their work is kept) and the run stops with the failed stage's error and the end of its log.
 """
@@ -56,6 +60,33 @@ def slot_environments(jobs: int) -> list[dict[str, str]]:
     return [{"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} for _ in range(jobs)]
 
 
+def whole_machine(jobs: int) -> dict[str, str]:
+    """The environment of a child that runs alone: every CPU thread (on GPUs still one GPU, the first slot's:
+    a one-process stage uses one)."""
+    if "CUDA_VISIBLE_DEVICES" in slot_environments(jobs)[0]:
+        return slot_environments(jobs)[0]
+    threads = str(torch.get_num_threads())
+    return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+
+
+def upstream(recipe: Recipe, stage_id: str) -> set[str]:
+    """Every stage whose output `stage_id` reads, directly or through others."""
+    found, todo = set(), list(recipe.dependencies(stage_id))
+    while todo:
+        needed = todo.pop()
+        if needed not in found:
+            found.add(needed)
+            todo.extend(recipe.dependencies(needed))
+    return found
+
+
+def runs_alone(recipe: Recipe, stage_id: str) -> bool:
+    """Whether `stage_id` can never run at the same time as another stage of the recipe: each other stage
+    is upstream of it or downstream of it."""
+    before = upstream(recipe, stage_id)
+    return all(s in before or stage_id in upstream(recipe, s) for s in recipe.stages if s != stage_id)
+
+
 def describe(env: dict[str, str]) -> str:
     if "CUDA_VISIBLE_DEVICES" in env:
         return f"GPU {env['CUDA_VISIBLE_DEVICES']}"
@@ -75,7 +106,8 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
     finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
     stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line."""
-    envs = slot_environments(jobs)
+    envs, alone = slot_environments(jobs), whole_machine(jobs)
+    solo = {s for s in stage_ids if runs_alone(recipe, s)}
     log_dir = recipe.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     pending, running, results, failed = list(stage_ids), {}, {}, []
@@ -88,10 +120,11 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
 
     def start(stage_id: str, slot: int) -> Job:
         log_path = log_dir / f"{stage_id}.log"
-        env = {**os.environ, **envs[slot], "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
+        share = alone if stage_id in solo else envs[slot]
+        env = {**os.environ, **share, "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
         with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
             process = subprocess.Popen(command_for(recipe, stage_id), stdout=out, stderr=subprocess.STDOUT, env=env)
-        log.info(f"[{stage_id}] started in its own process ({describe(envs[slot])}); log: {log_path}")
+        log.info(f"[{stage_id}] started in its own process ({describe(share)}); log: {log_path}")
         return Job(stage_id, process, log_path)
 
     try:

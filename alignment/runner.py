@@ -139,7 +139,7 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
         else:
             to_run.append(stage_id)
     check_inputs_produced(recipe, to_run)
-    if jobs > 1 and to_run:  # even one stage: under --jobs a stage always trains on its share of the threads
+    if jobs > 1 and to_run:  # even one stage: under --jobs its threads are those it gets in a whole run
         results = run_in_parallel(recipe, to_run, jobs)
     else:
         results = {stage_id: run_stage(recipe, stage_id, state) for stage_id in to_run}

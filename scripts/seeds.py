@@ -36,10 +36,12 @@ def machine() -> str:
     return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> float:
-    """Run one seed; returns its wall time in seconds (0 when it was already finished)."""
+def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> float | None:
+    """Run one seed unless it has finished; returns its wall time in seconds, kept in OUT/seed-S/wall_s.json
+    (None when a finished run has no record of it)."""
+    record = out / "wall_s.json"
     if (out / "eval" / "metrics.json").exists():
-        return 0.0
+        return json.loads(record.read_text())["wall_s"] if record.exists() else None
     command = [sys.executable, "-m", "alignment", "run", str(recipe), "--jobs", str(jobs), f"seed={seed}",
                f"output_dir={out}"]
     print(f"seed {seed}: {' '.join(command[1:])}", flush=True)
@@ -48,7 +50,9 @@ def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> flo
                           stdout=open(out.with_suffix(".log"), "w"), stderr=subprocess.STDOUT)
     if done.returncode != 0:
         sys.exit(f"seed {seed} failed (exit {done.returncode}); its log: {out.with_suffix('.log')}")
-    return time.time() - started
+    wall = time.time() - started
+    record.write_text(json.dumps({"wall_s": round(wall, 1), "jobs": jobs, "threads": threads}))
+    return wall
 
 
 def tabulate(runs: dict[int, dict], baseline: str, headline: str) -> tuple[str, dict]:
@@ -94,8 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     walls = {}
     for seed in args.seeds:
+        folder = args.out / f"seed-{seed}"
         if not args.table_only:
-            walls[seed] = run_seed(args.recipe.resolve(), seed, args.out / f"seed-{seed}", args.jobs, args.threads)
+            walls[seed] = run_seed(args.recipe.resolve(), seed, folder, args.jobs, args.threads)
+        elif (folder / "wall_s.json").exists():
+            walls[seed] = json.loads((folder / "wall_s.json").read_text())["wall_s"]
     runs = {seed: json.loads(path.read_text())["checkpoints"] for seed in args.seeds
             if (path := args.out / f"seed-{seed}" / "eval" / "metrics.json").exists()}
     if not runs:

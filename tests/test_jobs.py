@@ -53,6 +53,7 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     lines = result.stdout.splitlines()
     position = {text: i for i, line in enumerate(lines) for text in ("[a] started", "[b] started", "[a] done",
                                                                      "[b] done", "[sft] done") if line.startswith(text)}
+    assert "[sft] started in its own process (2 CPU threads)" in result.stdout  # nothing can run beside it
     assert position["[sft] done"] < position["[a] started"]
     assert max(position["[a] started"], position["[b] started"]) < min(position["[a] done"], position["[b] done"])
     out = tmp_path / "par"
@@ -64,9 +65,12 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     assert all(torch.equal(first[k], v) for k, v in weights(out / "a").items())
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the children's share of two threads
+    sequential = load_recipe(write_recipe(tmp_path / "s", branching_recipe(tmp_path, "seq")))
     try:
-        run_recipe(load_recipe(write_recipe(tmp_path / "s", branching_recipe(tmp_path, "seq"))))
+        torch.set_num_threads(2)  # sft: the whole machine
+        run_recipe(sequential, only=["sft"])
+        torch.set_num_threads(1)  # the branches: each one's share of two threads
+        run_recipe(sequential, only=["a", "b"])
     finally:
         torch.set_num_threads(threads)
     for stage in ("sft", "a", "b"):
@@ -128,6 +132,19 @@ def test_a_stage_whose_input_was_never_produced_is_refused_before_anything_start
     with pytest.raises(UserError, match="stage 'ppo' reads the output of 'rm', which has not been produced"):
         run_recipe(recipe, only=["sft", "ppo"], jobs=jobs)
     assert not (tmp_path / "logs").exists() and not (tmp_path / ".staging").exists()
+
+
+def test_a_stage_gets_the_whole_machine_only_where_the_graph_lets_nothing_run_beside_it(tmp_path, monkeypatch):
+    quickstart = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    assert {s for s in quickstart.stages if jobs.runs_alone(quickstart, s)} == {"sft"}
+    assert jobs.upstream(quickstart, "ppo") == {"sft", "rm"}
+    chain = load_recipe(write_recipe(tmp_path, {
+        "name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
+        "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}}, "dpo": {"data": {"task": "arithmetic", "n": 8}},
+                   "rsft": {"data": {"task": "arithmetic", "n": 8}, "verifiers": ["arithmetic"]}}}))
+    assert all(jobs.runs_alone(chain, s) for s in chain.stages)  # each starts from the one before
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert jobs.whole_machine(2) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
 
 
 def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
