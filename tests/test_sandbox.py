@@ -307,7 +307,9 @@ def test_hostile_program_scores_zero(case, planted):
     _assert_no_survivors(marker)
     assert _sandbox_dirs() == dirs_before  # the temporary directory is gone
     if case.name.startswith(("connect_", "dns_")):
-        assert elapsed < 1.5, "network access must fail fast, not time out"
+        # Refused at once by the empty network namespace (not a socket timeout): the program's own error says so.
+        assert ("Network is unreachable" in result.detail or "name resolution" in result.detail) and \
+            "timed out" not in result.detail and not result.detail.startswith("timeout"), result.detail[-500:]
         with pytest.raises(socket.timeout):
             planted["server"].accept()  # nothing reached the caller's loopback
 

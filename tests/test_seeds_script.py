@@ -12,7 +12,7 @@ spec.loader.exec_module(seeds)
 
 
 def finished_seed(out, seed, sft, rlvr):
-    metrics = {"sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
+    metrics = {"base": {"arithmetic/pass@1": 0.0, "arithmetic/kl": 9.0}, "sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
                "rlvr": {"arithmetic/pass@1": rlvr, "arithmetic/kl": 0.5}}
     (out / f"seed-{seed}" / "eval").mkdir(parents=True)
     (out / f"seed-{seed}" / "eval" / "metrics.json").write_text(json.dumps({"checkpoints": metrics}))
@@ -27,6 +27,7 @@ def test_the_table_has_mean_min_max_per_stage_and_every_seeds_gain(tmp_path):
     assert data["gains_points"][1]["rlvr"] == pytest.approx(35.0) and data["gains_points"][2]["rlvr"] == pytest.approx(20.0)
     table = (tmp_path / "seeds.md").read_text()
     assert "0.925 [0.900, 0.950]" in table and "| min | | +20.0 |" in table and "--jobs 2" in table
+    assert "| seed | sft arithmetic/pass@1 | rlvr (points) |" in table  # no gain column for the zero-shot base
     assert "wall per seed: 1: 501 s, 2: 502 s" in table  # the runs' own record, also when only tabulating
     assert json.loads((tmp_path / "seeds.json").read_text())["gains_points"]["1"]["rlvr"] == pytest.approx(35.0)
 
