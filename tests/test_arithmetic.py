@@ -70,6 +70,6 @@ def test_chat_phrasing_asks_an_instruct_model_and_keeps_the_problems():
 def test_chat_suites_give_a_real_model_room_to_answer():
     for name in ("arithmetic-chat", "arithmetic-chat-sycophancy"):
         suite = builtin_suite(name)
-        assert suite["data"]["phrasing"] == "chat" and suite["sampling"]["max_new_tokens"] >= 64
+        assert suite["data"]["phrasing"] == "chat" and suite["sampling"]["max_new_tokens"] >= 128
     suites, _ = cli_suites(["arithmetic-chat-sycophancy"], limit=3)
     assert suites[0].data.task_params().style == "sycophancy" and suites[0].data.task_params().n == 200

@@ -60,18 +60,19 @@ class SuiteSpec(Strict):
 
 
 # The compact suites fit the quickstart's character-level model (bare answers, a few tokens); the chat suites a
-# pretrained instruct model: prompts phrased for it, and room for "37 + 48 = 85." and what it adds (SmolLM2-135M-
-# Instruct's zero-shot answers to them average 19 tokens, and 16 tokens cut off 44% of its answers to compact ones).
+# pretrained instruct model: prompts phrased for it, and room for "37 + 48 = 85." and what it says around that
+# (SmolLM2-135M-Instruct's zero-shot answers to them: 35 tokens on average, 14% longer than 64, some of which
+# restate the problem in a paragraph and answer in the next; 16 tokens cut off 44% of its answers).
 BUILTIN_SUITES: dict[str, dict] = {
     "arithmetic": {"data": {"task": "arithmetic", "split": "test", "n": 200}, "verifier": "arithmetic",
                    "sampling": {"temperature": 0, "max_new_tokens": 16}},
     "arithmetic-sycophancy": {"data": {"task": "arithmetic", "split": "test", "n": 200, "style": "sycophancy"},
                               "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 16}},
     "arithmetic-chat": {"data": {"task": "arithmetic", "split": "test", "n": 200, "phrasing": "chat"},
-                        "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 64}},
+                        "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 128}},
     "arithmetic-chat-sycophancy": {"data": {"task": "arithmetic", "split": "test", "n": 200, "phrasing": "chat",
                                             "style": "sycophancy"},
-                                   "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 64}},
+                                   "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 128}},
 }
 
 
