@@ -58,12 +58,12 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
         assert metrics[stage]["arithmetic/kl"] >= 0
     # Margins well below what the measured runs reached (README; scripts/seeds.py): SFT imitates demonstrations
     # that drop most carries, so it plateaus near the share of sums without a carry, and every stage that
-    # learns from rewards or preferences recovers the carry (measured gains +30 points or more).
+    # learns from rewards or preferences recovers the carry (measured over seeds 1-3: +27 points or more).
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
     for stage in ("ppo", "dpo", "rsft", "rlvr"):
         assert metrics[stage]["arithmetic/pass@1"] > sft + 0.20, f"{stage} does not beat SFT by 20 points"
-    # The reward model is near its ceiling on SFT's answers already (seed 2: 2.303 -> ppo 2.318): PPO must not
-    # trade it away for the verifier's reward.
+    # The reward model is near its ceiling on SFT's answers already (PPO moved it by +0.015 to +0.068 over
+    # seeds 1-3): PPO must not trade it away for the verifier's reward.
     assert metrics["ppo"]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"] - 0.1
     assert metrics["ppo"]["arithmetic/kl"] > 0 and metrics["ppo"]["arithmetic/reward_hacking"] == 0
     for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):
