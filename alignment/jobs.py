@@ -60,11 +60,11 @@ def slot_environments(jobs: int) -> list[dict[str, str]]:
     return [{"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} for _ in range(jobs)]
 
 
-def whole_machine(jobs: int) -> dict[str, str]:
-    """The environment of a child that runs alone: every CPU thread (on GPUs still one GPU, the first slot's:
-    a one-process stage uses one)."""
-    if "CUDA_VISIBLE_DEVICES" in slot_environments(jobs)[0]:
-        return slot_environments(jobs)[0]
+def whole_machine(slot: dict[str, str]) -> dict[str, str]:
+    """The environment of a child that runs alone, from a slot's (`slot_environments`): every CPU thread; on
+    GPUs the slot's own GPU (a one-process stage uses one)."""
+    if "CUDA_VISIBLE_DEVICES" in slot:
+        return slot
     threads = str(torch.get_num_threads())
     return {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
 
@@ -106,7 +106,8 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
     finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
     stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line."""
-    envs, alone = slot_environments(jobs), whole_machine(jobs)
+    envs = slot_environments(jobs)
+    alone = whole_machine(envs[0])
     solo = {s for s in stage_ids if runs_alone(recipe, s)}
     log_dir = recipe.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

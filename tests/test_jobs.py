@@ -144,7 +144,8 @@ def test_a_stage_gets_the_whole_machine_only_where_the_graph_lets_nothing_run_be
                    "rsft": {"data": {"task": "arithmetic", "n": 8}, "verifiers": ["arithmetic"]}}}))
     assert all(jobs.runs_alone(chain, s) for s in chain.stages)  # each starts from the one before
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert jobs.whole_machine(2) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    assert jobs.whole_machine(jobs.slot_environments(2)[0]) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
+    assert jobs.whole_machine({"CUDA_VISIBLE_DEVICES": "3"}) == {"CUDA_VISIBLE_DEVICES": "3"}
 
 
 def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):

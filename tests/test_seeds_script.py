@@ -12,7 +12,8 @@ spec.loader.exec_module(seeds)
 
 
 def finished_seed(out, seed, sft, rlvr):
-    metrics = {"base": {"arithmetic/pass@1": 0.0, "arithmetic/kl": 9.0}, "sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
+    metrics = {"base": {"arithmetic/pass@1": 0.0, "arithmetic/kl": 9.0},
+               "sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
                "rlvr": {"arithmetic/pass@1": rlvr, "arithmetic/kl": 0.5}}
     (out / f"seed-{seed}" / "eval").mkdir(parents=True)
     (out / f"seed-{seed}" / "eval" / "metrics.json").write_text(json.dumps({"checkpoints": metrics}))

@@ -20,12 +20,12 @@ RECIPE = REPO / "recipes" / "smollm2-135m" / "arithmetic.yaml"
 FEW_STEPS = {
     "sft": {"data": {"n": 16}, "train": {"max_steps": 2}},
     "rm": {"data": {"n": 16, "limit": 16}, "eval_data": {"n": 8}, "train": {"max_steps": 2}},
-    "ppo": {"data": {"n": 16, "limit": 16}, "rollout": {"batch_size": 4}, "train": {"mini_batch_size": 4, "total_updates": 1,
-                                                                      "warmup_steps": 0}},
+    "ppo": {"data": {"n": 16, "limit": 16}, "rollout": {"batch_size": 4},
+            "train": {"mini_batch_size": 4, "total_updates": 1, "warmup_steps": 0}},
     "dpo": {"data": {"n": 16, "limit": 16}, "train": {"max_steps": 2}},
     "rsft": {"data": {"n": 4, "limit": 4}, "sampling": {"n": 2, "batch_size": 8}},
-    "rlvr": {"data": {"n": 16, "limit": 16}, "train": {"max_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4,
-                                          "steps_per_generation": 1}},
+    "rlvr": {"data": {"n": 16, "limit": 16},
+             "train": {"max_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4, "steps_per_generation": 1}},
 }
 
 
@@ -38,8 +38,6 @@ def few_steps_recipe(folder, model) -> dict:
             recipe["stages"][stage][key] = {**recipe["stages"][stage].get(key, {}), **values}
     for suite in recipe["evaluate"]["suites"]:
         suite["data"]["n"] = 4
-        if suite.get("pass_k"):
-            suite["pass_k"]["limit"] = 2
     return recipe
 
 

@@ -103,8 +103,8 @@ def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=p
                         "left to train on; raise train.max_length or shorten the prompts.")
     if len(kept) < len(rows):
         dropped = len(rows) - len(kept)
-        log_share(log, dropped, len(rows), f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves no room "
-                  f"for the completion within max_length={max_length} tokens")
+        log_share(log, dropped, len(rows), f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves "
+                  f"no room for the completion within max_length={max_length} tokens")
     return kept
 
 
