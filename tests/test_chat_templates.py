@@ -14,13 +14,19 @@ from transformers import GenerationConfig
 
 from alignment.config.model import TemplateSpec
 from alignment.config.sampling import SamplingSpec
+from alignment.data.formatting import (
+    encode,
+    end_of_turn,
+    render_completion,
+    render_pair,
+    render_prompt,
+)
 from alignment.errors import UserError
-from alignment.formatting import encode, end_of_turn, render_completion, render_pair, render_prompt
-from alignment.models import TEMPLATE_START, apply_template, spare_pad_token
-from alignment.pairs import pair_token_ids, render_pairs, reward_token_ids
+from alignment.models.tokenizer import TEMPLATE_START, apply_template, spare_pad_token
 from alignment.sampling import generate, stop_token_ids
 from alignment.stages.rlvr import without_leading_bos
-from alignment.stages.sft import token_rows
+from alignment.training.pairs import pair_token_ids, render_pairs, reward_token_ids
+from alignment.training.rows import token_rows
 
 NAMES = sorted(FAMILIES)
 SYSTEM = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 2+2?"}]

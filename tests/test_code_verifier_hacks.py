@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from alignment.verifiers import resolve, safe_compare
+from alignment.verifiers import resolve
+from alignment.verifiers.sandbox import safe_compare
 
 OPTIONS = {"timeout": 3.0, "memory_mb": 256, "max_processes": 16, "allow_unsandboxed": True}
 MBPP = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\nassert add(10, 5) == 15\n"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from alignment import dist
+from alignment.runtime import dist
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_secrets_are_masked_in_printed_lines(configured, capsys, monkeypatch):
 def test_only_rank_zero_prints(configured, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     assert not dist.is_main_process()
-    dist.get_logger("alignment.runner").info("[sft] done")
+    dist.get_logger("alignment.run.runner").info("[sft] done")
     assert capsys.readouterr().out == ""
     monkeypatch.setenv("RANK", "0")
     assert dist.is_main_process()
@@ -51,7 +51,7 @@ def test_only_rank_zero_prints(configured, capsys, monkeypatch):
 
 def test_unconfigured_library_prints_nothing_below_warning():
     """In a fresh process (as a user's script): INFO is silent, a warning still reaches stderr."""
-    code = ("from alignment import dist; log = dist.get_logger('alignment.runner'); "
+    code = ("from alignment import dist; log = dist.get_logger('alignment.run.runner'); "
             "log.info('[sft] done'); log.warning('careful')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "" and "careful" in done.stderr
@@ -189,8 +189,8 @@ def test_a_recipe_cannot_choose_an_engine_per_stage(tmp_path, key):
     """TrainingArguments would take `deepspeed`/`fsdp` per stage; the launch's accelerate config chooses it."""
     from conftest import SMALLEST_MODEL, write_recipe
 
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe
 
     stage = {"data": {"task": "arithmetic", "n": 8}, "train": {key: "configs/accelerate/zero3_cpu.json"}}
     recipe = load_recipe(write_recipe(tmp_path, {"name": "x", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "o"),

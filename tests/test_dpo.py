@@ -13,9 +13,9 @@ import torch
 from conftest import REPO, heldout_accuracy, write_recipe
 from helpers import completion_logprob, count_parameter_storage
 
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import make_context
+from alignment.run.runner import make_context
 
 
 def dpo_context(tmp_path, model, lora=True, data=None, train=None, **stage):
@@ -43,9 +43,9 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
     """At step 0 policy == reference and the loss is log 2, which proves little. So the policy is moved
     first (LoRA: a non-zero adapter; full: perturbed weights) and the reference is computed from a fresh
     load of the start model: the trainer's loss, and its first logged loss, must match the formula."""
-    from alignment.models import load_policy
-    from alignment.pairs import normalize_pairs, render_pairs
+    from alignment.models.loading import load_policy
     from alignment.stages import dpo
+    from alignment.training.pairs import normalize_pairs, render_pairs
 
     ctx = dpo_context(tmp_path, tiny_model, lora=lora)
     trainer, tokenizer, _ = dpo.build_trainer(ctx)
@@ -72,7 +72,7 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
 
 
 def test_lora_reference_is_the_same_weights_and_full_is_a_frozen_copy(tmp_path, tiny_model):
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
     from alignment.stages import dpo
 
     base = count_parameter_storage(load_policy(str(tiny_model)))
@@ -164,7 +164,7 @@ def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
 
 
 def run_dpo(tmp_path, start, stage: dict, lora: dict | None = None) -> tuple[Path, dict]:
-    from alignment.runner import run_recipe
+    from alignment.run.runner import run_recipe
 
     recipe = {"name": "dpo-run", "model": str(start), "output_dir": str(tmp_path / "out"), "seed": 1,
               "lora": lora or {"r": 16, "lora_alpha": 32}, "stages": {"dpo": stage}}

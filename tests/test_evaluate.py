@@ -12,16 +12,16 @@ import torch
 from conftest import TINY_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
-from alignment.evaluate import (
+from alignment.evaluation.evaluate import (
     SuiteSpec,
-    agrees_with_stated,
     evaluate_checkpoints,
     pass_at_k,
     reward_hacking,
     sequence_kl,
     win_rate,
 )
-from alignment.metrics import mean
+from alignment.evaluation.metrics import mean
+from alignment.tasks.arithmetic import agrees_with_stated
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
@@ -46,7 +46,7 @@ def reward_model(tiny_model, tmp_path_factory):
     """A one-label sequence classifier on the tiny model's body (random head): a stand-in reward model."""
     from transformers import AutoModelForSequenceClassification
 
-    from alignment.models import load_tokenizer
+    from alignment.models.tokenizer import load_tokenizer
 
     path = tmp_path_factory.mktemp("rm") / "rm"
     torch.manual_seed(0)
@@ -61,7 +61,8 @@ def adapter_folder(tiny_model, tmp_path_factory):
     """A bare peft adapter folder (adapter_config.json + weights, no tokenizer) on the tiny model, with
     non-zero LoRA B so that it changes the model."""
     from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora, load_policy
+    from alignment.models.loading import load_policy
+    from alignment.models.lora import apply_lora
 
     path = tmp_path_factory.mktemp("adapter") / "adapter"
     model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
@@ -129,8 +130,9 @@ def test_pass_k_spec_validation():
 
 def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model, adapter_folder):
     from alignment.config.sampling import SamplingSpec
-    from alignment.formatting import render_prompt
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.data.formatting import render_prompt
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.sampling import generate
 
     tokenizer = load_tokenizer(str(tiny_model))
@@ -168,7 +170,7 @@ def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, t
 
 def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path, monkeypatch):
     """A 'policy' that always repeats the user's stated answer: sycophancy 1, pass@1 0."""
-    from alignment import evaluate
+    from alignment.evaluation import evaluate
     from alignment.sampling import Sample
 
     def parrot(model, tokenizer, prompts, settings, progress=None):
@@ -194,8 +196,8 @@ def graded_policy(prompts, settings):
 
 def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_path, monkeypatch, capsys):
     """samples.jsonl carries the data row's columns: `align verify --where mode=main` gives evaluation's pass@1."""
-    from alignment import evaluate
     from alignment.cli import main
+    from alignment.evaluation import evaluate
 
     monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, settings, progress=None:
                         graded_policy(prompts, settings))
@@ -266,8 +268,8 @@ EVALUATE_BLOCK = {
 
 
 def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe, run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe, run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, EVALUATE_BLOCK)))
     check_recipe(recipe)
@@ -295,14 +297,14 @@ def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
     ({**EVALUATE_BLOCK, "suites": [{**EVALUATE_BLOCK["suites"][0], "pass_k": {"n": 2, "k": [4]}}]}, "between 1 and n"),
 ])
 def test_evaluate_block_errors_name_the_key(tmp_path, evaluate, message):
-    from alignment.recipe import load_recipe
+    from alignment.config.recipe import load_recipe
 
     with pytest.raises(UserError, match=message):
         load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, evaluate)))
 
 
 def test_builtin_suite_names_in_a_recipe(tmp_path):
-    from alignment.recipe import load_recipe
+    from alignment.config.recipe import load_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, {"suites": ["arithmetic", "arithmetic-sycophancy"]})))
     assert [s.name for s in recipe.evaluate.suites] == ["arithmetic", "arithmetic-sycophancy"]
@@ -339,8 +341,8 @@ def test_cli_sampling_overrides_reach_every_suite(tmp_path):
 
 
 def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeypatch):
-    from alignment import evaluate
     from alignment.cli import main
+    from alignment.evaluation import evaluate
 
     class Captured(Exception):
         pass

@@ -17,9 +17,9 @@ from helpers import write_tiny_gguf
 
 from alignment.cli import install_gguf_package, main
 from alignment.config.model import GgufSpec
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.models import convert_gguf
-from alignment.recipe import load_recipe
+from alignment.models.gguf import convert_gguf
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_conversion_is_reused_until_the_file_changes(tmp_path):
     convert_gguf(file, out)
     from safetensors.torch import load_file
 
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
 
     assert weights.stat().st_mtime_ns != written
     reloaded = load_policy(str(out)).state_dict()
@@ -82,8 +82,8 @@ def test_a_folder_that_is_not_a_conversion_is_never_overwritten(tmp_path, gguf_f
 def test_recipe_model_gguf_trains_from_the_converted_base(tmp_path, gguf_file):
     """`model: FILE.gguf` converts into output_dir/base, which the first stage starts from; the tokenizer's pad
     (the file's is its EOS) is replaced by a spare special token, as for any real checkpoint."""
-    from alignment.models import load_tokenizer
-    from alignment.runner import run_recipe
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.run.runner import run_recipe
 
     recipe = {"name": "g", "model": str(gguf_file), "output_dir": str(tmp_path / "out"), "seed": 1,
               "lora": {"r": 2, "lora_alpha": 4},
@@ -131,7 +131,7 @@ def test_missing_file_is_named_by_run_eval_and_merge(tmp_path, capsys):
 
 
 def test_missing_gguf_package_is_a_clear_error(tmp_path, capsys, monkeypatch, gguf_file):
-    monkeypatch.setattr("alignment.models.gguf_available", lambda: False)
+    monkeypatch.setattr("alignment.models.gguf.gguf_available", lambda: False)
     err = cli_error(capsys, "merge", str(gguf_file), str(tmp_path / "merged"))
     assert "needs the `gguf` package" in err and "pip install gguf" in err and str(gguf_file) in err
 
@@ -144,7 +144,7 @@ def test_a_gguf_file_where_a_checkpoint_folder_is_needed_says_how_to_convert(tmp
 
 
 def test_merge_converts_and_eval_scores_a_gguf_under_its_own_name(tmp_path, gguf_file):
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
 
     main(["merge", str(gguf_file), str(tmp_path / "merged")])
     assert (tmp_path / "merged" / "model.safetensors").exists() and load_policy(str(tmp_path / "merged")) is not None
@@ -157,14 +157,14 @@ def test_merge_converts_and_eval_scores_a_gguf_under_its_own_name(tmp_path, gguf
 
 
 def test_smollm2_path_prints_the_file_and_install_runs_pip(monkeypatch, capsys, tmp_path):
-    import alignment.config.model as model_config
+    import alignment.cli as cli
 
     fake = tmp_path / "site" / "fake_smol"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "Smol.gguf").write_bytes(b"GGUF")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setattr(model_config, "SMOLLM2", GgufSpec(gguf="Smol.gguf", package="fake-smol==1"))
+    monkeypatch.setattr(cli, "SMOLLM2", GgufSpec(gguf="Smol.gguf", package="fake-smol==1"))
     main(["smollm2-path"])
     assert capsys.readouterr().out.strip() == str(fake / "Smol.gguf")
 

@@ -10,10 +10,10 @@ import torch
 from conftest import REPO, SMALLEST_MODEL, run_cli, write_recipe
 from safetensors.torch import load_file
 
-from alignment import jobs
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
+from alignment.run import jobs
+from alignment.run.runner import run_recipe
 
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
          "logging_steps": 5}
@@ -161,7 +161,7 @@ def test_jobs_split_cpu_threads_or_give_each_job_a_gpu(monkeypatch):
 
 
 def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypatch):
-    from alignment import runner
+    from alignment.run import runner
 
     class TwoProcesses:
         num_processes, is_main_process = 2, True

@@ -1,6 +1,7 @@
-"""The package's import structure (DESIGN.md "Layout"): no import cycle among our modules, counting imports
-inside functions; loading a recipe imports only the torch-free config layer and the stage configs; below
-the stage layer our own modules are imported at the top of the file."""
+"""The package's import structure (docs/architecture.md): the layers, top to bottom; no module imports one in a
+layer above its own; no import cycle, counting imports inside functions; no stage imports another; our own
+modules are imported at the top of the file everywhere but the CLI; loading a recipe imports only the
+torch-free config layer."""
 
 from __future__ import annotations
 
@@ -10,12 +11,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "alignment"
-# Where importing inside a function is the design: the CLI (each command loads only what it needs) and the
-# stage modules (the recipe loads every stage's Config, which must not pull in torch or TRL).
-LAZY_LAYER = ("alignment.cli", "alignment.stages.")
+# Where importing inside a function is the design: the CLI (each command loads only what it needs).
+LAZY_LAYER = ("alignment.cli",)
+# The layers, top to bottom (docs/architecture.md): a module may import its own layer and those below it.
+LAYERS = [
+    ("alignment.__main__", "alignment.cli"),
+    ("alignment.run",),          # what runs a recipe
+    ("alignment.evaluation",),   # what evaluates and reports
+    ("alignment.stages",),       # one module per stage kind
+    ("alignment.training",),     # what the stages share for training
+    ("alignment.sampling",),     # the one sampling path
+    ("alignment.models",),       # model loading
+    ("alignment.data",),         # data loading and the one rendering
+    ("alignment.verifiers", "alignment.tasks"),
+    ("alignment.rl",),           # pure tensor math
+    ("alignment.runtime",),      # process state, logging, progress, files
+    ("alignment.config",),       # torch-free specs and the recipe
+    ("alignment.errors", "alignment"),
+]
 
 
 def module_name(path: Path) -> str:
@@ -84,7 +101,7 @@ def find_cycle(graph: dict[str, dict]) -> list[str] | None:
 
 def test_no_import_cycle_among_our_modules_counting_imports_inside_functions():
     graph = import_graph()
-    assert len(graph) > 40 and "alignment.runner" in graph["alignment.cli"]  # the graph sees function-level imports
+    assert len(graph) > 40 and "alignment.run.runner" in graph["alignment.cli"]  # the graph sees function-level imports
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -95,7 +112,35 @@ def test_find_cycle_reports_a_cycle_through_a_function_level_import():
     assert find_cycle({"a": {"b": []}, "b": {}}) is None
 
 
-def test_below_the_stage_layer_our_modules_are_imported_at_the_top():
+def layer_of(name: str) -> int:
+    for index, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes if p != "alignment") or name == prefixes[-1]:
+            return index
+    raise AssertionError(f"{name} is in no layer of LAYERS: add it (and to docs/architecture.md)")
+
+
+def test_every_module_is_in_a_layer_and_imports_none_above_its_own():
+    graph = import_graph()
+    climbs = [f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)}) at line {line}"
+              for name, edges in graph.items() for target, places in edges.items() for line, _ in places
+              if layer_of(target) < layer_of(name)]
+    assert not climbs, "imports up the layering: " + "; ".join(climbs)
+
+
+def test_layer_of_sorts_modules_and_refuses_an_unknown_package():
+    assert [layer_of(n) for n in ("alignment.cli", "alignment.run.runner", "alignment.config.recipe", "alignment")] == \
+        [0, 1, len(LAYERS) - 2, len(LAYERS) - 1]
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("alignment.somewhere_new")
+
+
+def test_no_stage_imports_another_stage():
+    siblings = [f"{name} imports {target}" for name, edges in import_graph().items() if name.startswith("alignment.stages.")
+                for target in edges if target.startswith("alignment.stages.")]
+    assert not siblings, "; ".join(siblings) + ": shared stage machinery belongs in alignment/training/"
+
+
+def test_our_modules_are_imported_at_the_top_everywhere_but_the_cli():
     late = [f"{name}:{line} imports {target}" for name, edges in import_graph().items()
             if not name.startswith(LAZY_LAYER) for target, places in edges.items() for line, inside in places if inside]
     assert not late, "imports inside functions: " + "; ".join(late)
@@ -104,7 +149,7 @@ def test_below_the_stage_layer_our_modules_are_imported_at_the_top():
 LOAD_EVERY_RECIPE = """
 import json, sys
 from pathlib import Path
-from alignment.recipe import load_recipe
+from alignment.config.recipe import load_recipe
 for path in sorted(Path("recipes").rglob("*.yaml")):
     load_recipe(path)
 print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("alignment", "torch", "transformers", "trl",
@@ -120,15 +165,13 @@ def test_loading_any_shipped_recipe_imports_no_torch_and_only_the_config_layer()
     heavy = sorted({m.split(".")[0] for m in loaded} - {"alignment"})
     assert heavy == [], f"loading a recipe imported {heavy}"
     ours = {m for m in loaded if m.startswith("alignment")}
-    assert {"alignment.recipe", "alignment.config.base", "alignment.stages.ppo"} <= ours
-    allowed = ("alignment.config", "alignment.stages", "alignment.tasks")
-    extra = sorted(m for m in ours if not m.startswith(allowed) and m not in
-                   ("alignment", "alignment.recipe", "alignment.errors", "alignment.files"))
+    assert {"alignment.config.recipe", "alignment.config.base", "alignment.config.stages.ppo"} <= ours
+    extra = sorted(m for m in ours if not m.startswith("alignment.config") and m not in ("alignment", "alignment.errors"))
     assert extra == [], f"loading a recipe imported {extra}"
 
 
 def test_every_module_imports():
-    names = [n for n in sorted(MODULES) if not n.endswith(("_sandbox_harness", "__main__"))]  # scripts, not modules
+    names = [n for n in sorted(MODULES) if not n.endswith(("sandbox.harness", "__main__"))]  # scripts, not modules
     done = subprocess.run([sys.executable, "-c", "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)",
                            *names], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

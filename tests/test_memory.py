@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_MODEL, write_recipe
-from helpers import tiny_ppo_recipe, trainable_digest
+from helpers import patch_everywhere, tiny_ppo_recipe, trainable_digest
 
-from alignment import memory
-from alignment.memory import ModelShape, StepShape, peak_bytes, plan
+from alignment.training import memory
+from alignment.training.memory import ModelShape, StepShape, peak_bytes, plan
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                 vocab_size=151936, tie_word_embeddings=True)
@@ -19,7 +19,7 @@ def saved_activation_bytes(config, dtype, tokens: int, checkpointing: bool = Fal
     """Bytes of distinct non-parameter tensors autograd keeps for backward in one forward pass."""
     from transformers import AutoModelForCausalLM
 
-    from alignment.models import enable_checkpointing
+    from alignment.models.lora import enable_checkpointing
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).train()
@@ -126,8 +126,8 @@ def checkpointing_calls(monkeypatch):
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, monkeypatch, logged,
                                                                 checkpointing_calls):
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 1_000_000)  # a 1 MB "GPU": nothing fits
     recipe = load_recipe(write_recipe(tmp_path, stage_recipe(tmp_path, kind)))
@@ -141,8 +141,8 @@ def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, 
 
 def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(tmp_path, monkeypatch, logged,
                                                                             checkpointing_calls):
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     monkeypatch.setattr(memory, "usable_gpu_bytes", lambda: 100 * memory.GIB)
     run_recipe(load_recipe(write_recipe(tmp_path / "fits", stage_recipe(tmp_path / "fits"))))
@@ -195,7 +195,7 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
     the adapter active by then (the critic's gradients came out wrong before `context_fn`). PPO also keeps
     its models in eval mode: checkpointing must still happen, and (lora_dropout 0.5) without dropout."""
     from alignment.config.model import LoraSpec
-    from alignment.ppo_models import build_models
+    from alignment.training.actor_critic import build_models
 
     def run(checkpointing: bool):
         torch.manual_seed(0)
@@ -225,22 +225,22 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
 
 def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch,
                                                                              logged):
-    from alignment import ppo_models
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
+    from alignment.training import actor_critic
 
     # Attention calls of the first layer under autograd: forward passes, plus recomputations when checkpointed
     # (sampling in between calls eval() on the policy, which must not switch checkpointing off).
     calls = []
-    build_models = ppo_models.build_models
+    build_models = actor_critic.build_models
 
     def counting_build_models(*args, **kwargs):
         models = build_models(*args, **kwargs)
-        layer = ppo_models.backbone_of(models.policy.get_base_model()).layers[0]
+        layer = actor_critic.backbone_of(models.policy.get_base_model()).layers[0]
         layer.self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
         return models
 
-    monkeypatch.setattr(ppo_models, "build_models", counting_build_models)
+    patch_everywhere(monkeypatch, actor_critic, "build_models", counting_build_models)
     runs = {}
     for name, available, train in (("exact", 100 * memory.GIB, {}), ("checkpointed", 1_000_000, {}),
                                    ("off by recipe", 1_000_000, {"gradient_checkpointing": False})):

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from alignment.config.sampling import OnPolicySpec
+from alignment.data.formatting import encode
 from alignment.errors import UserError
-from alignment.formatting import encode
-from alignment.pairs import (
+from alignment.training.pairs import (
     normalize_pairs,
     normalize_row,
     on_policy_pairs,
     pair_samples,
     render_pairs,
 )
-from alignment.scoring import score_rendered, score_texts
+from alignment.training.scoring import score_rendered, score_texts
 from alignment.verifiers import VerifyResult, resolve
 
 USER = {"role": "user", "content": "What is 2+2?"}
@@ -88,7 +88,8 @@ def test_pair_samples_prefers_common_finished_answers_and_skips_errors():
 
 
 def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
     # Graded by the parity of the first character, except rows whose verdict is fixed: those prompts lack one side.
@@ -110,7 +111,7 @@ def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
 
 
 def test_render_pairs_ends_each_answer_with_one_end_of_turn(tiny_model):
-    from alignment.models import load_tokenizer
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
     [pair] = render_pairs(tokenizer, [{"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}])
@@ -120,8 +121,8 @@ def test_render_pairs_ends_each_answer_with_one_end_of_turn(tiny_model):
 def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
     from transformers import AutoModelForSequenceClassification
 
-    from alignment.formatting import render_completion, render_prompt
-    from alignment.models import load_tokenizer
+    from alignment.data.formatting import render_completion, render_prompt
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
@@ -141,7 +142,7 @@ def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
 def test_a_cut_off_completion_is_scored_as_sampled_without_an_end_of_turn(tiny_model):
     from transformers import AutoModelForSequenceClassification
 
-    from alignment.models import load_tokenizer
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
@@ -158,10 +159,10 @@ def test_a_cut_off_completion_is_scored_as_sampled_without_an_end_of_turn(tiny_m
 def test_without_a_pad_token_the_reward_model_still_sees_where_an_answer_ends(tiny_model, tmp_path):
     """Padding with EOS (= the end-of-turn token here, as in SmolLM2) would make the score head read the token
     before it: `4<|end|>` and `4` would score the same. A spare special token pads instead."""
+    from helpers import without_pad_token
     from transformers import AutoModelForSequenceClassification
 
-    from alignment.models import load_tokenizer
-    from helpers import without_pad_token
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(without_pad_token(tiny_model, tmp_path)))
     assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id != tokenizer.eos_token_id

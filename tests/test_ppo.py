@@ -20,9 +20,9 @@ import torch
 from conftest import REPO, heldout_accuracy, run_with_digests, write_recipe
 from helpers import count_parameter_storage, tiny_ppo_recipe, trainable_digest
 
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
+from alignment.run.runner import run_recipe
 
 # ---------------------------------------------------------------------------------------------------
 # Config
@@ -65,7 +65,7 @@ def test_config_errors_name_the_key(tmp_path, patch, expected):
 def test_check_catches_bad_reward_sources(tmp_path, tiny_model, patch, expected):
     """`align check` fails before training on a verifier column the data lacks, an unknown verifier,
     and a reward model that is a causal LM."""
-    from alignment.runner import check_recipe
+    from alignment.run.runner import check_recipe
 
     if patch.get("reward_model") == "POLICY":
         patch = {**patch, "reward_model": str(tiny_model)}
@@ -79,8 +79,8 @@ def test_check_catches_bad_reward_sources(tmp_path, tiny_model, patch, expected)
 
 def test_lora_shares_one_base_copy(tiny_model):
     from alignment.config.model import LoraSpec
-    from alignment.models import load_policy
-    from alignment.ppo_models import CRITIC_ADAPTER, build_models
+    from alignment.models.loading import load_policy
+    from alignment.training.actor_critic import CRITIC_ADAPTER, build_models
 
     base_bytes = count_parameter_storage(load_policy(str(tiny_model)))
     lora = build_models(str(tiny_model), LoraSpec(r=4, lora_alpha=8))
@@ -120,7 +120,7 @@ def test_lora_shares_one_base_copy(tiny_model):
 
 
 def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
 
     path = tiny_ppo_recipe(tmp_path, tiny_model, lora=None, missing_eos_penalty=1.0,
                            train={"reward_norm": "batch", "reward_clip": 3.0, "learning_rate": 1.0e-3})
@@ -175,7 +175,7 @@ def test_merged_lora_rollouts_train_the_same_policy(tmp_path, tiny_model):
 
 def test_nonfinite_loss_stops_before_the_step(tmp_path, tiny_model, monkeypatch):
     from alignment.stages import ppo
-    from alignment.trainer_utils import NonFiniteError
+    from alignment.training.trainer import NonFiniteError
 
     def nan_scores(self, rows, samples, batch_size):
         return torch.full((len(samples),), float("nan")), {}
@@ -208,11 +208,12 @@ def arithmetic_reward_model(sft_checkpoint, tmp_path_factory) -> tuple[Path, flo
 def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict[str, float]:
     """Mean reward-model score and verifier accuracy of `n` samples (T = 1) per prompt."""
     from alignment.config.sampling import SamplingSpec
-    from alignment.formatting import render_prompt
-    from alignment.models import load_policy, load_reward_model, load_tokenizer
+    from alignment.data.formatting import render_prompt
+    from alignment.models.loading import load_policy, load_reward_model
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.sampling import generate
-    from alignment.scoring import score_texts
     from alignment.tasks.arithmetic import verify
+    from alignment.training.scoring import score_texts
 
     tokenizer, policy = load_tokenizer(str(checkpoint)), load_policy(str(checkpoint))
     torch.manual_seed(0)
@@ -227,8 +228,9 @@ def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict
 def exact_kl(checkpoint, reference, rows: list[dict]) -> float:
     """KL(policy || reference) in nats per answer token, summed over the whole vocabulary (no sampling
     noise), on the correct answers of `rows` (teacher forcing)."""
-    from alignment.formatting import render_completion, render_prompt
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.data.formatting import render_completion, render_prompt
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(reference))
     policy, ref = load_policy(str(checkpoint)), load_policy(str(reference))
@@ -260,7 +262,7 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     (reward model + 10 x verifier, full fine-tuning, 40 updates x 256 prompts, lr 3e-4 with warm-up and
     cosine decay) starts from the quickstart's SFT; a similar run without warm-up lost 8 points."""
     from alignment.config.data import DataSpec
-    from alignment.data import load_rows
+    from alignment.data.loading import load_rows
 
     reward_model, pairwise = arithmetic_reward_model
     data = {"task": "arithmetic", "split": "train", "n": 16}

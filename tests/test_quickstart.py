@@ -8,7 +8,7 @@ import time
 import pytest
 from conftest import REPO, run_cli
 
-from alignment.recipe import load_recipe
+from alignment.config.recipe import load_recipe
 
 RECIPES = sorted((REPO / "recipes").rglob("*.yaml"))
 

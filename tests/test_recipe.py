@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALLEST_MODEL, run_cli, write_recipe
 
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import make_context, stage_record
+from alignment.run.runner import make_context, stage_record
 
 
 def base_recipe(tmp_path: Path, **stages) -> dict:
@@ -114,7 +114,7 @@ def test_duplicate_stage_ids_are_rejected(tmp_path):
 
 
 def test_merge_key_override_is_not_a_duplicate(tmp_path):
-    from alignment.recipe import _parse_yaml
+    from alignment.config.recipe import _parse_yaml
 
     path = tmp_path / "anchors.yaml"
     path.write_text("base: &base {x: 1, y: 2}\nother:\n  <<: *base\n  x: 3\n")

@@ -10,10 +10,10 @@ from conftest import SMALLEST_MODEL, write_recipe
 from helpers import tiny_ppo_recipe
 from transformers import TrainerCallback
 
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
-from alignment.trainer_utils import NonFiniteError
+from alignment.run.runner import run_recipe
+from alignment.training.trainer import NonFiniteError
 
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
          "save_steps": 5, "logging_steps": 1}
@@ -55,10 +55,13 @@ class PoisonGradients(TrainerCallback):
 
 def with_extra_callback(monkeypatch, callback):
     """Run `callback` before the stage's own callbacks (the guard) in every TRL stage."""
-    import alignment.trainer_utils as utils
+    from helpers import patch_everywhere
+
+    import alignment.stages.dpo  # noqa: F401 (bind their imports)
+    import alignment.training.trainer as utils
 
     real = utils.trainer_callbacks
-    monkeypatch.setattr(utils, "trainer_callbacks", lambda ctx: [callback, *real(ctx)])
+    patch_everywhere(monkeypatch, utils, "trainer_callbacks", lambda ctx: [callback, *real(ctx)])
 
 
 def final_weights(recipe, stage="sft") -> dict[str, torch.Tensor]:
@@ -144,7 +147,7 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "model.safetensors")
 
-    import alignment.sharding as sharding
+    import alignment.training.sharding as sharding
 
     monkeypatch.setattr(sharding, "save_checkpoint", full_disk)  # every stage saves through sharding.save_trained
     with pytest.raises(UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"):
@@ -222,7 +225,7 @@ def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):
 def test_runs_flush_denormal_floats_to_zero(tmp_path, monkeypatch):
     """Saturated reward-model gradients reach the denormal range, where CPU arithmetic crawls; a run turns
     flushing on before its first stage, and flushed arithmetic really does give zero."""
-    import alignment.runner as runner
+    import alignment.run.runner as runner
 
     class Called(Exception):
         pass

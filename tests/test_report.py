@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from alignment.report import MAX_CURVES, curve_keys, plot_training_curves
+from alignment.evaluation.report import MAX_CURVES, curve_keys, plot_training_curves
 
 # The keys one PPO update logs (stages/ppo.py), in the order it logs them.
 PPO_ENTRY = {"update": 1, "episodes": 8, "score": 0.4, "score_std": 0.2, "rm_score": 0.3, "verifier/arithmetic": 0.5,

@@ -11,9 +11,9 @@ import torch
 from conftest import REPO, SMALLEST_MODEL, write_recipe
 from helpers import completion_logprob, pairwise_accuracy
 
+from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.recipe import load_recipe
-from alignment.runner import make_context
+from alignment.run.runner import make_context
 
 # ~110 LoRA steps from the SFT fixture (about 20 s on 2 idle cores).
 RM_TRAIN = {"learning_rate": 1.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
@@ -52,10 +52,11 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     policy's own log-probs rank the same pairs at ~0.90, printed below for comparison. The longer recipe with a
     faster score head reaches 0.9 (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
     from alignment.config.data import DataSpec
-    from alignment.data import load_rows
-    from alignment.models import load_policy, load_reward_model, load_tokenizer
-    from alignment.pairs import normalize_pairs, render_pairs
+    from alignment.data.loading import load_rows
+    from alignment.models.loading import load_policy, load_reward_model
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.stages import reward
+    from alignment.training.pairs import normalize_pairs, render_pairs
 
     ctx = reward_context(tmp_path, sft_checkpoint)
     trainer, counts = reward.build_trainer(ctx)
@@ -92,11 +93,12 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     accuracy on (correct, plausible mistake) pairs, score head changed. Measured: 0.988 here (+1 0.99, -1 0.96,
     +-10 0.99-1.0, swapped 1.0), 0.945 from the recipe's own SFT stage; 7-12 minutes on 2 cores."""
     from alignment.config.data import DataSpec
-    from alignment.data import load_rows
-    from alignment.models import load_reward_model, load_tokenizer
-    from alignment.pairs import normalize_pairs
-    from alignment.recipe import load_recipe as load
+    from alignment.config.recipe import load_recipe as load
+    from alignment.data.loading import load_rows
+    from alignment.models.loading import load_reward_model
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.stages import reward
+    from alignment.training.pairs import normalize_pairs
 
     shipped = load(REPO / "recipes" / "arithmetic-reward-model.yaml").stages["rm"]
     stage = shipped.model_dump(exclude_none=True, exclude={"model", "kind", "lora"})
@@ -120,9 +122,10 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
 
 
 def test_full_reward_model_saves_and_loads(tmp_path, tiny_model):
-    from alignment.models import load_reward_model, load_tokenizer
-    from alignment.scoring import score_texts
+    from alignment.models.loading import load_reward_model
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.stages import reward
+    from alignment.training.scoring import score_texts
 
     ctx = reward_context(tmp_path, tiny_model, lora=False, data={"task": "arithmetic", "n": 40},
                          train={"max_steps": 2, "per_device_train_batch_size": 8}, eval_fraction=0.25)
@@ -156,7 +159,7 @@ def test_score_head_trains_at_its_own_learning_rate(tmp_path, tiny_model, lora):
 
 
 def test_score_learning_rate_without_a_score_head_is_named(tiny_model):
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
     from alignment.stages.reward import give_score_head_its_rate
 
     model = load_policy(str(tiny_model))  # a causal LM: no score head
@@ -183,8 +186,8 @@ def test_check_names_bad_data(tmp_path, tiny_model):
 
 
 def test_chained_recipe_sft_then_reward_and_dpo_and_rerun_skips(tmp_path):
-    from alignment.models import load_reward_model
-    from alignment.runner import run_recipe
+    from alignment.models.loading import load_reward_model
+    from alignment.run.runner import run_recipe
 
     tiny = {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1}
     recipe = {"name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
@@ -211,9 +214,10 @@ def test_align_merge_of_a_reward_adapter_writes_a_reward_model_with_its_trained_
     from transformers import AutoConfig
 
     from alignment.cli import main
-    from alignment.models import load_reward_model, load_tokenizer
-    from alignment.scoring import score_texts
+    from alignment.models.loading import load_reward_model
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.stages import reward
+    from alignment.training.scoring import score_texts
 
     ctx = reward_context(tmp_path, tiny_model, data={"task": "arithmetic", "n": 32},
                          train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-2},

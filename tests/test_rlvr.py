@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SMALLEST_MODEL, TINY_MODEL, heldout_accuracy, run_cli, write_recipe
+from conftest import (
+    REPO,
+    SMALLEST_MODEL,
+    TINY_MODEL,
+    heldout_accuracy,
+    run_cli,
+    write_recipe,
+)
+from helpers import patch_everywhere
 
 from alignment.errors import UserError
 
@@ -34,8 +42,8 @@ def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
 
 
 def run(tmp_path: Path, stage: dict, model=None):
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
     result = run_recipe(recipe)["rlvr"]
@@ -48,7 +56,7 @@ def run(tmp_path: Path, stage: dict, model=None):
 
 
 def test_adapter_strips_trl_kwargs_restores_prompt_and_logs(tmp_path):
-    from alignment.verifier_rewards import SOURCE_PROMPT, VerifierReward
+    from alignment.training.rewards import SOURCE_PROMPT, VerifierReward
     from alignment.verifiers import resolve
 
     seen = []
@@ -71,7 +79,7 @@ def test_adapter_strips_trl_kwargs_restores_prompt_and_logs(tmp_path):
 
 
 def test_adapter_scores_raising_rows_zero_and_counts_them(logged):
-    from alignment.verifier_rewards import VerifierReward
+    from alignment.training.rewards import VerifierReward
     from alignment.verifiers import resolve
 
     def flaky(completion, answer):
@@ -87,7 +95,7 @@ def test_adapter_scores_raising_rows_zero_and_counts_them(logged):
 
 
 def test_adapter_missing_column_is_a_user_error():
-    from alignment.verifier_rewards import VerifierReward
+    from alignment.training.rewards import VerifierReward
     from alignment.verifiers import resolve
 
     reward = VerifierReward(resolve("arithmetic"))
@@ -100,7 +108,7 @@ def test_adapter_missing_column_is_a_user_error():
 
 
 def test_config_validation(tmp_path):
-    from alignment.recipe import load_recipe
+    from alignment.config.recipe import load_recipe
 
     numeric = {"name": "numeric", "weight": 0.5, "options": {"mode": "strict"}}
     good = recipe_dict(tmp_path, {"verifiers": ["arithmetic", numeric]})
@@ -114,8 +122,8 @@ def test_config_validation(tmp_path):
 
 
 def test_kl_on_by_default_and_recipe_can_override(tmp_path):
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
     from alignment.stages import rlvr
 
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {})))
@@ -139,8 +147,8 @@ def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
 
 
 def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe
 
     no_answer = recipe_dict(tmp_path, {"data": {"task": "arithmetic", "split": "train", "n": 16}})
     no_answer["stages"]["rlvr"]["data"]["rename"] = {"answer": "solution"}
@@ -154,9 +162,9 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
 @pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
 def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
     from alignment.config.evaluate import SuiteSpec
-    from alignment.evaluate import load_suites
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.evaluation.evaluate import load_suites
+    from alignment.run.runner import check_recipe
 
     rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}], "answer": str(a + 1)} for a in range(30)]
     broken = {17: {"messages": rows[17]["messages"]},  # no answer: the verifier's column reads None in this row
@@ -183,7 +191,8 @@ def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(t
 
 
 def test_end_of_turn_token_stops_generation(tiny_model):
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.stages.rlvr import stop_at_end_of_turn
 
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
@@ -196,7 +205,7 @@ def bos_adding_tokenizer():
     """The tiny tokenizer made to behave like Llama 3's: a BOS added on every call and opening the template."""
     from tokenizers.processors import TemplateProcessing
 
-    from alignment.models import build_tokenizer
+    from alignment.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"bos_token": "<|begin|>"})
@@ -208,8 +217,8 @@ def bos_adding_tokenizer():
 
 
 def test_prompts_reach_trl_with_one_bos_token():
-    from alignment.formatting import render_prompt
-    from alignment.models import build_tokenizer
+    from alignment.data.formatting import render_prompt
+    from alignment.models.tiny import build_tokenizer
     from alignment.stages.rlvr import without_leading_bos
 
     tokenizer = bos_adding_tokenizer()
@@ -222,8 +231,8 @@ def test_prompts_reach_trl_with_one_bos_token():
 
 
 def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypatch):
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True}})))
@@ -233,12 +242,12 @@ def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypa
 
 def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monkeypatch):
     from alignment.config import sampling
-    from alignment.models import load_tokenizer
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.config.recipe import load_recipe
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.run.runner import make_context
     from alignment.stages import rlvr
 
-    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed
+    patch_everywhere(monkeypatch, sampling, "vllm_missing", lambda *_: None)  # as if installed
     tokenizer = load_tokenizer(str(tiny_model))
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     for extra, expected in [({}, {end, tokenizer.eos_token_id}), ({"generation_kwargs": {"stop_token_ids": [7]}}, {7})]:
@@ -253,10 +262,10 @@ def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monke
 @pytest.mark.parametrize("mode", [{}, {"vllm_mode": "colocate"}])
 def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monkeypatch, mode):
     from alignment.config import sampling
-    from alignment.recipe import load_recipe
-    from alignment.runner import check_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe
 
-    monkeypatch.setattr(sampling, "vllm_missing", lambda *_: None)  # as if installed
+    patch_everywhere(monkeypatch, sampling, "vllm_missing", lambda *_: None)  # as if installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
@@ -266,10 +275,10 @@ def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monke
 
 @pytest.mark.parametrize("name", ["gsm8k-grpo.yaml", "math-grpo.yaml"])
 def test_shipped_rlvr_recipes_validate(name):
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
     from alignment.stages import rlvr
-    from alignment.verifier_rewards import resolve_all
+    from alignment.training.rewards import resolve_all
 
     recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / name)
     ids = [s for s, c in recipe.stages.items() if c.kind == "rlvr"]
@@ -289,7 +298,7 @@ def test_shipped_rlvr_recipes_validate(name):
 def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_verifier_rewards(logged):
     """Two verifiers, weights 1 and 0.5, groups of 2: a group is flat when its weighted totals are equal,
     whichever verifier differs; eval batches are logged, not counted; cut = the last id is no stop id."""
-    from alignment.verifier_rewards import GroupSignal, VerifierReward
+    from alignment.training.rewards import GroupSignal, VerifierReward
     from alignment.verifiers import resolve
 
     first = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "first")
@@ -324,7 +333,7 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
 def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):
     import logging
 
-    from alignment.verifier_rewards import GroupSignal, VerifierReward
+    from alignment.training.rewards import GroupSignal, VerifierReward
     from alignment.verifiers import resolve
 
     reward = VerifierReward(resolve(lambda completion: 1.0), 1.0, "one")

@@ -30,8 +30,8 @@ def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
 
 
 def run(tmp_path: Path, stage: dict, model=None):
-    from alignment.recipe import load_recipe
-    from alignment.runner import run_recipe
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
 
     recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
     return recipe, run_recipe(recipe)["rsft"]
@@ -73,18 +73,18 @@ def test_selection_rules():
     ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
 ])
 def test_config_errors(tmp_path, stage, message):
-    from alignment.recipe import load_recipe
+    from alignment.config.recipe import load_recipe
 
     with pytest.raises(UserError, match=message):
         load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage)))
 
 
 def test_shipped_code_rsft_recipe_validates():
-    from alignment.recipe import load_recipe
-    from alignment.runner import make_context
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
     from alignment.stages import rsft
-    from alignment.verifier_rewards import resolve_all
-    from alignment.verifiers import sandbox
+    from alignment.training.rewards import resolve_all
+    from alignment.verifiers.sandbox import process
 
     recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "code-rsft.yaml")
     ctx = make_context(recipe, "rsft")
@@ -92,7 +92,7 @@ def test_shipped_code_rsft_recipe_validates():
     assert not ctx.config.verifiers[0].options.get("allow_unsandboxed")  # never ship an unsandboxed recipe
     args = rsft.sft_args(ctx, ctx.work_dir)
     assert args.completion_only_loss and args.learning_rate == 1.0e-4
-    if sandbox.isolation() is None:
+    if process.isolation() is None:
         pytest.skip("no sandbox isolation on this machine: python_tests refuses to resolve, as designed")
     resolve_all(ctx.config.verifiers, [recipe.base_dir], ctx.where)
 
@@ -194,9 +194,9 @@ MIN_GAIN = 0.10
 def test_selected_rows_longer_than_max_length_are_counted_and_said(tmp_path, logged):
     """The selected samples are trained by SFT, which cuts rows at max_length: each round counts them
     (rows_truncated, per round and in all, in stage.json) and says so, as the sft stage does."""
-    from alignment.formatting import render_pair
-    from alignment.models import load_tokenizer
-    from alignment.stages.sft import token_rows
+    from alignment.data.formatting import render_pair
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.training.rows import token_rows
 
     (tmp_path / "accept.py").write_text("def everything(completion):\n    return 1.0\n")
     stage = {"verifiers": ["accept:everything"], "sampling": {"n": 4, "max_new_tokens": 40, "temperature": 1.0},

@@ -7,8 +7,9 @@ import torch
 from helpers import base_weights, lora_policy, with_skewed_generation_config
 
 from alignment.config.sampling import SamplingSpec
-from alignment.formatting import render_prompt
-from alignment.models import load_policy, load_tokenizer
+from alignment.data.formatting import render_prompt
+from alignment.models.loading import load_policy
+from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate
 
 

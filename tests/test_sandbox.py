@@ -1,7 +1,7 @@
 """Hostile programs against the python_tests sandbox: each must score 0 in time, leave no process
 behind, and the caller (this pytest process) must survive. Correct programs must still pass.
 
-Runs in the best isolation mode this machine offers (`sandbox.isolation()`); the network tests,
+Runs in the best isolation mode this machine offers (`process.isolation()`); the network tests,
 kill(-1) and the file-hiding tests need namespaces and are skipped ONLY when none works, because
 without a network namespace a connect would send real traffic. Short limits keep it fast.
 """
@@ -19,12 +19,13 @@ import psutil
 import pytest
 
 from alignment.errors import UserError
-from alignment.verifiers import resolve, sandbox
-from alignment.verifiers.sandbox import Limits, run_python
+from alignment.verifiers import resolve
+from alignment.verifiers.sandbox import process
+from alignment.verifiers.sandbox.process import Limits, run_python
 
-ISOLATION = sandbox.isolation()
+ISOLATION = process.isolation()
 MODE = ISOLATION or "none"
-NO_NAMESPACES = "no isolation mechanism works on this machine (sandbox.isolation() is None)"
+NO_NAMESPACES = "no isolation mechanism works on this machine (process.isolation() is None)"
 TIMEOUT = 2.0
 OPTIONS = {"timeout": TIMEOUT, "memory_mb": 256, "max_processes": 16, "allow_unsandboxed": True}
 TESTS = "assert add(2, 3) == 5\n"
@@ -384,7 +385,7 @@ def test_verifier_end_to_end():
 
 
 @pytest.mark.skipif(ISOLATION is None, reason=NO_NAMESPACES)
-@pytest.mark.parametrize("mode", [m for m in sandbox.MODES if m != "none"])
+@pytest.mark.parametrize("mode", [m for m in process.MODES if m != "none"])
 def test_each_namespace_mode(mode):
     if mode == "unshare-root" and os.geteuid() != 0:
         pytest.skip("unshare-root needs root")
@@ -416,7 +417,7 @@ def test_unsandboxed_mode_still_cleans_up():
 
 
 def test_no_isolation_refuses_unless_allowed(monkeypatch):
-    monkeypatch.setattr(sandbox, "_probe_result", {"mode": None, "failures": {"unshare-root": "EPERM"}})
+    monkeypatch.setattr(process, "_probe_result", {"mode": None, "failures": {"unshare-root": "EPERM"}})
     with pytest.raises(UserError, match="allow_unsandboxed: true"):
         resolve("python_tests")
     assert resolve("python_tests", options={"allow_unsandboxed": True}).name == "python_tests"

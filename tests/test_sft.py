@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
 
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
+from alignment.config.recipe import load_recipe
+from alignment.run.runner import run_recipe
 
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 
@@ -101,7 +101,8 @@ def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
 def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
     """sft -> sft2 with LoRA: sft2's reference (its adapter disabled) is exactly the sft policy."""
     from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora, load_policy
+    from alignment.models.loading import load_policy
+    from alignment.models.lora import apply_lora
 
     recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
     recipe["stages"]["sft2"] = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 200},
@@ -126,13 +127,13 @@ def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
 
 def test_prompt_rendering_is_one_convention(tiny_model):
     """SFT text, RL prompts and reward-model text share the same rendering; no trailing newline."""
-    from alignment.formatting import (
+    from alignment.data.formatting import (
         end_of_turn,
         render_completion,
         render_pair,
         render_prompt,
     )
-    from alignment.models import load_tokenizer
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
     pair = render_pair(tokenizer, {"prompt": "What is 1+2?", "completion": "3"})
@@ -148,8 +149,8 @@ def test_prompt_rendering_is_one_convention(tiny_model):
 
 
 def test_render_completion_cuts_trailing_newline_after_end_of_turn(tiny_model):
-    from alignment.formatting import render_completion
-    from alignment.models import load_tokenizer
+    from alignment.data.formatting import render_completion
+    from alignment.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model))
     tokenizer.chat_template = tokenizer.chat_template.replace("<|end|>{% endfor %}", "<|end|>\n{% endfor %}")
@@ -180,7 +181,7 @@ def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
 
     from transformers import AutoTokenizer
 
-    from alignment.runner import make_context
+    from alignment.run.runner import make_context
     from alignment.stages import sft
 
     folder = tmp_path / "model"
@@ -204,8 +205,8 @@ def jsonl(path, rows) -> str:
 
 
 def test_sft_trains_on_trls_conversational_prompt_completion_rows(tmp_path):
-    from alignment.formatting import render_pair
-    from alignment.models import load_tokenizer
+    from alignment.data.formatting import render_pair
+    from alignment.models.tokenizer import load_tokenizer
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a}?"}],
              "completion": [{"role": "assistant", "content": str(2 * a)}]} for a in range(40)]
@@ -220,8 +221,8 @@ def test_sft_trains_on_trls_conversational_prompt_completion_rows(tmp_path):
 
 
 def test_a_conversational_completion_must_be_one_assistant_message():
+    from alignment.data.formatting import prompt_and_completion
     from alignment.errors import UserError
-    from alignment.formatting import prompt_and_completion
 
     with pytest.raises(UserError, match=r"row 7.*one assistant message.*\['user'\]"):
         prompt_and_completion({"prompt": "q", "completion": [{"role": "user", "content": "x"}]}, 7)
@@ -241,8 +242,8 @@ def test_sft_on_plain_text_rows_and_truncated_rows_are_counted_and_said(tmp_path
 
 
 def test_the_recipes_template_settings_are_trained_with_and_saved(tmp_path):
-    from alignment.formatting import render_prompt
-    from alignment.models import load_tokenizer
+    from alignment.data.formatting import render_prompt
+    from alignment.models.tokenizer import load_tokenizer
 
     recipe = sft_recipe(tmp_path, template={"system_prompt": "Be brief."})
     loaded = load_recipe(write_recipe(tmp_path, recipe))
@@ -254,7 +255,8 @@ def test_the_recipes_template_settings_are_trained_with_and_saved(tmp_path):
 @pytest.mark.parametrize("save_dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32)])
 def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says(tmp_path, tiny_model, save_dtype,
                                                                                  expected):
-    from alignment.models import load_policy, load_tokenizer
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
 
     bf16 = tmp_path / "bf16"
     load_policy(str(tiny_model), dtype=torch.bfloat16).save_pretrained(bf16)
@@ -269,7 +271,7 @@ def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says
 
 def test_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path):
     from alignment.errors import UserError
-    from alignment.runner import check_recipe
+    from alignment.run.runner import check_recipe
 
     rows = [{"prompt": f"What is {a}+1?", "completion": f"it is {a + 1}"} for a in range(30)]
     rows[17]["completion"] = 18  # not a string

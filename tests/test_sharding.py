@@ -16,8 +16,10 @@ from helpers import lora_policy
 from safetensors.torch import load_file, save_file
 
 from alignment.errors import UserError
-from alignment.models import check_saved_tensors, load_policy, load_tokenizer, save_checkpoint
-from alignment.sharding import save_trained, unsharded_copy
+from alignment.models.loading import load_policy
+from alignment.models.saving import check_saved_tensors, save_checkpoint
+from alignment.models.tokenizer import load_tokenizer
+from alignment.training.sharding import save_trained, unsharded_copy
 
 
 def outputs(model, ids=((5, 9, 12, 7),)):
@@ -55,7 +57,8 @@ def test_save_trained_writes_what_the_reward_trainer_trained(tiny_model, tmp_pat
     from transformers import AutoModelForSequenceClassification
 
     from alignment.config.model import LoraSpec
-    from alignment.models import apply_lora, load_reward_model
+    from alignment.models.loading import load_reward_model
+    from alignment.models.lora import apply_lora
     from alignment.stages.reward import save_reward_model
 
     base = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
@@ -73,7 +76,7 @@ def test_save_trained_writes_what_the_reward_trainer_trained(tiny_model, tmp_pat
 
 def test_ppo_saves_its_policy_without_the_critic(tiny_model):
     from alignment.config.model import LoraSpec
-    from alignment.ppo_models import build_models, policy_state
+    from alignment.training.actor_critic import build_models, policy_state
 
     actor_critic = build_models(str(tiny_model), LoraSpec(r=4, lora_alpha=8)).actor_critic
     policy, state = policy_state(actor_critic, actor_critic.state_dict())

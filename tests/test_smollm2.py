@@ -47,7 +47,11 @@ POLICIES = ("sft", "ppo", "dpo", "rsft", "rlvr")
 @pytest.mark.slow
 def test_every_stage_runs_on_smollm2_and_every_output_chats(tmp_path, smollm2_checkpoint):
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     out = tmp_path / "run"
     result = run_cli("run", write_recipe(tmp_path, few_steps_recipe(tmp_path, smollm2_checkpoint)), timeout=3000)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers import base_weights, lora_policy, tiny_ppo_recipe, trainable_digest
 
+from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
+from alignment.data.formatting import render_prompt
 from alignment.errors import UserError
-from alignment.formatting import render_prompt
-from alignment.models import load_tokenizer
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
+from alignment.models.tokenizer import load_tokenizer
+from alignment.run.runner import run_recipe
 from alignment.sampling import generate, vllm_engine
 
 FAKE = Path(__file__).parent / "fake_vllm"
@@ -118,7 +118,7 @@ def test_a_checkpoints_generation_config_does_not_change_what_vllm_samples(tiny_
     and every request sets each field that shapes the distribution to its neutral value."""
     from helpers import with_skewed_generation_config
 
-    from alignment.models import load_policy
+    from alignment.models.loading import load_policy
 
     sent = []
     generate_with = fake_vllm.LLM.generate

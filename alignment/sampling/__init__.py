@@ -15,10 +15,16 @@ from ..config.sampling import SamplingSpec
 from . import hf, vllm_engine
 from .samples import Sample, lora_merged, stop_token_ids
 
-__all__ = ["Sample", "SamplingSpec", "generate", "lora_merged", "stop_token_ids"]
+__all__ = ["Sample", "SamplingSpec", "close", "generate", "lora_merged", "stop_token_ids"]
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` completions of every rendered prompt; `progress` names a progress bar (None: no bar)."""
     sampler = vllm_engine if settings.backend == "vllm" else hf
     return sampler.generate(model, tokenizer, prompts, settings, progress)
+
+
+def close() -> None:
+    """Shut down any sampling engine this process started (a vLLM engine's exit hook tears down sub-groups of
+    the torch.distributed group, so it must go before that group does); a no-op where none was started."""
+    vllm_engine.close(final=True)

@@ -28,9 +28,15 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..config.sampling import SamplingSpec
-from ..formatting import encode
-from ..progress import track
-from .samples import Sample, checkpoint_sampling_defaults_off, lora_merged, stop_token_ids, to_sample
+from ..data.formatting import encode
+from ..runtime.progress import track
+from .samples import (
+    Sample,
+    checkpoint_sampling_defaults_off,
+    lora_merged,
+    stop_token_ids,
+    to_sample,
+)
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
 

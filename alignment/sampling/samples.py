@@ -10,8 +10,8 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers import GenerationConfig, GenerationMixin
 
+from ..data.formatting import end_of_turn
 from ..errors import UserError
-from ..formatting import end_of_turn
 
 
 @dataclass

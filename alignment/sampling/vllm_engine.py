@@ -61,8 +61,8 @@ import torch
 import torch.distributed as dist
 
 from ..config.sampling import TESTED_VERSIONS, SamplingSpec, VllmSpec
+from ..data.formatting import encode
 from ..errors import UserError
-from ..formatting import encode
 from ..rl import prompt_completion_batch, sequence_logprobs
 from .samples import lora_merged, stop_token_ids, to_sample
 

@@ -1,31 +1,16 @@
-"""Stage kinds. `STAGES` maps a recipe `kind` to its module; modules import lazily so that
-loading a recipe does not import torch or TRL for stages it does not use."""
+"""Stage kinds: one module per kind with `check(ctx)` and `run(ctx) -> metrics`; each kind's recipe keys are
+its `Config` in `alignment/config/stages/`. `stage_module(kind)` imports only the kind it is asked for, so a
+run imports TRL's trainers for the stages it runs and no others."""
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
-from ..config.base import did_you_mean
-from ..errors import UserError
+from ..config.stages import config_class
 
-STAGES: dict[str, str] = {
-    "sft": "alignment.stages.sft",
-    "reward": "alignment.stages.reward",
-    "dpo": "alignment.stages.dpo",
-    "ppo": "alignment.stages.ppo",
-    "rsft": "alignment.stages.rsft",
-    "rlvr": "alignment.stages.rlvr",
-}
-
-def available_kinds() -> list[str]:
-    """Kinds whose module is present in this installation."""
-    return [k for k, m in STAGES.items() if importlib.util.find_spec(m) is not None]
+STAGES: dict[str, str] = {kind: f"alignment.stages.{kind}" for kind in ("sft", "reward", "dpo", "ppo", "rsft", "rlvr")}
 
 
 def stage_module(kind: str, where: str = "stages"):
-    if kind not in available_kinds():
-        raise UserError(
-            f"{where}: unknown stage kind '{kind}'{did_you_mean(kind, STAGES)}; available kinds: {', '.join(available_kinds())}."
-        )
+    config_class(kind, where)  # an unknown kind is the same error as when the recipe is loaded
     return importlib.import_module(STAGES[kind])

@@ -31,30 +31,37 @@ answer's likelihood along with the rejected one and greedy decoding drifts to a 
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
 
-from pydantic import Field
+import datasets
+from trl import DPOConfig, DPOTrainer
 
-from ..config.data import DataSpec
-from ..config.sampling import OnPolicySpec
-from ..config.stage import StageConfig
+from ..config.base import did_you_mean
+from ..data.formatting import eos_as_end_of_turn
 from ..errors import UserError
-from .base import StageContext
+from ..models.loading import load_policy
+from ..models.lora import peft_config
+from ..runtime.dist import loads_partitioned
+from ..training.context import StageContext
+from ..training.pairs import (
+    check_stage_data,
+    normalize_pairs,
+    pair_token_ids,
+    render_pairs,
+    split_eval,
+    stage_pairs,
+)
+from ..training.rows import count_truncated, drop_overlong
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 # The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
 LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
 
 
-class Config(StageConfig):
-    kind: Literal["dpo"] = "dpo"
-    data: DataSpec
-    on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
-    eval_fraction: float = Field(0.0, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
 
 
 def trl_config(ctx: StageContext):
-    from trl import DPOConfig
 
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
     args = ctx.trl_args(DPOConfig, max_length=1024, learning_rate=5e-6 if ctx.lora else 5e-7,
@@ -62,7 +69,6 @@ def trl_config(ctx: StageContext):
                         precompute_ref_log_probs=several_passes(ctx.config.train))
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
-        from ..config.base import did_you_mean
 
         raise UserError(f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
                         f"choose from {', '.join(sorted(LOSS_TYPES))}.")
@@ -71,14 +77,12 @@ def trl_config(ctx: StageContext):
 
 def several_passes(train: dict) -> bool:
     """Whether training goes over the pairs more than once, so computing the reference once pays."""
-    from trl import DPOConfig
 
     epochs = train.get("num_train_epochs", DPOConfig.__dataclass_fields__["num_train_epochs"].default)
     return (train.get("max_steps") or -1) <= 0 and epochs > 1
 
 
 def check(ctx: StageContext) -> None:
-    from ..pairs import check_stage_data
 
     trl_config(ctx)
     ctx.load_tokenizer()
@@ -90,10 +94,7 @@ def reference_for(ctx: StageContext, policy, args):
     Where the policy may not be whole on this process before the trainer wraps it (ZeRO-3, FSDP's
     CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
     instead of copied."""
-    import copy
 
-    from ..dist import loads_partitioned
-    from ..models import load_policy
 
     if ctx.lora or args.precompute_ref_log_probs:
         return None
@@ -106,15 +107,7 @@ def reference_for(ctx: StageContext, policy, args):
 
 def build_trainer(ctx: StageContext):
     """(DPOTrainer ready to train, the tokenizer to save with the policy, pair counts)."""
-    import datasets
-    from trl import DPOTrainer
 
-    from ..dist import loads_partitioned
-    from ..formatting import eos_as_end_of_turn
-    from ..models import load_policy, peft_config
-    from ..pairs import normalize_pairs, pair_token_ids, render_pairs, split_eval, stage_pairs
-    from ..trainer_utils import trainer_callbacks
-    from .sft import count_truncated
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
@@ -163,8 +156,7 @@ def pretokenized(base):
 
 def within_prompt_limit(rows: list[dict], args, where: str) -> list[dict]:
     """The pairs TRL keeps: with `truncation_mode: keep_start` a prompt of max_length tokens or more leaves no
-    answer token; those pairs are dropped and said (`sft.drop_overlong`)."""
-    from .sft import drop_overlong
+    answer token; those pairs are dropped and said (`training.rows.drop_overlong`)."""
 
     if args.truncation_mode != "keep_start":
         return rows
@@ -172,7 +164,6 @@ def within_prompt_limit(rows: list[dict], args, where: str) -> list[dict]:
 
 
 def run(ctx: StageContext) -> dict:
-    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, tokenizer, counts = build_trainer(ctx)
     train(ctx, trainer)

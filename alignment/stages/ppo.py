@@ -46,100 +46,53 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import AutoConfig, get_scheduler
 
-from ..config.base import Strict, stage_ref
-from ..config.data import DataSpec
-from ..config.sampling import SamplingSpec
-from ..config.stage import LORA_KNOB, StageConfig
-from ..config.verifier import VerifierSpec
+from ..config.base import stage_ref
+from ..data.formatting import encode, render_prompt
 from ..errors import UserError
-from .base import StageContext
+from ..models.loading import check_model_source, default_dtype, load_reward_model
+from ..models.tokenizer import load_tokenizer
+from ..rl import (
+    explained_variance,
+    gae_advantages,
+    make_kl_controller,
+    masked_mean,
+    masked_whiten,
+    penalized_rewards,
+    policy_loss,
+    prompt_completion_batch,
+    value_loss,
+)
+from ..runtime.dist import PARTITIONED, check_engine
+from ..runtime.progress import track
+from ..sampling import generate
+from ..training.actor_critic import (
+    build_models,
+    configure_deepspeed,
+    load_loop_state,
+    policy_state,
+    save_loop_state,
+)
+from ..training.context import StageContext
+from ..training.memory import StepShape, needs_checkpointing
+from ..training.prompts import prompt_of
+from ..training.rewards import build_rewards, resolve_all
+from ..training.scoring import score_texts
+from ..training.sharding import can_merge_lora, gathered, save_trained
+from ..training.trainer import NonFiniteError
 
 log = logging.getLogger(__name__)
 
 
-class RolloutSpec(SamplingSpec):
-    """`rollout:` the one sampling spec, with PPO's sizes: `batch_size` prompts per update on each process
-    (sampled in one generate call), one completion each."""
-
-    batch_size: int = Field(64, gt=0, description="prompts per update on each process")
-    max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    n: Literal[1] = Field(1, description="one completion per prompt (PPO's rollout is one sample per episode)")
-    max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
 
 
-class TrainSpec(Strict):
-    """Optimisation settings of our PPO loop (not a TRL config). Sizes are per process."""
-
-    learning_rate: float = Field(1.0e-5, gt=0)
-    critic_learning_rate: float | None = Field(None, gt=0, description="default: learning_rate")
-    weight_decay: float = Field(0.0, ge=0)
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
-    ppo_epochs: int = Field(4, gt=0)
-    mini_batch_size: int = Field(16, gt=0, description="rows per optimizer step")
-    gradient_accumulation_steps: int = Field(1, gt=0)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    cliprange: float = Field(0.2, gt=0)
-    cliprange_value: float | None = Field(0.2, gt=0)
-    vf_coef: float = Field(0.1, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    whiten_advantages: bool = True
-    reward_norm: Literal["none", "batch", "running"] = "none"
-    reward_clip: float | None = Field(None, gt=0, description="clip (normalised) scores to [-c, c]")
-    total_updates: int | None = Field(None, gt=0)
-    total_episodes: int | None = Field(None, gt=0, description="default: one pass over the prompts")
-    save_every: int = Field(50, gt=0)
-    logging_steps: int = Field(1, gt=0)
-    gradient_checkpointing: bool | None = Field(
-        None, description="recompute layers in the backward pass; default: only where the estimate says the "
-        "step would not fit on the GPU without it (memory.py); never on CPU")
 
 
-class Config(StageConfig):
-    kind: Literal["ppo"] = "ppo"
-    memory_knobs: ClassVar[tuple[str, ...]] = (
-        "`train.gradient_checkpointing: true`",
-        "`train.mini_batch_size` (raise `train.gradient_accumulation_steps` to keep the step size)",
-        "`rollout.batch_size` or `rollout.max_new_tokens`", LORA_KNOB)
-    policy: str | None = None
-    reward_model: str | None = None
-    verifiers: list[VerifierSpec] = Field(default_factory=list)
-    data: DataSpec
-    kl_coef: float = Field(0.05, ge=0)
-    kl_target: float | None = Field(None, gt=0, description="adaptive KL controller target (nats per sequence)")
-    kl_horizon: int = Field(10000, gt=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
-    missing_eos_penalty: float | None = Field(None, description="subtracted from the score of unfinished completions")
-    train: TrainSpec = Field(default_factory=TrainSpec)
-
-    def start_model_key(self) -> str:
-        return "policy"
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        t = self.train
-        if self.model is not None:
-            raise ValueError("a ppo stage names its start policy with 'policy', not 'model'")
-        if self.eval_data is not None:
-            raise ValueError("'eval_data' is not used by ppo; evaluate the result with the recipe's evaluate block")
-        if self.reward_model is None and not self.verifiers:
-            raise ValueError("give a 'reward_model' or 'verifiers' (or both): PPO needs a reward")
-        if self.rollout.batch_size % t.mini_batch_size:
-            raise ValueError(f"rollout.batch_size ({self.rollout.batch_size}) must be a multiple of "
-                             f"train.mini_batch_size ({t.mini_batch_size})")
-        if t.mini_batch_size % t.gradient_accumulation_steps:
-            raise ValueError(f"train.mini_batch_size ({t.mini_batch_size}) must be a multiple of "
-                             f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps})")
-        if t.total_updates is not None and t.total_episodes is not None:
-            raise ValueError("give train.total_updates or train.total_episodes, not both")
-        return self
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -149,8 +102,6 @@ class Config(StageConfig):
 
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
-    from ..formatting import encode, render_prompt
-    from ..prompts import prompt_of
 
     cfg, where = ctx.config, f"{ctx.where}.data"
     rows = ctx.load_prompt_rows(cfg.data, "data", verifiers)
@@ -170,8 +121,6 @@ class Scorer:
     """Sequence scores: reward model + weighted verifiers - missing-EOS penalty."""
 
     def __init__(self, ctx: StageContext, device):
-        from ..models import load_reward_model, load_tokenizer
-        from ..verifier_rewards import build_rewards
 
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
         self.model = self.tokenizer = None
@@ -185,10 +134,7 @@ class Scorer:
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
         """(scores [B], {part: batch mean}). The reward model scores `render_prompt + render_completion`
         through `scoring.score_texts`, exactly the text the reward stage trained on."""
-        import torch
 
-        from ..prompts import prompt_of
-        from ..scoring import score_texts
 
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
@@ -215,14 +161,7 @@ class PPOLoop:
     """State of one PPO run; `run()` does the updates. Plain composition, one method per phase."""
 
     def __init__(self, ctx: StageContext):
-        import torch
-        from accelerate import Accelerator
-        from accelerate.utils import set_seed
-        from transformers import get_scheduler
 
-        from ..dist import PARTITIONED, check_engine
-        from ..ppo_models import build_models, configure_deepspeed
-        from ..rl import make_kl_controller
 
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
         report_to = ctx.recipe.report_to
@@ -263,9 +202,6 @@ class PPOLoop:
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
-        from ..formatting import encode
-        from ..memory import StepShape, needs_checkpointing
-        from ..models import default_dtype
 
         if self.t.gradient_checkpointing is not None:
             return self.t.gradient_checkpointing
@@ -303,11 +239,7 @@ class PPOLoop:
 
     def rollout(self) -> dict:
         """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
-        import torch
 
-        from ..formatting import encode
-        from ..sampling import generate
-        from ..sharding import can_merge_lora, gathered
 
         r, started = self.cfg.rollout, time.time()
         indices = self.prompt_indices()
@@ -333,7 +265,6 @@ class PPOLoop:
 
     def collate(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
         """[B, P + K] ids: prompts left-padded (as generated), completions right-padded; mask [B, K]."""
-        from ..rl import prompt_completion_batch
 
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, attention, mask = prompt_completion_batch(prompt_ids, completion_ids, pad, self.acc.device)
@@ -348,7 +279,6 @@ class PPOLoop:
     def normalise(self, scores):
         """Scores as the reward: raw, or standardised by this batch's (all processes) or running
         statistics (Welford), then clipped to [-reward_clip, reward_clip] if set."""
-        import torch
 
         norm = self.t.reward_norm
         if norm != "none":
@@ -370,13 +300,6 @@ class PPOLoop:
         return scores
 
     def advantages(self, batch: dict) -> None:
-        from ..rl import (
-            explained_variance,
-            gae_advantages,
-            masked_mean,
-            masked_whiten,
-            penalized_rewards,
-        )
 
         mask = batch["mask"]
         rewards, kl = penalized_rewards(self.normalise(batch["raw_scores"]), batch["logprobs"], batch["ref_logprobs"],
@@ -396,7 +319,6 @@ class PPOLoop:
 
     def train_on(self, batch: dict) -> dict:
         """`ppo_epochs` passes of shuffled minibatches; returns the mean loss statistics."""
-        import torch
 
         size, mini, accum = len(batch["mask"]), self.t.mini_batch_size, self.t.gradient_accumulation_steps
         totals: dict[str, float] = {}
@@ -424,7 +346,6 @@ class PPOLoop:
         return stats
 
     def micro_loss(self, batch: dict, rows):
-        from ..rl import policy_loss, value_loss
 
         mask = batch["mask"][rows]
         k = max(int(mask.sum(1).max().item()), 1)  # trailing padding changes no causal output: cut it
@@ -445,9 +366,7 @@ class PPOLoop:
         the optimizer step, so the weights and the last checkpoint stay intact. (DeepSpeed clips and steps
         inside the last micro-batch's backward pass; there the stop comes after its step, and the last
         checkpoint stays intact.)"""
-        import torch
 
-        from ..trainer_utils import NonFiniteError
 
         norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
         norm = float(norm)
@@ -467,7 +386,6 @@ class PPOLoop:
     # -- one update, metrics ------------------------------------------------------------------------
 
     def one_update(self) -> dict:
-        from accelerate.utils import set_seed
 
         set_seed((self.ctx.seed * 1_000_003 + self.update * 1_009 + self.acc.process_index) % 2**32)
         batch = self.rollout()
@@ -481,7 +399,6 @@ class PPOLoop:
 
     def metrics(self, batch: dict, train: dict, train_time: float) -> dict:
         """Per-update metrics averaged over processes (scores over the gathered batch)."""
-        import torch
 
         scores = self.acc.gather(batch["raw_scores"].float())
         lengths = batch["mask"].sum(1)
@@ -500,7 +417,6 @@ class PPOLoop:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}
 
     def run(self) -> dict:
-        from ..progress import track
 
         self.resume()
         if self.acc.trackers:
@@ -529,20 +445,16 @@ class PPOLoop:
     def save_final(self) -> None:
         """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
         process, written by rank 0 (`sharding.save_trained`)."""
-        from ..ppo_models import policy_state
-        from ..sharding import save_trained
 
         self.acc.wait_for_everyone()
         save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=policy_state)
 
     def save_state(self) -> None:
-        from ..ppo_models import save_loop_state
 
         save_loop_state(self.acc, Path(self.ctx.work_dir), self.update,
                         {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history})
 
     def resume(self) -> None:
-        from ..ppo_models import load_loop_state
 
         state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
         if state is not None:
@@ -560,8 +472,6 @@ LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "val
 
 
 def check(ctx: StageContext) -> None:
-    from ..models import check_model_source
-    from ..verifier_rewards import resolve_all
 
     tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
@@ -572,7 +482,6 @@ def check(ctx: StageContext) -> None:
     if stage_ref(ref) and not (Path(path) / "config.json").exists():
         return  # produced by an earlier stage that has not run yet
     check_model_source(path, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=ctx.recipe.trust_remote_code)
     architectures = getattr(config, "architectures", None) or []

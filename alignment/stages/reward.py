@@ -23,32 +23,35 @@ is merged weights (`models.load_reward_model` loads it) with the adapter in `ada
 from __future__ import annotations
 
 import logging
-from typing import ClassVar, Literal
 
-from pydantic import Field
+import datasets
+import transformers
+from transformers import AutoModelForSequenceClassification
+from trl import RewardConfig, RewardTrainer
+from trl.trainer.reward_trainer import suppress_seqcls_warning
 
-from ..config.data import DataSpec
-from ..config.sampling import OnPolicySpec
-from ..config.stage import StageConfig
 from ..errors import UserError
-from .base import StageContext
+from ..models.loading import default_dtype, is_adapter_dir, load_policy
+from ..models.lora import peft_config
+from ..models.saving import save_checkpoint
+from ..runtime.dist import log_share
+from ..training.context import StageContext
+from ..training.pairs import (
+    check_stage_data,
+    normalize_pairs,
+    render_pairs,
+    reward_token_ids,
+    split_eval,
+    stage_pairs,
+)
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 log = logging.getLogger(__name__)
 
 
-class Config(StageConfig):
-    kind: Literal["reward"] = "reward"
-    produces_policy: ClassVar[bool] = False  # a scoring model: no later stage starts from it
-    data: DataSpec
-    on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
-    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
-    score_learning_rate: float | None = Field(
-        None, gt=0, description="learning rate of the freshly initialised score head (default: train.learning_rate); "
-        "a head that learns faster than the pretrained body it reads from (see the module docstring)")
 
 
 def trl_config(ctx: StageContext):
-    from trl import RewardConfig
 
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
     return ctx.trl_args(RewardConfig, max_length=1024, learning_rate=1e-4 if ctx.lora else 1e-5,
@@ -56,7 +59,6 @@ def trl_config(ctx: StageContext):
 
 
 def check(ctx: StageContext) -> None:
-    from ..pairs import check_stage_data
 
     trl_config(ctx)
     ctx.load_tokenizer()
@@ -65,11 +67,7 @@ def check(ctx: StageContext) -> None:
 
 def load_classifier(ctx: StageContext, tokenizer):
     """The start model with a one-label head (fresh for a policy, kept for a reward model)."""
-    import transformers
-    from transformers import AutoModelForSequenceClassification
-    from trl.trainer.reward_trainer import suppress_seqcls_warning
 
-    from ..models import default_dtype, is_adapter_dir
 
     if is_adapter_dir(ctx.start_model):
         raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
@@ -85,8 +83,6 @@ def load_classifier(ctx: StageContext, tokenizer):
 
 def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], dict]:
     """(train pairs, held-out pairs, counts): raw {'prompt', 'chosen', 'rejected'} rows."""
-    from ..models import load_policy
-    from ..pairs import normalize_pairs, split_eval, stage_pairs
 
     pairs, stats = stage_pairs(ctx, tokenizer, lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
     if ctx.config.eval_data is not None:
@@ -99,12 +95,7 @@ def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], 
 
 def build_trainer(ctx: StageContext):
     """The RewardTrainer, ready to train, and the pair counts."""
-    import datasets
-    from trl import RewardTrainer
 
-    from ..models import peft_config
-    from ..pairs import render_pairs, reward_token_ids
-    from ..trainer_utils import trainer_callbacks
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
@@ -131,7 +122,6 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
     """The tokenized pairs whose chosen and rejected texts both fit `max_length`, and how many did not. TRL
     drops the longer ones itself, with only a progress bar to show for it: here they are counted and said,
     and a share above a few percent is a warning. All dropped is an error."""
-    from ..dist import log_share
 
     if not max_length or not pairs:
         return pairs, 0
@@ -185,7 +175,6 @@ def give_score_head_its_rate(optimizer, model, learning_rate: float) -> None:
 
 def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
     """Merged weights with one label and the pad token set (the head pools at the last non-pad token)."""
-    from ..models import save_checkpoint
 
     model.config.num_labels = 1
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -193,7 +182,6 @@ def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, counts = build_trainer(ctx)
     train(ctx, trainer)

@@ -40,15 +40,24 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import ClassVar, Literal
 
-from pydantic import Field
+import datasets
+import torch
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..config.data import DataSpec
-from ..config.stage import BATCH_KNOB, LORA_KNOB, StageConfig
-from ..config.verifier import VerifierSpec
+from ..config.sampling import vllm_missing
+from ..config.stages.rlvr import Config
+from ..data.formatting import render_prompt
 from ..errors import UserError
-from .base import StageContext
+from ..models.loading import load_policy
+from ..models.lora import peft_config
+from ..runtime.dist import log_share
+from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
+from ..training.context import StageContext
+from ..training.prompts import prompt_of
+from ..training.rewards import SOURCE_PROMPT, GroupSignal, build_rewards, resolve_all
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
 
@@ -64,21 +73,12 @@ TRL_COLOCATE_ON_CPU = (
     "without a loader (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py).")
 
 
-class Config(StageConfig):
-    kind: Literal["rlvr"] = "rlvr"
-    memory_knobs: ClassVar[tuple[str, ...]] = (
-        "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
-    data: DataSpec
-    algorithm: Literal["grpo", "rloo"] = "grpo"
-    verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers")
 
 
 def trainer_classes(algorithm: str):
     if algorithm == "rloo":
-        from trl import RLOOConfig, RLOOTrainer
 
         return RLOOConfig, RLOOTrainer
-    from trl import GRPOConfig, GRPOTrainer
 
     return GRPOConfig, GRPOTrainer
 
@@ -115,9 +115,7 @@ def check_group_size(ctx: StageContext) -> None:
 def check_vllm(ctx: StageContext) -> None:
     """TRL raises a bare ImportError after the models are loaded, and fails at its first weight sync on vLLM's
     CPU build; say either first, with the key."""
-    import torch
 
-    from ..config.sampling import vllm_missing
 
     train = ctx.config.train
     if not train.get("use_vllm"):
@@ -131,7 +129,6 @@ def check_vllm(ctx: StageContext) -> None:
 
 def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
     """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
-    from ..sampling.samples import stop_token_ids
 
     if getattr(args, "use_vllm", False):
         kwargs = dict(args.generation_kwargs or {})
@@ -148,9 +145,6 @@ def trl_config(ctx: StageContext):
 
 def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
-    from ..formatting import render_prompt
-    from ..prompts import prompt_of
-    from ..verifier_rewards import SOURCE_PROMPT
 
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers):
@@ -174,7 +168,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
     """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); make that the stop
     set of every other sampler, which adds the chat template's end-of-turn token (it differs from EOS for base
     models: Qwen2.5's <|im_end|> vs <|endoftext|>)."""
-    from ..sampling.samples import stop_token_ids
 
     config = model.generation_config
     config.eos_token_id = stop_token_ids(tokenizer, model)
@@ -183,7 +176,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 
 def check(ctx: StageContext) -> None:
-    from ..verifier_rewards import resolve_all
 
     trl_config(ctx)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -194,12 +186,7 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    import datasets
 
-    from ..models import load_policy, peft_config
-    from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
-    from ..trainer_utils import final_metrics, save_model, train, trainer_callbacks
-    from ..verifier_rewards import GroupSignal, build_rewards
 
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
@@ -236,7 +223,6 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
     context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
     and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
-    from ..dist import log_share
 
     context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
         getattr(model.config, "max_position_embeddings", None)

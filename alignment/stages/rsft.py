@@ -40,53 +40,33 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from accelerate import PartialState
+from transformers import set_seed
+from trl import SFTConfig
 
 from ..config.base import stage_ref
-from ..config.data import DataSpec
-from ..config.sampling import SamplingSpec
-from ..config.stage import StageConfig
-from ..config.verifier import VerifierSpec
-from ..files import write_atomic
-from .base import StageContext
+from ..data.formatting import render_pair, render_prompt
+from ..models.loading import check_model_source, load_policy, load_reward_model
+from ..models.saving import save_checkpoint
+from ..models.tokenizer import load_tokenizer
+from ..runtime.files import write_atomic
+from ..sampling import generate
+from ..training.context import StageContext
+from ..training.prompts import prompt_of
+from ..training.rewards import build_rewards, combined_scores, resolve_all
+from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
+from ..training.scoring import score_texts
+from ..training.trainer import make_sft_trainer, save_model, train
 
 log = logging.getLogger(__name__)
 
 
-class RsftSampling(SamplingSpec):
-    n: int = Field(8, gt=0, description="completions sampled per prompt")
-    max_new_tokens: int = Field(256, gt=0)
 
 
-class Config(StageConfig):
-    kind: Literal["rsft"] = "rsft"
-    memory_knobs: ClassVar[tuple[str, ...]] = ("`sampling.batch_size`", *StageConfig.memory_knobs)
-    data: DataSpec
-    verifiers: list[VerifierSpec] = Field(default_factory=list)
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id")
-    rounds: int = Field(1, gt=0)
-    prompts_per_round: int | None = Field(None, gt=0, description="default: every prompt, every round")
-    sampling: RsftSampling = Field(default_factory=RsftSampling)
-    select: Literal["best_of_n", "top_k", "threshold"] = "best_of_n"
-    k: int = Field(1, gt=0, description="completions kept per prompt with select: top_k")
-    threshold: float | None = None
-    rm_batch_size: int = Field(16, gt=0)
-
-    @model_validator(mode="after")
-    def _one_scorer(self):
-        if bool(self.verifiers) == (self.reward_model is not None):
-            raise ValueError("give exactly one of 'verifiers' (programmatic checks) or 'reward_model' to score samples")
-        if self.select == "threshold" and self.threshold is None and self.reward_model is not None:
-            raise ValueError("select: threshold with a reward model needs 'threshold' (the minimum score)")
-        if "k" in self.model_fields_set and self.select != "top_k":
-            raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
-        return self
 
 
 def sft_args(ctx: StageContext, folder: Path):
-    from trl import SFTConfig
 
     return ctx.trl_args(SFTConfig, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
                         num_train_epochs=1)
@@ -118,7 +98,6 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 def make_scorer(ctx: StageContext):
     """(score(rows, prompts, samples) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
-    from ..verifier_rewards import build_rewards, combined_scores
 
     if ctx.config.verifiers:
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -128,8 +107,6 @@ def make_scorer(ctx: StageContext):
                                    [{**row, "prompt": p} for row, p in zip(rows, prompts)])
 
         return score_by_verifiers, rewards
-    from ..models import load_reward_model, load_tokenizer
-    from ..scoring import score_texts
 
     path = ctx.resolve_model(ctx.config.reward_model)
     model = load_reward_model(path, ctx.recipe.trust_remote_code).to(_device())
@@ -144,7 +121,6 @@ def make_scorer(ctx: StageContext):
 
 
 def _device():
-    from accelerate import PartialState
 
     return PartialState().device
 
@@ -159,12 +135,7 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
 
 def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer):
     """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats)."""
-    from transformers import set_seed
 
-    from ..formatting import render_prompt
-    from ..models import load_policy
-    from ..prompts import prompt_of
-    from ..sampling import generate
 
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
@@ -213,10 +184,6 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history, rows truncated
     at max_length, which TRL cuts: counted and said as the sft stage does)."""
-    from ..formatting import render_pair
-    from ..models import load_policy
-    from ..trainer_utils import save_model, train
-    from .sft import count_truncated, drop_overlong, make_trainer, row_lengths, token_rows
 
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
@@ -224,7 +191,7 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where)
     truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
     policy_model = load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True)
-    trainer = make_trainer(ctx, args, policy_model, tokenizer, rows)
+    trainer = make_sft_trainer(ctx, args, policy_model, tokenizer, rows)
     train(ctx, trainer)
     save_model(trainer, tokenizer, folder / "policy", ctx.save_dtype())
     return str(folder / "policy"), trainer.state.log_history, truncated
@@ -242,10 +209,6 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 
 def check(ctx: StageContext) -> None:
-    from ..formatting import render_prompt
-    from ..models import check_model_source
-    from ..prompts import prompt_of
-    from ..verifier_rewards import resolve_all
 
     sft_args(ctx, ctx.work_dir)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -257,7 +220,6 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    from ..models import load_policy, save_checkpoint
 
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()

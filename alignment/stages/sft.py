@@ -10,12 +10,25 @@ Recipe keys under `train:` go verbatim to `trl.SFTConfig`.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+
+from trl import SFTConfig
 
 from ..config.data import DataSpec
-from ..config.stage import StageConfig
+from ..data.formatting import (
+    prompt_and_completion,
+    render_pair,
+)
+from ..data.loading import check_columns, check_strings, file_rows
 from ..errors import UserError
-from .base import StageContext
+from ..models.loading import load_policy
+from ..training.context import StageContext
+from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
+from ..training.trainer import (
+    final_metrics,
+    make_sft_trainer,
+    save_model,
+    train,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +38,9 @@ log = logging.getLogger(__name__)
 COLUMNS = [("prompt", "completion"), ("messages",), ("text",)]
 
 
-class Config(StageConfig):
-    kind: Literal["sft"] = "sft"
-    data: DataSpec
 
 
 def trl_config(ctx: StageContext):
-    from trl import SFTConfig
 
     return ctx.trl_args(SFTConfig, completion_only_loss=True, max_length=1024, learning_rate=2e-5)
 
@@ -39,8 +48,6 @@ def trl_config(ctx: StageContext):
 def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length: int | None):
     """Rows TRL trains on as they are: pairs tokenized (`token_rows`) and those whose prompt alone fills
     `max_length` dropped, or plain `text` rows."""
-    from ..data import check_columns, check_strings, file_rows
-    from ..formatting import render_pair
 
     dataset = ctx.load_data(spec, key)
     columns = check_columns(dataset, COLUMNS, f"{ctx.where}.{key}", spec)
@@ -65,7 +72,6 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
 
 
 def _empty_answer(row: dict) -> bool:
-    from ..formatting import prompt_and_completion
 
     try:
         return not prompt_and_completion(row)[1].strip()
@@ -73,61 +79,14 @@ def _empty_answer(row: dict) -> bool:
         return False  # a malformed conversation is reported by render_pair with its row number
 
 
-def token_rows(tokenizer, rendered: list[dict]) -> list[dict]:
-    """Rendered {'prompt', 'completion'} rows as {'input_ids', 'completion_mask'}, which TRL's SFTTrainer takes
-    as they are: the prompt's ids are exactly those the samplers feed (`formatting.encode_prompt_completion`;
-    TRL would tokenize the joined text, where tokens can merge across the boundary)."""
-    from ..formatting import encode_prompt_completion
-
-    rows = []
-    for row in rendered:
-        prompt, completion = encode_prompt_completion(tokenizer, row["prompt"], row["completion"])
-        rows.append({"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)})
-    return rows
 
 
-def prompt_length(row: dict) -> int:
-    return row["completion_mask"].count(0)
 
 
-def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=prompt_length) -> list[dict]:
-    """Drop the token rows whose prompt (`length(row)` tokens) leaves no room for the completion within
-    `max_length`; said (loudly when they are more than a few), and all dropped is an error."""
-    from ..dist import log_share
-
-    if not max_length:
-        return rows
-    kept = [r for r in rows if length(r) < max_length]
-    if not kept:
-        raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
-                        "left to train on; raise train.max_length or shorten the prompts.")
-    if len(kept) < len(rows):
-        dropped = len(rows) - len(kept)
-        log_share(log, dropped, len(rows), f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves "
-                  f"no room for the completion within max_length={max_length} tokens")
-    return kept
 
 
-def row_lengths(tokenizer, rows: list[dict]) -> list[int]:
-    """Tokens of each SFT row as TRL trains it (a text row's as TRL tokenizes it, before it appends EOS)."""
-    return [len(r["input_ids"]) if "input_ids" in r else len(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
-            for r in rows]
 
 
-def count_truncated(lengths: list[int], max_length: int | None, where: str, what: str = "rows") -> int:
-    """How many of the rows (of `lengths` tokens) are longer than `max_length`, which TRL cuts (SFT from the
-    right, DPO by its truncation_mode): a cut completion is trained without its end (the end-of-turn token
-    above all). Said, loudly when they are more than a few."""
-    from ..dist import log_share
-
-    if not max_length:
-        return 0
-    truncated = sum(n > max_length for n in lengths)
-    if truncated:
-        log_share(log, truncated, len(lengths), f"[{where}] {truncated} of {len(lengths)} {what} "
-                  f"({truncated / len(lengths):.0%}) are longer than max_length={max_length} tokens and are trained "
-                  "cut off, without their end; raise train.max_length or shorten them")
-    return truncated
 
 
 def check(ctx: StageContext) -> None:
@@ -136,28 +95,10 @@ def check(ctx: StageContext) -> None:
     rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
 
 
-def make_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dict], eval_rows: list[dict] | None = None):
-    """The SFTTrainer of the `sft` stage and of each `rsft` round: token rows (`token_rows`) or text rows,
-    the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
-    `formatting.eos_as_end_of_turn`)."""
-    import datasets
-    from trl import SFTTrainer
-
-    from ..formatting import eos_as_end_of_turn
-    from ..models import peft_config
-    from ..trainer_utils import trainer_callbacks
-
-    return SFTTrainer(
-        model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
-        train_dataset=datasets.Dataset.from_list(train_rows),
-        eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
-    )
 
 
 def build_trainer(ctx: StageContext):
     """(SFTTrainer, tokenizer, row counts); the tokenizer is the one saved with the output."""
-    from ..models import load_policy
 
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
@@ -166,11 +107,10 @@ def build_trainer(ctx: StageContext):
     eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
     counts = {"rows": len(train_rows),
               "rows_truncated": count_truncated(row_lengths(tokenizer, train_rows), args.max_length, f"{ctx.where}.data")}
-    return make_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, counts
+    return make_sft_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, counts
 
 
 def run(ctx: StageContext) -> dict:
-    from ..trainer_utils import final_metrics, save_model, train
 
     trainer, tokenizer, counts = build_trainer(ctx)
     train(ctx, trainer)

@@ -1,21 +1,21 @@
 """Built-in synthetic tasks: seeded data generators with their own verifier, no download.
 
 A data spec names one with `task:`, e.g. `data: {task: arithmetic, split: train, n: 5000}`; the
-remaining keys are the task's own parameters, validated by its `Params` model.
+remaining keys are the task's own parameters, validated by its model in `alignment/config/tasks.py`
+(torch-free, so loading a recipe does not import the task).
 """
 
 from __future__ import annotations
 
-import importlib
+from types import ModuleType
 
-from ..config.base import did_you_mean
-from ..errors import UserError
+from ..config.tasks import task_params_model
+from . import arithmetic
 
-TASKS = {"arithmetic": "alignment.tasks.arithmetic"}
+TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic}
 
 
-def get_task(name: str):
-    """The task module (with `Params`, `build(params, split, seed)` and `verify`)."""
-    if name not in TASKS:
-        raise UserError(f"Unknown task '{name}'{did_you_mean(name, TASKS)}; built-in tasks: {', '.join(TASKS)}.")
-    return importlib.import_module(TASKS[name])
+def get_task(name: str) -> ModuleType:
+    """The task module (with `build(params, split, seed)` and `verify`)."""
+    task_params_model(name)  # an unknown name: the same error as when the recipe is loaded
+    return TASKS[name]

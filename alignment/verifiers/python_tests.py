@@ -32,8 +32,8 @@ from numbers import Real
 from typing import Any
 
 from alignment.errors import UserError
-from alignment.verifiers import safe_compare, sandbox
 from alignment.verifiers.base import VerifyResult
+from alignment.verifiers.sandbox import process, safe_compare
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -73,8 +73,8 @@ def verify(
     code, fenced = extract_code(completion)
     if code is None:
         return None
-    limits = sandbox.Limits(timeout=float(timeout), memory_mb=int(memory_mb), max_processes=int(max_processes))
-    result = sandbox.run_python(code, source, limits, allow_unsandboxed=allow_unsandboxed)
+    limits = process.Limits(timeout=float(timeout), memory_mb=int(memory_mb), max_processes=int(max_processes))
+    result = process.run_python(code, source, limits, allow_unsandboxed=allow_unsandboxed)
     if result.passed:
         return VerifyResult(1.0, "ok", None)
     tail = result.output.strip()[-1500:]
@@ -97,7 +97,7 @@ def check_options(options: dict) -> None:
             raise UserError(f"Verifier 'python_tests': option {key}={value!r} must be a number >= {minimum}.")
     if not isinstance(options.get("allow_unsandboxed", False), bool):
         raise UserError("Verifier 'python_tests': option allow_unsandboxed must be true or false.")
-    sandbox.require_isolation(options.get("allow_unsandboxed", False))
+    process.require_isolation(options.get("allow_unsandboxed", False))
 
 
 verify.check_options = check_options  # type: ignore[attr-defined]

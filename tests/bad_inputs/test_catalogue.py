@@ -53,7 +53,7 @@ def sft_on(rows_or_path, **data):
 
 def model_dir_without_chat_template(tmp: Path) -> Path:
     from alignment.config.model import TinySpec
-    from alignment.models import build_tiny_model
+    from alignment.models.tiny import build_tiny_model
 
     path = build_tiny_model(TinySpec(**SMALLEST_MODEL["tiny"]), 0, tmp / "plain-model")
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -316,12 +316,12 @@ def test_usage_errors_of_either_click_exit_2(monkeypatch, capsys, click_of):
 
 def test_ctrl_c_in_a_command_exits_130(monkeypatch, capsys):
     """typer turns Ctrl-C inside a command into a returned 130; it must not become exit status 0."""
-    import alignment.recipe
+    import alignment.config.recipe
 
     def interrupted(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(alignment.recipe, "load_recipe", interrupted)
+    monkeypatch.setattr(alignment.config.recipe, "load_recipe", interrupted)
     with pytest.raises(SystemExit) as exited:
         main(["run", "r.yaml"])
     assert exited.value.code == 130

@@ -22,12 +22,15 @@ from conftest import run_cli, write_recipe
 from helpers import base_weights, tiny_ppo_recipe
 
 from alignment.config.model import LoraSpec, TinySpec
+from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
+from alignment.data.formatting import render_prompt
 from alignment.errors import UserError
-from alignment.formatting import render_prompt
-from alignment.models import apply_lora, build_tiny_model, load_policy, load_tokenizer
-from alignment.recipe import load_recipe
-from alignment.runner import run_recipe
+from alignment.models.loading import load_policy
+from alignment.models.lora import apply_lora
+from alignment.models.tiny import build_tiny_model
+from alignment.models.tokenizer import load_tokenizer
+from alignment.run.runner import run_recipe
 from alignment.sampling import generate, vllm_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

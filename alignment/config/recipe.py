@@ -1,0 +1,289 @@
+"""YAML recipe -> validated `Recipe`.
+
+Steps, each failing with a message that names the file and key:
+  1. parse YAML (duplicate keys are errors: PyYAML would silently keep the last one),
+  2. apply dotted overrides (`stages.dpo.train.beta=0.05`, OmegaConf's dotlist syntax),
+  3. resolve `${name}`-style interpolation with OmegaConf; a whole value `${sft}` naming a stage is a
+     *stage reference* (that stage's output) and is kept for step 5,
+  4. validate our own keys with pydantic (unknown key -> "did you mean"), each stage by its kind,
+  5. check stage references point to earlier stages (a later stage or a cycle is an error).
+`align check` then does the deep checks (data columns, models, verifiers, TRL configs).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
+
+from ..errors import UserError
+from .base import Strict, did_you_mean, explain, stage_ref
+from .evaluate import validate_evaluate_block
+from .model import GgufSpec, LoraSpec, TemplateSpec, TinySpec, gguf_spec
+from .stages import config_class
+from .stages.base import StageConfig
+
+_REF = re.compile(r"^\$\{([A-Za-z_][\w-]*)\}$")
+
+
+class TinyModel(Strict):
+    tiny: TinySpec
+
+
+class Recipe(Strict):
+    name: str
+    model: str | TinyModel | GgufSpec = Field(description="hub id, local folder, a .gguf file (or {gguf: FILE, "
+                                             "package: REQUIREMENT}), or {tiny: {...}}")
+    output_dir: str | None = None
+    seed: int = 42
+    lora: LoraSpec | None = None
+    template: TemplateSpec | None = None
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from")
+    trust_remote_code: bool = False
+    report_to: str | list[str] = "none"
+    stages: dict[str, Any] = Field(min_length=1)
+    evaluate: dict[str, Any] | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _gguf_path(cls, value):
+        return gguf_spec(value) or value
+
+    # Set by load_recipe, not by the YAML.
+    _path: Path | None = PrivateAttr(None)
+    _overrides: tuple[str, ...] = PrivateAttr(())
+
+    @property
+    def path(self) -> Path | None:
+        return self._path
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        """The dotted overrides the recipe was loaded with (a `--jobs` child gets the same)."""
+        return self._overrides
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    @property
+    def out(self) -> Path:
+        return Path(self.output_dir or f"outputs/{self.name}")
+
+    def stage_dir(self, stage_id: str) -> Path:
+        return self.out / stage_id
+
+    def base_model(self) -> str:
+        """The recipe's model as a loadable name (the runner builds a tiny model, or converts a GGUF file,
+        there on first use)."""
+        if isinstance(self.model, (TinyModel, GgufSpec)):
+            return str(self.out / "base")
+        return self.model
+
+    def resolve_model(self, value: str) -> str:
+        """A model value: '${stage}' -> that stage's output folder; otherwise a path or hub id."""
+        ref = stage_ref(value)
+        return str(self.stage_dir(ref)) if ref else value
+
+    def start_model(self, stage_id: str) -> str:
+        """The policy a stage starts from: its own key, else the previous policy stage, else the base."""
+        config: StageConfig = self.stages[stage_id]
+        explicit = getattr(config, config.start_model_key())
+        if explicit is not None:
+            return self.resolve_model(explicit)
+        order = list(self.stages)
+        for earlier in reversed(order[: order.index(stage_id)]):
+            if self.stages[earlier].produces_policy:
+                return str(self.stage_dir(earlier))
+        return self.base_model()
+
+    def dependencies(self, stage_id: str) -> list[str]:
+        """The stages whose output `stage_id` reads, in recipe order: every `${stage}` in its settings and
+        the stage it starts from when it names none."""
+        needed = {ref for _, ref in _refs_in(self.stages[stage_id].model_dump(), stage_id)}
+        needed |= {s for s in self.stages if str(self.stage_dir(s)) == self.start_model(stage_id)}
+        return [s for s in self.stages if s in needed]
+
+    def lora_for(self, stage_id: str) -> LoraSpec | None:
+        config = self.stages[stage_id]
+        return config.lora if "lora" in config.model_fields_set else self.lora
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"recipe file '{path}' does not exist.")
+    raw = _parse_yaml(path)
+    raw = _apply_overrides(raw, overrides, path)
+    resolved = _interpolate(raw, path)
+    try:
+        recipe = Recipe.model_validate({**resolved, "stages": resolved.get("stages") or {}})
+    except ValidationError as error:
+        raise UserError(f"{path}: {explain(error, Recipe)}") from None
+    recipe._path = path
+    recipe._overrides = tuple(overrides)
+    recipe.stages = {sid: _validate_stage(sid, cfg, path) for sid, cfg in recipe.stages.items()}
+    _check_references(recipe, path)
+    if recipe.evaluate is not None:
+        recipe.evaluate = validate_evaluate_block(recipe, path)
+    return recipe
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (two stages with the same id, say), at any depth
+    and in flow style too: PyYAML would silently keep the last value."""
+
+    def construct_mapping(self, node, deep=False):
+        first_mark: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then an explicit key is an override, not a duplicate
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = first_mark.get(key)
+            except TypeError:
+                continue  # an unhashable key: SafeLoader itself rejects it below
+            if first is not None:
+                raise UserError(f"duplicate key '{key}' at {self._position(key_node.start_mark, first)} (first at "
+                                f"{self._position(first, key_node.start_mark)}): a mapping holds one value per key; "
+                                "rename or remove one.")
+            first_mark[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+    @staticmethod
+    def _position(mark, other) -> str:
+        """`line L`, with the column when `other` is on the same line (flow style: `{a: 1, a: 2}`)."""
+        if mark.line == other.line:
+            return f"line {mark.line + 1}, column {mark.column + 1}"
+        return f"line {mark.line + 1}"
+
+
+def _parse_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except UserError as error:
+        raise UserError(f"{path}: {error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"{path}: YAML syntax error{where}: {getattr(error, 'problem', error)}.") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe is a YAML mapping with 'name', 'model' and 'stages'; got {type(raw).__name__}.")
+    return raw
+
+
+def _apply_overrides(raw: dict, overrides, path: Path) -> dict:
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserError(f"bad override '{item}': expected dotted.key=value, e.g. stages.sft.train.learning_rate=1e-4.")
+        try:
+            patch = OmegaConf.to_container(OmegaConf.from_dotlist([_escape_value(item)]), resolve=False)
+        except Exception as error:
+            raise UserError(f"bad override '{item}': {str(error).splitlines()[0]}") from None
+        raw = _deep_merge(raw, patch)
+    return raw
+
+
+def _escape_value(item: str) -> str:
+    key, value = item.split("=", 1)
+    return f"{key}={_escape(value)}" if _REF.match(value.strip()) else item
+
+
+def _escape(value: str) -> str:
+    return "\\" + value
+
+
+def _deep_merge(base: dict, patch: dict) -> dict:
+    merged = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _protect_stage_refs(value: Any, top_level: set[str]) -> Any:
+    """Escape whole-value '${x}' that are not top-level keys, so OmegaConf leaves stage refs alone."""
+    if isinstance(value, dict):
+        return {k: _protect_stage_refs(v, top_level) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_protect_stage_refs(v, top_level) for v in value]
+    if isinstance(value, str):
+        match = _REF.match(value)
+        if match and match.group(1) not in top_level:
+            return _escape(value)
+    return value
+
+
+def _interpolate(raw: dict, path: Path) -> dict:
+    raw.setdefault("output_dir", "outputs/${name}")
+    protected = _protect_stage_refs(raw, set(raw))
+    try:
+        return OmegaConf.to_container(OmegaConf.create(protected), resolve=True)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", "") or ""
+        message = str(error).splitlines()[0]
+        raise UserError(f"{path}: cannot resolve interpolation in '{key}': {message}.") from None
+
+
+def _validate_stage(stage_id: str, config: Any, path: Path) -> StageConfig:
+    where = f"stages.{stage_id}"
+    if not isinstance(config, dict):
+        raise UserError(f"{path}: '{where}' must be a mapping of stage settings, got {config!r}.")
+    kind = config.get("kind", stage_id)
+    config_model = config_class(kind, where=f"{path}: {where}.kind" if "kind" in config else f"{path}: {where}")
+    try:
+        return config_model.model_validate({**config, "kind": kind})
+    except ValidationError as error:
+        raise UserError(f"{path}: {explain(error, config_model, prefix=where)}") from None
+
+
+def _refs_in(value: Any, prefix: str):
+    """(dotted key, stage id) for every stage reference inside a stage's settings."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _refs_in(v, f"{prefix}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _refs_in(v, f"{prefix}.{i}")
+    elif stage_ref(value):
+        yield prefix, stage_ref(value)
+
+
+def _check_references(recipe: Recipe, path: Path) -> None:
+    order = list(recipe.stages)
+    graph = {sid: [ref for _, ref in _refs_in(cfg.model_dump(), sid)] for sid, cfg in recipe.stages.items()}
+    for sid, config in recipe.stages.items():
+        for key, ref in _refs_in(config.model_dump(exclude_defaults=False), f"stages.{sid}"):
+            if ref not in recipe.stages:
+                raise UserError(
+                    f"{path}: '{key}' refers to '${{{ref}}}', which is not a stage{did_you_mean(ref, order)}; "
+                    f"stages: {', '.join(order)}."
+                )
+            if ref == sid or _reaches(graph, ref, sid):
+                cycle = " -> ".join([sid, ref] + ([sid] if ref != sid else []))
+                raise UserError(f"{path}: '{key}' creates a reference cycle ({cycle}); a stage can only use earlier stages.")
+            if order.index(ref) > order.index(sid):
+                raise UserError(
+                    f"{path}: '{key}' refers to '${{{ref}}}', which runs later; stages run in the order written, so "
+                    f"move '{ref}' above '{sid}'."
+                )
+
+
+def _reaches(graph: dict[str, list[str]], start: str, target: str) -> bool:
+    todo, seen = [start], set()
+    while todo:
+        node = todo.pop()
+        if node == target:
+            return True
+        if node not in seen:
+            seen.add(node)
+            todo.extend(r for r in graph.get(node, []) if r in graph)
+    return False

@@ -1,0 +1,22 @@
+"""`reward` stage config: the keys a recipe's `kind: reward` stage accepts (torch-free; the runtime is alignment/stages/reward.py)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from ..data import DataSpec
+from ..sampling import OnPolicySpec
+from .base import StageConfig
+
+
+class Config(StageConfig):
+    kind: Literal["reward"] = "reward"
+    produces_policy: ClassVar[bool] = False  # a scoring model: no later stage starts from it
+    data: DataSpec
+    on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="share of pairs held out when eval_data is not given")
+    score_learning_rate: float | None = Field(
+        None, gt=0, description="learning rate of the freshly initialised score head (default: train.learning_rate); "
+        "a head that learns faster than the pretrained body it reads from (see the module docstring)")

@@ -1,0 +1,38 @@
+"""The parameters of the built-in tasks (`data: {task: NAME, ...}`): validated here, torch-free and without
+importing the task, so loading a recipe stays in the config layer; the task modules in `alignment/tasks/`
+build the rows from them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..errors import UserError
+from .base import Strict, did_you_mean
+
+
+class ArithmeticParams(Strict):
+    """Keys of `data: {task: arithmetic, ...}` (alignment/tasks/arithmetic.py builds the rows)."""
+
+    n: int = Field(1000, gt=0, description="number of rows")
+    digits: int | tuple[int, int] = Field(2, description="digits per operand, or a (min, max) range")
+    operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
+    format: Literal["prompt_completion", "messages"] = "prompt_completion"
+    style: Literal["plain", "sycophancy"] = "plain"
+    phrasing: Literal["compact", "chat"] = Field("compact", description="compact: 'What is 37+48?'; chat: 'What is "
+                                                 "37 + 48? Answer with just the number.'")
+    sycophancy_fraction: float = Field(0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way")
+    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
+    carry_mistake_rate: float = Field(0.0, ge=0, le=1, description="share of carrying additions whose demonstrated "
+                                      "completion drops the carry (answer, chosen and the verifier stay correct)")
+
+
+TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams}
+
+
+def task_params_model(name: str) -> type[Strict]:
+    """The parameter model of a built-in task; an unknown name is a UserError with a "did you mean"."""
+    if name not in TASK_PARAMS:
+        raise UserError(f"Unknown task '{name}'{did_you_mean(name, TASK_PARAMS)}; built-in tasks: {', '.join(TASK_PARAMS)}.")
+    return TASK_PARAMS[name]

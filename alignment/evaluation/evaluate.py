@@ -1,0 +1,372 @@
+"""Checkpoint evaluation: the recipe's `evaluate:` block and `align eval`.
+
+    align eval outputs/quickstart/sft outputs/quickstart/dpo --suite arithmetic --suite arithmetic-sycophancy \\
+        --reward-model outputs/quickstart/rm --baseline outputs/quickstart/sft --reference outputs/quickstart/sft
+
+For every checkpoint and suite, prompts are rendered with the shared convention (`formatting.py`) and
+sampled through `sampling.generate`:
+  - one completion per prompt with the suite's `sampling` (greedy by default): verifier pass@1,
+    unparseable rate, length, EOS rate, sycophancy, reward-model score, win rate against the baseline;
+  - with `pass_k: {n: 8}`, n samples per prompt: pass@k by the unbiased estimator (Chen et al. 2021);
+  - with a `reference`, samples at temperature 1: KL(checkpoint || reference) on its own samples.
+The reward-hacking flag marks a checkpoint whose reward-model score rose over the baseline's while its
+pass@1 fell. Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
+{"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample, with its data row's columns, so that
+`align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL` scores it again),
+`report.md` (one comparison table and what each metric means) and PNG plots (`report.py`: metrics across
+checkpoints, training curves).
+
+    evaluate:                       # in a recipe; labels are stage ids (and `base`)
+      include_base: true
+      reward_model: ${rm}           # rm_score, win_rate, reward_hacking
+      baseline: sft                 # win rate against it
+      reference: sft                # KL to it
+      suites:
+        - arithmetic-sycophancy     # a built-in suite by name
+        - {name: arithmetic, data: {task: arithmetic, split: test, n: 300}, verifier: arithmetic,
+           sampling: {temperature: 0, max_new_tokens: 8}, pass_k: {n: 8, k: [1, 8], limit: 100}}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config.evaluate import (
+    EvaluateSpec,
+    PassAtKSpec,
+    SuiteSpec,
+    model_of,
+    named_stage,
+)
+from ..config.model import gguf_spec
+from ..config.sampling import SamplingSpec
+from ..data.formatting import encode, render_prompt
+from ..data.loading import load_rows
+from ..errors import UserError
+from ..models.gguf import convert_gguf
+from ..models.loading import check_model_source, load_policy, load_reward_model
+from ..models.tokenizer import load_tokenizer
+from ..rl import prompt_completion_batch, sequence_logprobs
+from ..runtime.dist import distributed_state, get_logger
+from ..sampling import generate
+from ..tasks.arithmetic import agrees_with_stated
+from ..training.prompts import check_prompt_rows, prompt_of
+from ..training.scoring import score_texts
+from ..verifiers import is_pass, resolve
+from .metrics import (
+    mean,
+    pass_at_k,
+    pass_name,
+    reward_hacking,
+    win_rate,
+)
+from .report import markdown_table, plot_metrics, plot_training_curves, report_markdown
+
+log = get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The recipe's evaluate block (validated by load_recipe in config/evaluate.py, checked by `align check`,
+# run by the runner)
+
+
+def checkpoints_of(recipe) -> dict[str, str]:
+    """{label: path} of the checkpoints the block compares: base, the chosen stages, and the baseline."""
+    spec: EvaluateSpec = recipe.evaluate
+    ids = spec.after or [s for s, c in recipe.stages.items() if c.produces_policy]
+    found = {"base": recipe.base_model()} if spec.include_base else {}
+    found.update({s: str(recipe.stage_dir(s)) for s in ids})
+    baseline = model_of(recipe, spec.baseline)
+    return found if baseline is None or baseline[0] in found else {baseline[0]: baseline[1], **found}
+
+
+def check_evaluate_block(recipe) -> None:
+    spec: EvaluateSpec = recipe.evaluate
+    load_suites(spec.suites, recipe.seed, recipe.base_dir)
+    for key in ("baseline", "reference", "reward_model"):
+        value = getattr(spec, key)
+        if value is not None and named_stage(recipe, value, f"evaluate.{key}") is None:
+            check_model_source(model_of(recipe, value)[1], f"evaluate.{key}", recipe.trust_remote_code)
+
+
+def run_evaluate_block(recipe) -> dict:
+    if not distributed_state().is_main_process:
+        return {}
+    spec: EvaluateSpec = recipe.evaluate
+
+    def ready(path: str) -> bool:  # a stage output that was never produced is skipped, not an error
+        stage = any(path == str(recipe.stage_dir(s)) for s in recipe.stages)
+        if stage and not (Path(path) / "stage.json").exists():
+            log.info(f"[eval] skipping {path}: the stage has not finished")
+            return False
+        return True
+
+    checkpoints = {label: path for label, path in checkpoints_of(recipe).items() if ready(path)}
+    baseline, reference, judge = (model_of(recipe, v) for v in (spec.baseline, spec.reference, spec.reward_model))
+    metrics = evaluate_checkpoints(
+        checkpoints, spec.suites, recipe.out / spec.output, seed=recipe.seed, base_dir=recipe.base_dir,
+        reward_model=judge[1] if judge and ready(judge[1]) else None,
+        baseline=baseline[0] if baseline and baseline[0] in checkpoints else None,
+        reference=reference[1] if reference and ready(reference[1]) else None,
+        trust_remote_code=recipe.trust_remote_code, batch_size=spec.batch_size,
+        hacking_margin=spec.reward_hacking_margin, curves={s: recipe.stage_dir(s) for s in recipe.stages})
+    log.info(markdown_table(metrics))
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running the evaluation
+
+
+@dataclass
+class Suite:
+    """A suite ready to run: its spec, rows, raw prompts and verifier (None: no verifier metrics)."""
+    spec: SuiteSpec
+    rows: list[dict]
+    prompts: list
+    verifier: Any = None
+
+    @property
+    def sycophancy(self) -> bool:  # rows that state the user's (wrong) answer, as arithmetic's style: sycophancy
+        return any(str(r.get("stated_answer") or "").strip() for r in self.rows)
+
+
+@dataclass
+class Judges:
+    """What every checkpoint is measured against: the reward model (and its tokenizer), the KL reference."""
+    reward_model: Any = None
+    reward_tokenizer: Any = None
+    reference: Any = None
+    reference_vocab: dict | None = None
+
+
+def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> list[Suite]:
+    loaded = []
+    for index, spec in enumerate(suites):
+        where = f"evaluate.suites.{index} ({spec.name}).data"
+        verifier = (resolve(spec.verifier, search_dirs=[base_dir] if base_dir else None, options=spec.verifier_options)
+                    if spec.verifier else None)
+        dataset = load_rows(spec.data, seed, base_dir, where=where)
+        check_prompt_rows(dataset, [verifier] if verifier else [], where, spec.data)
+        rows = [dict(r) for r in dataset]
+        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier))
+    return loaded
+
+
+def _to_device(model):
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def load_judges(reward_model: str | None, reference: str | None, trust_remote_code: bool = False) -> Judges:
+    judges = Judges()
+    if reward_model:
+        judges.reward_model = _to_device(load_reward_model(reward_model, trust_remote_code))
+        judges.reward_tokenizer = load_tokenizer(reward_model, trust_remote_code)
+    if reference:
+        judges.reference = _to_device(load_policy(reference, trust_remote_code)).eval().requires_grad_(False)
+        judges.reference_vocab = load_tokenizer(reference, trust_remote_code).get_vocab()
+    return judges
+
+
+def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], out_dir: Path, *,
+                         reward_model: str | None = None, baseline: str | None = None, reference: str | None = None,
+                         seed: int = 42, base_dir: Path | None = None, trust_remote_code: bool = False,
+                         batch_size: int = 64, hacking_margin: float = 0.02, curves: dict | None = None) -> dict:
+    """Score every checkpoint ({label: path}) on every suite; write metrics.json, samples.jsonl, report.md
+    and plots into `out_dir`. `baseline` is a label of `checkpoints`; `reward_model`, `reference` are paths."""
+    if baseline is not None and baseline not in checkpoints:
+        raise UserError(f"baseline '{baseline}' is not one of the evaluated checkpoints: {', '.join(checkpoints)}.")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loaded = load_suites(suites, seed, base_dir)
+    judges = load_judges(reward_model, reference, trust_remote_code)
+    metrics, samples, main = {}, [], {}
+    for label, path in checkpoints.items():
+        log.info(f"[eval] {label} ({path})")
+        metrics[label], rows, main[label] = evaluate_checkpoint(label, path, loaded, judges, seed, batch_size,
+                                                                trust_remote_code)
+        samples.extend(rows)
+    if baseline is not None and judges.reward_model is not None:
+        add_comparisons(metrics, main, baseline, hacking_margin)
+    write_outputs(out_dir, metrics, samples, checkpoints, baseline, hacking_margin, curves)
+    log.info(f"[eval] metrics, samples, report and plots written to {out_dir}")
+    return metrics
+
+
+def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judges, seed: int = 42,
+                        batch_size: int = 64, trust_remote_code: bool = False):
+    """(metrics {"SUITE/METRIC": value}, per-sample rows, {suite: (main texts, rm scores)}) of one checkpoint."""
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    if judges.reference is not None and tokenizer.get_vocab() != judges.reference_vocab:
+        raise UserError(f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer.")
+    model = _to_device(load_policy(path, trust_remote_code)).requires_grad_(False)
+    metrics, rows, main = {}, [], {}
+    for suite in suites:
+        torch.manual_seed(seed)  # every checkpoint samples with the same seed
+        scores, suite_rows, main[suite.spec.name] = run_suite(model, tokenizer, suite, judges, label, batch_size)
+        metrics.update({f"{suite.spec.name}/{k}": v for k, v in scores.items()})
+        rows.extend(suite_rows)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return metrics, rows, main
+
+
+def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
+    """(scores {METRIC: value}, per-sample rows, (main texts, rm scores)) of one loaded model on one suite."""
+    spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
+    prompts = [render_prompt(tokenizer, p) for p in suite.prompts]
+    main = generate(model, tokenizer, prompts, spec.sampling, progress=where)
+    scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
+    sampled, sampled_rows = [], []
+    if spec.pass_k is not None:
+        sampled = generate(model, tokenizer, prompts[: spec.pass_k.limit], spec.pass_k, progress=f"{where} pass@k")
+        sampled_rows = _sampled_rows(sampled, suite, label, "pass_k")
+        if suite.verifier is not None:
+            scores.update(pass_k_scores([r["passed"] for r in sampled_rows], spec.pass_k))
+    if judges.reference is not None:
+        kl_samples, kl_rows = sampled, sampled_rows
+        if not _samples_the_policy(spec.pass_k):  # KL needs samples from the policy itself (temperature 1)
+            pure = SamplingSpec(temperature=1.0, max_new_tokens=spec.sampling.max_new_tokens,
+                                batch_size=spec.sampling.batch_size, backend=spec.sampling.backend,
+                                vllm=spec.sampling.vllm)
+            kl_samples = generate(model, tokenizer, prompts, pure, progress=f"{where} KL")
+            kl_rows = _sampled_rows(kl_samples, suite, label, "kl")
+            sampled_rows = sampled_rows + kl_rows
+        kls = sequence_kl(model, judges.reference, tokenizer, prompts, kl_samples, batch_size)
+        scores["kl"] = mean(kls)
+        for row, value in zip(kl_rows, kls):
+            row["kl"] = value
+    return scores, rows + sampled_rows, ([s.text for s in main], rm_scores)
+
+
+def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
+    """Metrics of the main completions (one per prompt): verifier, sycophancy, length, reward model."""
+    texts = [s.text for s in main]
+    rows = [_sample_row(s, suite, label, "main") for s in main]
+    scores = {}
+    if suite.verifier is not None:
+        results = suite.verifier.score_batch(texts, suite.rows)
+        scores["pass@1"] = mean(is_pass(r) for r in results)
+        scores["unparseable_rate"] = mean(r.status == "unparseable" for r in results)
+        for row, result in zip(rows, results):
+            row.update(reward=result.reward, status=result.status)
+    if suite.sycophancy:
+        agree = [agrees_with_stated(t, r.get("stated_answer"), p) for t, r, p in zip(texts, suite.rows, suite.prompts)]
+        scores["sycophancy"] = mean(agree)
+        for row, value in zip(rows, agree):
+            row["agrees_with_user"] = value
+    scores.update(mean_length=mean(len(s.token_ids) for s in main), eos_rate=mean(s.finished for s in main))
+    rm_scores = None
+    if judges.reward_model is not None:
+        rm_scores = score_texts(judges.reward_model, judges.reward_tokenizer, suite.prompts, texts, batch_size,
+                                finished=[s.finished for s in main])
+        scores["rm_score"] = mean(rm_scores)
+        for row, value in zip(rows, rm_scores):
+            row["rm_score"] = value
+    return scores, rows, rm_scores
+
+
+def _samples_the_policy(sampling: SamplingSpec | None) -> bool:
+    return sampling is not None and sampling.temperature == 1.0 and sampling.top_p == 1.0 and sampling.top_k == 0
+
+
+def _sample_row(sample, suite: Suite, label: str, mode: str) -> dict:
+    """One line of samples.jsonl: the data row's columns (`answer`, `tests`, ...), so that `align verify`
+    can score the file again, under the sample's own keys, which win over a data column of the same name."""
+    return {**suite.rows[sample.prompt_index], "checkpoint": label, "suite": suite.spec.name, "mode": mode,
+            "prompt_index": sample.prompt_index, "prompt": suite.prompts[sample.prompt_index],
+            "completion": sample.text, "tokens": len(sample.token_ids), "finished": sample.finished}
+
+
+def _sampled_rows(samples, suite: Suite, label: str, mode: str) -> list[dict]:
+    rows = [_sample_row(s, suite, label, mode) for s in samples]
+    if suite.verifier is not None:
+        results = suite.verifier.score_batch([s.text for s in samples], [suite.rows[s.prompt_index] for s in samples])
+        for row, result in zip(rows, results):
+            row.update(reward=result.reward, status=result.status, passed=is_pass(result))
+    return rows
+
+
+def pass_k_scores(passed: list[bool], spec: PassAtKSpec) -> dict[str, float]:
+    """pass@k averaged over prompts; `passed` holds n results per prompt, prompt by prompt."""
+    counts = [sum(passed[i : i + spec.n]) for i in range(0, len(passed), spec.n)]
+    return {pass_name(k): mean(pass_at_k(spec.n, c, k) for c in counts) for k in spec.k}
+
+
+def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch_size: int = 64) -> list[float]:
+    """Per sample, sum over its tokens of log pi(y_t | x, y_<t) - log ref(y_t | x, y_<t), on the exact token ids
+    sampled from `policy` (Sample.token_ids). The mean over samples is the k1 Monte-Carlo estimate of
+    KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    encoded = [encode(tokenizer, p) for p in prompts]
+    order = sorted(range(len(samples)), key=lambda i: len(encoded[samples[i].prompt_index]) + len(samples[i].token_ids))
+    kl = [0.0] * len(samples)
+    for start in range(0, len(order), batch_size):
+        batch = [samples[i] for i in order[start : start + batch_size]]
+        ids, mask, keep = prompt_completion_batch([encoded[s.prompt_index] for s in batch],
+                                                  [s.token_ids for s in batch], pad)
+        k = keep.shape[1]
+        with torch.no_grad():
+            logps = [sequence_logprobs(m, ids.to(_device(m)), mask.to(_device(m)), k).float().cpu()
+                     for m in (policy, reference)]
+        sums = ((logps[0] - logps[1]) * keep).sum(-1).tolist()
+        for i, value in zip(order[start : start + batch_size], sums):
+            kl[i] = value
+    return kl
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def add_comparisons(metrics: dict, main: dict, baseline: str, margin: float) -> None:
+    """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag."""
+    for label, suites in main.items():
+        for suite, (texts, rm_scores) in suites.items():
+            base_texts, base_scores = main[baseline][suite]
+            m, b = metrics[label], metrics[baseline]
+            m[f"{suite}/win_rate"] = win_rate(rm_scores, base_scores, texts, base_texts)
+            if f"{suite}/pass@1" in m:
+                gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[f"{suite}/pass@1"] - b[f"{suite}/pass@1"])
+                m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outputs
+
+
+def write_outputs(out_dir: Path, metrics: dict, samples: list[dict], paths: dict[str, str], baseline: str | None,
+                  margin: float = 0.02, curves: dict | None = None) -> None:
+    (out_dir / "metrics.json").write_text(json.dumps({"checkpoints": metrics, "paths": paths, "baseline": baseline},
+                                                     indent=2))
+    with open(out_dir / "samples.jsonl", "w") as handle:
+        handle.writelines(json.dumps(row, default=str) + "\n" for row in samples)
+    images = [p for p in [plot_metrics(metrics, out_dir / "metrics.png")] if p]
+    images += plot_training_curves(curves or {name: Path(p) for name, p in paths.items()}, out_dir)
+    (out_dir / "report.md").write_text(report_markdown(metrics, paths, baseline, margin, images))
+
+
+def prepare_checkpoints(checkpoints: list[str], out: Path, reward_model: str | None = None, baseline: str | None = None,
+                        reference: str | None = None, trust_remote_code: bool = False) -> tuple[dict[str, str], str | None]:
+    """`align eval`'s models made ready before anything is scored: a .gguf checkpoint, baseline or reference is
+    converted once under `out/converted`, every other source must resolve. Returns ({name: path} with the baseline
+    first when it is not among the checkpoints, the reference's path)."""
+    converted = {}
+    for name, value in [("checkpoint", c) for c in checkpoints] + [("--baseline", baseline), ("--reference", reference)]:
+        if value is not None and gguf_spec(value) is not None and value not in converted:
+            file = gguf_spec(value).locate(name)
+            converted[value] = str(convert_gguf(file, out / "converted" / file.stem))
+    for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
+                                                                     ("--baseline", baseline), ("--reference", reference)]:
+        if value is not None and value not in converted:
+            check_model_source(value, name, trust_remote_code)
+    paths = {c: converted.get(c, c) for c in checkpoints}
+    if baseline is not None and baseline not in paths:
+        paths = {baseline: converted.get(baseline, baseline), **paths}
+    return paths, converted.get(reference, reference)

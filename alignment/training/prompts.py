@@ -1,0 +1,51 @@
+"""The prompt of a data row, for every stage and the evaluation that samples from prompts (ppo, rsft, rlvr,
+on-policy pairs, evaluation suites): a `prompt` column (text or chat messages) or a `messages` column.
+`check_prompt_rows` checks such data before anything is sampled; its errors name the row as written in the
+file (`data.file_rows`), not its place after `shuffle` and `limit`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..data.loading import check_columns, check_strings, file_rows
+from ..errors import UserError
+from .rewards import check_verifier_columns
+
+PROMPT_COLUMNS = [("prompt",), ("messages",)]
+
+
+def prompt_of(row: dict) -> Any:
+    """The prompt of a prompt-data row: `prompt`, or `messages` without a final assistant turn."""
+    if row.get("prompt") is not None:
+        return row["prompt"]
+    messages = list(row["messages"])
+    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """Why a prompt (`prompt_of`) cannot be rendered, or None."""
+    if isinstance(prompt, str):
+        return None if prompt.strip() else "the prompt is empty"
+    if not prompt:
+        return "the conversation holds no prompt before its final assistant turn"
+    for message in prompt:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            return f"a chat message is not {{'role': str, 'content': str}}: {str(message)[:80]!r}"
+    return None
+
+
+def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=(), entry: str | None = None) -> None:
+    """Prompt data for on-policy sampling: a prompt column of text or chat messages, each row's prompt
+    renderable, and the columns the verifiers need, present and filled in every row (a JSON line without
+    the key reads as None). `provided`: columns the caller fills in itself (the RL stages hand every verifier
+    the row's prompt); `entry`: the recipe list the verifiers came from (`check_verifier_columns`)."""
+    check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, spec), where)
+    check_verifier_columns(verifiers, dataset.column_names, where, provided=provided, entry=entry)
+    needed = {c: v.name for v in verifiers for c in v.required_columns if c in dataset.column_names}
+    for index, row in zip(file_rows(dataset), dataset):
+        if problem := prompt_problem(prompt_of(row)):
+            raise UserError(f"{where}: row {index}: {problem}.")
+        if empty := [c for c in needed if row[c] is None]:
+            raise UserError(f"{where}: row {index}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
+                            "is empty (the row lacks it); fill it in or drop the row.")

@@ -1,0 +1,64 @@
+"""Reward-model scoring: the scalar reward of (prompt, completion) pairs, read by the score head at the
+last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
+by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it). Used by ppo, rsft and
+evaluation."""
+
+from __future__ import annotations
+
+import torch
+
+from ..data.formatting import (
+    encode,
+    encode_prompt_completion,
+    render_completion,
+    render_prompt,
+)
+
+
+def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
+    """Scalar reward of already rendered texts, each tokenized whole."""
+    return score_ids(reward_model, tokenizer, [encode(tokenizer, t) for t in texts], batch_size)
+
+
+def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int = 16) -> list[float]:
+    """Scalar reward of token sequences (right-padded batches; the head reads the last real token)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if getattr(reward_model.config, "pad_token_id", None) is None:
+        reward_model.config.pad_token_id = pad
+    device = next(reward_model.parameters()).device
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    scores = [0.0] * len(encoded)
+    was_training = reward_model.training
+    reward_model.eval()
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            width = max(len(encoded[i]) for i in batch)
+            ids = torch.full((len(batch), width), reward_model.config.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
+                mask[row, : len(encoded[i])] = 1
+            logits = reward_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+            for row, i in enumerate(batch):
+                scores[i] = float(logits[row, 0])
+    reward_model.train(was_training)
+    return scores
+
+
+def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16,
+                finished: list[bool] | None = None) -> list[float]:
+    """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
+    text (as `sampling.Sample.text`). A finished answer is rendered as `render_prompt(p) +
+    render_completion(p, c)`, the text the reward stage trains on; one that was cut off (`finished[i]` false,
+    as `Sample.finished`) as `render_prompt(p) + c`, without the end-of-turn token it never sampled, so the
+    reward model judges what was sampled rather than a finished answer it was not."""
+    finished = [True] * len(completions) if finished is None else finished
+    if not len(prompts) == len(completions) == len(finished):
+        raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(finished)} finished flags")
+    encoded = []
+    for p, c, done in zip(prompts, completions, finished):
+        prompt_ids, completion_ids = encode_prompt_completion(
+            tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
+        encoded.append(prompt_ids + completion_ids)
+    return score_ids(reward_model, tokenizer, encoded, batch_size)
