@@ -1,4 +1,4 @@
-"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/verifier_rewards.py).
+"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/training/rewards.py).
 
 Fast: the adapter on its own (columns, prompt, errors, logging), config validation, the batch /
 num_generations check through `align check`, and the shipped real-model recipes (schema + TRL

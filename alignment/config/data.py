@@ -1,6 +1,6 @@
 """DataSpec: where a stage's rows come from (a hub dataset, a local file or a built-in task).
 
-Loading and column checks are in `alignment/data.py`; a task's own keys (e.g. arithmetic's `n`) are
+Loading and column checks are in `alignment/data/loading.py`; a task's own keys (e.g. arithmetic's `n`) are
 validated here against the task's `Params`.
 """
 

@@ -1,6 +1,6 @@
 """The `evaluate:` block of a recipe and the suites of `align eval`: specs and their validation.
 
-Running them is `alignment/evaluate.py`; this module only reads and checks what the recipe says.
+Running them is `alignment/evaluation/evaluate.py`; this module only reads and checks what the recipe says.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Model specs: the offline tiny from-scratch model, GGUF files, LoRA settings (loading is in `models.py`)."""
+"""Model specs: the offline tiny from-scratch model, GGUF files, LoRA settings (loading is in `alignment/models/`)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ default is 3, and no `max_steps`): one reference pass instead of one per epoch g
 pairs/s over 3 epochs with LoRA on CPU, and nothing over one epoch (docs/performance.md), so a run of
 one epoch or a fixed number of steps keeps TRL's default of computing them with each batch.
 
-Pairs come from `data` in any usual preference format (`alignment/pairs.py`) or, with
+Pairs come from `data` in any usual preference format (`alignment/training/pairs.py`) or, with
 `on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
 They are rendered with the shared convention and tokenized by us (`pairs.pair_token_ids`: the prompt's
 ids exactly as the samplers feed them, then each answer's, which ends with one end-of-turn token), and

@@ -3,7 +3,7 @@
 The model is the start policy loaded as a one-label sequence classifier (a fresh scalar `score`
 head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
 (Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
-`alignment/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
+`alignment/training/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
 samples graded by a verifier. Pairs are rendered with the shared convention and tokenized by us, so
 the model learns on exactly the text `scoring.score_texts` scores later (ppo, evaluation).
 

@@ -1,12 +1,12 @@
 """`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
 
 For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
-them (`alignment/verifier_rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
+them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
 the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024, eq. 3, DeepSeekMath);
 `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
-What the verifiers' rewards teach is counted from those rewards (`verifier_rewards.GroupSignal`, not TRL's
+What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
 `frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
 the share of prompt groups whose completions all scored the same (no advantage to learn from; above half
 the stage warns), `completions_truncated` the completions cut at `max_completion_length` (out of

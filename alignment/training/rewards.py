@@ -13,7 +13,7 @@ What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by i
 ``log_metric`` hook) and, in the stage's final metrics, running totals from `counts`.
 
     from alignment.config.verifier import VerifierSpec
-    from alignment.verifier_rewards import build_rewards
+    from alignment.training.rewards import build_rewards
     rewards = build_rewards([VerifierSpec(name="arithmetic")], search_dirs=[recipe_dir])
     GRPOTrainer(..., reward_funcs=rewards, args=GRPOConfig(reward_weights=[r.weight for r in rewards]))
 """
