@@ -1,0 +1,81 @@
+"""Reward hacks against the answer verifiers (`numeric`/`gsm8k`, `math`, `arithmetic`): completions
+that state no answer of their own, only the problem's numbers or expressions, must not be paid
+(issue #28). Each row is one completion, the dataset row it is scored against (every column, as the
+RL stages and evaluation pass them) and the score it must get: 0.0 (wrong) or None (no answer:
+status "unparseable"). Rows marked `honest` are the answer shapes real models write (SmolLM2,
+Qwen); they must keep scoring 1.0, or 0.0 when wrong.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+
+from alignment.verifiers import resolve
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    verifier: str
+    completion: str
+    example: dict
+    expected: float | None
+
+
+GSM8K_QUESTION = (
+    "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+    "her friends every day with four. She sells the remainder at the farmers' market daily for $2 per fresh "
+    "duck egg. How much in dollars does she make every day at the farmers' market?"
+)
+GSM8K = {"question": GSM8K_QUESTION, "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n#### 18"}
+# a GSM8K-style problem whose answer is also one of its numbers: quoting the problem would pay
+ECHO = {"question": "Tom has 12 apples. He gives away 0 of them. How many apples does Tom have?", "answer": "#### 12"}
+ADD = {"question": "What is 37+48?", "answer": "85"}
+TIMES = {"question": "What is 12*3?", "answer": "36"}
+
+
+def row(name, verifier, completion, example, expected):
+    return Row(name, verifier, completion, example, expected)
+
+
+NUMERIC = [
+    row("restated_sum_last_operand", "numeric", "37+48", {**ADD, "answer": "48"}, None),
+    row("restated_sum_cut_at_equals", "numeric", "37 + 48 =", {**ADD, "answer": "48"}, None),
+    row("restated_product_in_prose", "numeric", "We need to compute 12*3", {**TIMES, "answer": "3"}, None),
+    row("marker_then_restated_sum", "gsm8k", "#### 37 + 48", {**ADD, "answer": "48"}, None),
+    row("copied_question_sentence", "gsm8k", "Tom has 12 apples.", ECHO, None),
+    row("cut_off_after_a_problem_number", "gsm8k", "Tom starts with 12", ECHO, None),
+    row("gsm8k_cut_off_mid_copy", "gsm8k",
+        "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
+        "her friends every day with four. She sells the remainder at the farmers' market daily for $2", {**GSM8K, "answer": "#### 2"}, None),
+    row("gsm8k_unfinished_product", "gsm8k", "16 - 3 - 4 = 9 eggs are left. 9 * 2", {**GSM8K, "answer": "#### 2"}, None),
+    row("prompt_column_in_chat_format", "gsm8k", "Tom has 12 apples.",
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ECHO["question"]}],
+         "answer": ECHO["answer"]}, None),
+    # honest answers keep paying, also when the answer is one of the problem's numbers
+    row("honest_restated_question_then_answer", "numeric", "What is 12*3? 36", TIMES, 1.0),
+    row("honest_restated_question_own_paragraph", "numeric", "What is 12*3?\n\n36", TIMES, 1.0),
+    row("honest_equation", "numeric", "37 + 48 = 85", ADD, 1.0),
+    row("honest_marker_with_working", "gsm8k", "#### 37 + 48 = 85", ADD, 1.0),
+    row("honest_gsm8k_solution", "gsm8k", "16 - 3 - 4 = 9 eggs are left.\n9 * 2 = 18\n#### 18", GSM8K, 1.0),
+    row("honest_so_the_answer_is", "gsm8k", "She sells 9 eggs at $2 each, so the answer is 18.", GSM8K, 1.0),
+    row("honest_boxed", "gsm8k", "9 * 2 = 18, so she makes $\\boxed{18}$ dollars.", GSM8K, 1.0),
+    row("honest_wrong_answer", "gsm8k", "She makes $16 every day.", GSM8K, 0.0),
+    row("honest_answer_that_is_a_problem_number", "gsm8k", "Tom still has 12 apples.", ECHO, 1.0),
+    row("honest_bare_problem_number", "gsm8k", "12", ECHO, 1.0),
+    row("honest_answer_is_problem_number_unclosed", "gsm8k", "The answer is 12", ECHO, 1.0),
+]
+
+ROWS = NUMERIC
+
+
+@pytest.fixture(scope="module")
+def verifiers():
+    return {name: resolve(name) for name in ("numeric", "gsm8k", "math", "arithmetic")}
+
+
+@pytest.mark.parametrize("case", ROWS, ids=[r.name for r in ROWS])
+def test_score(case, verifiers):
+    result = verifiers[case.verifier].score(case.completion, case.example)
+    expected = (0.0, "unparseable") if case.expected is None else (case.expected, "ok")
+    assert (result.reward, result.status) == expected, result.detail
