@@ -66,7 +66,25 @@ NUMERIC = [
     row("honest_answer_is_problem_number_unclosed", "gsm8k", "The answer is 12", ECHO, 1.0),
 ]
 
-ROWS = NUMERIC
+ZERO = {"prompt": "What is 0 + 48? Answer with just the number.", "answer": "48"}
+ONE = {"prompt": [{"role": "user", "content": "What is 48 * 1?"}], "answer": "48"}
+ARITHMETIC = [
+    # the answer equals an operand, so a restatement of the problem used to read as the answer
+    row("restated_zero_sum", "arithmetic", "0 + 48", ZERO, None),
+    row("restated_zero_sum_cut_at_equals", "arithmetic", "0 + 48 =", ZERO, None),
+    row("restated_in_words_cut_off", "arithmetic", "The sum of 0 and 48", ZERO, None),
+    row("restated_product_chat_prompt", "arithmetic", "48 * 1", ONE, None),
+    row("restated_sum_wrong_answer", "arithmetic", "37 + 48 =", {"prompt": "What is 37+48?", "answer": "85"}, None),
+    row("honest_equation_answer_is_operand", "arithmetic", "0 + 48 = 48", ZERO, 1.0),
+    row("honest_words_answer_is_operand", "arithmetic", "The sum of 0 and 48 is 48.", ZERO, 1.0),
+    row("honest_bare_answer_is_operand", "arithmetic", "48", ZERO, 1.0),
+    row("honest_restated_question_own_paragraph", "arithmetic", "What is 12*3?\n\n36",
+        {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
+    row("honest_restated_question_then_answer", "arithmetic", "What is 12*3? 36", {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
+    row("honest_wrong", "arithmetic", "0 + 48 = 49", ZERO, 0.0),
+]
+
+ROWS = NUMERIC + ARITHMETIC
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +92,7 @@ def verifiers():
     return {name: resolve(name) for name in ("numeric", "gsm8k", "math", "arithmetic")}
 
 
-@pytest.mark.parametrize("case", ROWS, ids=[r.name for r in ROWS])
+@pytest.mark.parametrize("case", ROWS, ids=[f"{r.verifier}-{r.name}" for r in ROWS])
 def test_score(case, verifiers):
     result = verifiers[case.verifier].score(case.completion, case.example)
     expected = (0.0, "unparseable") if case.expected is None else (case.expected, "ok")
