@@ -6,6 +6,7 @@ status "unparseable"). Rows marked `honest` are the answer shapes real models wr
 Qwen); they must keep scoring 1.0, or 0.0 when wrong.
 """
 
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -84,7 +85,45 @@ ARITHMETIC = [
     row("honest_wrong", "arithmetic", "0 + 48 = 49", ZERO, 0.0),
 ]
 
-ROWS = NUMERIC + ARITHMETIC
+FRAC = {"problem": "Compute $\\frac{24}{8}$.", "answer": "3"}
+BINOM = {"problem": "Compute $\\dbinom{31}{28}$.", "answer": "4495"}
+DIVIDE = {"problem": "What is $\\frac{18}{6}$?", "answer": "3"}
+LINEAR = {"problem": "If $2x+3=11$, what is $2x+3$?", "answer": "11"}
+CHOICE = {"problem": "Which is larger, $\\frac{1}{2}$ or $\\frac{1}{3}$?", "answer": "\\frac{1}{2}"}
+MATH = [
+    # restating the problem: math-verify evaluates the restated expression to the gold value
+    row("unsure_restates_fraction", "math", "I am not sure how to compute $\\frac{24}{8}$.", FRAC, None),
+    row("restates_binomial_then_cut_off", "math", "Let us evaluate $\\dbinom{31}{28}$ step by step. First", BINOM, None),
+    row("cut_off_at_equals", "math", "$\\frac{18}{6} =", DIVIDE, None),
+    row("cut_off_at_equals_after_working", "math", "We divide.\n\n$$\\frac{18}{6} =", DIVIDE, None),
+    row("bare_restated_expression", "math", "$\\frac{24}{8}$", FRAC, 0.0),
+    row("answer_is_restated_expression", "math", "The answer is $\\dbinom{31}{28}$.", BINOM, 0.0),
+    row("boxed_restated_expression", "math", "So we get $\\boxed{\\binom{31}{28}}$", BINOM, 0.0),
+    row("equation_restating_the_expression", "math", "$\\frac{24}{8} = \\frac{24}{8}$", FRAC, 0.0),
+    row("closing_sentence_copied_from_problem", "math", "We know $2x + 3 = 11$.", LINEAR, None),
+    row("closing_equation_copied_in_own_words", "math", "We need x such that 2x + 3 = 11. Then", LINEAR, None),
+    row("goes_on_in_words_after_the_number", "math", "Given that 2x+3 = 11 in the problem, we", LINEAR, None),
+    row("problem_in_chat_prompt_column", "math", "Hmm, $\\frac{24}{8}$ is tricky. We",
+        {"prompt": [{"role": "user", "content": FRAC["problem"]}], "answer": "3"}, None),
+    # honest shapes
+    row("honest_so_the_answer_is", "math", "24 divided by 8 is 3, so the answer is 3.", FRAC, 1.0),
+    row("honest_boxed", "math", "$\\frac{24}{8} = \\boxed{3}$", FRAC, 1.0),
+    row("honest_final_answer_marker", "math", "We simplify.\n\nFinal answer: 4495", BINOM, 1.0),
+    row("honest_bold_answer_marker", "math", "**Answer:** $4495$", BINOM, 1.0),
+    row("honest_answer_is_a_fraction", "math", "The answer is $\\frac{1}{2}$", CHOICE, 1.0),
+    row("honest_equation", "math", "$\\frac{24}{8} = 3$", FRAC, 1.0),
+    row("honest_closing_equation_then_sign_off", "math", "Dividing, we get $\\frac{24}{8} = 3$.\n\nI hope this helps!",
+        FRAC, 1.0),
+    row("honest_x_equals", "math", "x = 5", {"problem": "Solve $2x = 10$.", "answer": "5"}, 1.0),
+    row("honest_thus_the_value_is", "math", "Thus the value is $3$.", FRAC, 1.0),
+    row("honest_bare_number", "math", "3", FRAC, 1.0),
+    row("honest_answer_equals_problem_number", "math", "2x + 3 = 11, so the answer is 11.", LINEAR, 1.0),
+    row("honest_choice_copied_from_problem", "math", "The larger one is $\\boxed{\\frac{1}{2}}$.", CHOICE, 1.0),
+    row("honest_wrong", "math", "\\boxed{4}", FRAC, 0.0),
+    row("honest_no_answer_stated", "math", "Let me think about $\\frac{24}{8}$ in a moment.", FRAC, None),
+]
+
+ROWS = NUMERIC + ARITHMETIC + MATH
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +136,13 @@ def test_score(case, verifiers):
     result = verifiers[case.verifier].score(case.completion, case.example)
     expected = (0.0, "unparseable") if case.expected is None else (case.expected, "ok")
     assert (result.reward, result.status) == expected, result.detail
+
+
+def test_math_off_the_main_thread_sees_the_problem_too(verifiers):
+    """Off the main thread `math` checks in a worker process; the problem must travel with the completion."""
+    results = []
+    worker = threading.Thread(target=lambda: results.append(
+        verifiers["math"].score("The answer is $\\frac{24}{8}$.", FRAC)))
+    worker.start()
+    worker.join(120)
+    assert [(r.reward, r.status) for r in results] == [(0.0, "ok")]
