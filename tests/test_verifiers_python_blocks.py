@@ -71,6 +71,9 @@ ROWS = [
     Row("example_block_sets_what_the_code_reads", fence(
         "def build():\n    return {'op': lambda a, b: tuple(set(a) & set(b))}\n"
         "def similar_elements(a, b):\n    return TABLE['op'](a, b)\n") + "\n" + fence("TABLE = build()\n"), 1.0),
+    Row("example_block_reuses_a_local_name_of_the_solution", fence(
+        "def similar_elements(a, b):\n    result = tuple(set(a) & set(b))\n    return result\n") + "\n" +
+        fence("result = similar_elements((1, 2))\nprint(result)\n"), 1.0),
     Row("unclosed_last_block", fence(GOLD) + "\n```python\nprint(similar_elements((1, 2), (2, 3)))\n", 1.0),
     # the tests still decide
     Row("wrong_then_example_usage", fence(WRONG) + "\n" + fence(USAGE), 0.0),

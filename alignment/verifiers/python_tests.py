@@ -100,14 +100,27 @@ def _transcript_code(block: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _names(tree: ast.AST | None, ctx: type) -> set[str]:
-    """Names loaded (ctx=ast.Load) or bound (ast.Store) anywhere in `tree`."""
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)} if tree else set()
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _names(nodes, ctx: type) -> set[str]:
+    """Names loaded (ctx=ast.Load) or bound (ast.Store) by `nodes`."""
+    return {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _module_level(tree: ast.Module):
+    """The nodes that run in the module's own scope: not those inside a function or lambda."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            stack.extend(ast.iter_child_nodes(node))
 
 
 def _defined(tree: ast.Module) -> set[str]:
-    """Names a block binds at top level: functions, classes, imports and assigned names."""
-    names = _names(tree, ast.Store)
+    """Global names a block binds: functions, classes, imports and module-level assignments."""
+    names = _names(_module_level(tree), ast.Store)
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
@@ -116,14 +129,27 @@ def _defined(tree: ast.Module) -> set[str]:
     return names
 
 
+def _reads(tree: ast.Module | None) -> set[str]:
+    """Global names a block may read: loads at module level, and loads inside functions of names
+    the function does not bind itself (a function's own `result` is not the module's)."""
+    if tree is None:
+        return set()
+    reads = _names(_module_level(tree), ast.Load)
+    for scope in (n for n in ast.walk(tree) if isinstance(n, _SCOPES)):
+        local = {a.arg for a in ast.walk(scope.args) if isinstance(a, ast.arg)} | _names(ast.walk(scope), ast.Store)
+        declared = {name for g in ast.walk(scope) if isinstance(g, ast.Global) for name in g.names}
+        reads |= _names(ast.walk(scope), ast.Load) - (local - declared)
+    return reads
+
+
 def _is_example_usage(tree: ast.Module, defined: set[str], read: set[str]) -> bool:
     """Whether a block only exercises earlier blocks (rules in the module docstring)."""
     definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
     if any(isinstance(node, definitions) for node in tree.body):
         return False
-    if _names(tree, ast.Store) & read:
+    if _names(_module_level(tree), ast.Store) & read:
         return False  # it sets something the earlier code or the tests read: part of the program
-    return bool(_names(tree, ast.Load) & defined)
+    return bool(_names(ast.walk(tree), ast.Load) & defined)
 
 
 def _program(blocks: list[tuple[str, bool]], tests: str) -> str:
@@ -137,14 +163,14 @@ def _program(blocks: list[tuple[str, bool]], tests: str) -> str:
         parsed.append((code, tree, tagged))
     if any(tree is not None for _, tree, tagged in parsed if not tagged):
         parsed = [(code, tree, tagged) for code, tree, tagged in parsed if tagged or tree is not None]
-    kept, defined, read = [], set(), _names(_parse(tests), ast.Load)
+    kept, defined, read = [], set(), _reads(_parse(tests))
     for code, tree, _ in parsed:
         if tree is not None and kept and _is_example_usage(tree, defined, read):
             continue
         kept.append(code)
         if tree is not None:
             defined |= _defined(tree)
-            read |= _names(tree, ast.Load)
+            read |= _reads(tree)
     return "\n".join(kept)
 
 
