@@ -26,7 +26,8 @@ file, except:
 
 ``if __name__ == "__main__":`` sections never run: the harness runs the code as a module named
 ``__solution__``, which is what importing the solution does. Telling blocks apart parses them with
-`ast` in the caller (never compiles or runs them there); a block `ast` cannot parse is kept as is.
+`ast` in the caller, which never runs them (parsing costs time in proportion to the completion's
+length, bounded by the sampler's max_new_tokens); a block `ast` cannot parse is kept as is.
 Without any fenced block the whole completion is the code.
 
 Rewards: 1.0 if the tests pass; 0.0 if they fail, time out, crash or the fenced code does not
@@ -162,6 +163,7 @@ def _program(blocks: list[tuple[str, bool]], tests: str) -> str:
             tree = _parse(code)
         parsed.append((code, tree, tagged))
     if any(tree is not None for _, tree, tagged in parsed if not tagged):
+        # untagged blocks are a guess at code: one that does not compile is output or a shell line
         parsed = [(code, tree, tagged) for code, tree, tagged in parsed if tagged or tree is not None]
     kept, defined, read = [], set(), _reads(_parse(tests))
     for code, tree, _ in parsed:
