@@ -105,7 +105,12 @@ MATH = [
     row("goes_on_in_words_after_the_number", "math", "Given that 2x+3 = 11 in the problem, we", LINEAR, None),
     row("problem_in_chat_prompt_column", "math", "Hmm, $\\frac{24}{8}$ is tricky. We",
         {"prompt": [{"role": "user", "content": FRAC["problem"]}], "answer": "3"}, None),
+    row("restated_question_without_problem_column", "math", "What is $\\frac{18}{6}$?", {"answer": "3"}, None),
+    row("answer_is_followed_by_words", "math", "The answer is not obvious from $\\frac{24}{8}$ alone.", FRAC, None),
     # honest shapes
+    row("honest_answer_is_words_then_closing_equation", "math",
+        "I think the answer is clear now.\n\nSo $\\frac{24}{8} = 3$.", FRAC, 1.0),
+    row("honest_answer_with_a_unit", "math", "The answer is 18 dollars.", {"problem": GSM8K_QUESTION, "answer": "18"}, 1.0),
     row("honest_so_the_answer_is", "math", "24 divided by 8 is 3, so the answer is 3.", FRAC, 1.0),
     row("honest_boxed", "math", "$\\frac{24}{8} = \\boxed{3}$", FRAC, 1.0),
     row("honest_final_answer_marker", "math", "We simplify.\n\nFinal answer: 4495", BINOM, 1.0),

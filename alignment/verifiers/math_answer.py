@@ -11,12 +11,13 @@ exactly that (issue #28). In this order, the first that applies is the answer:
 
 1. the last ``\\boxed{...}`` (or ``\\fbox{...}``);
 2. the last explicit answer: what follows "answer is", "answer:" (also "Final answer:", "**Answer:**")
-   or ``####``, to the end of that sentence or line;
+   or ``####``, to the end of that sentence or line, when that is math ("the answer is clear" is no
+   answer; "the answer is 18 dollars" is 18);
 3. the closing statement: the last sentence that holds any math (a digit, ``=``, ``$`` or ``\\``;
    sign-offs such as "I hope this helps!" are passed over) when it ends in ``= X`` or "is X" (also
    "are", "equals"), X being everything after it and no prose ("So x = 5.", "Thus the sum is $36$.");
    a statement cut off after the ``=`` ("$\\frac{18}{6} =") has no answer, nor has one that goes on
-   in words after X ("We know a = 18 from the problem");
+   in words after X ("We know a = 18 from the problem"), nor a question ("What is $\\frac{18}{6}$?");
 4. the whole completion, when it is nothing but a math expression ("42", "$\\frac{1}{2}$").
 
 Otherwise the completion states no answer: None. And the problem (the ``problem``, ``question`` or
@@ -80,6 +81,7 @@ _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _MARKER = re.compile(r"\banswer(?:\s+is\b|\s*\**\s*:)|####", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?;](?=\s|$)")
 _MATHY = re.compile(r"[\d=$\\]")
+_STARTS_MATH = re.compile(r"[-+\d$\\(\[{.]")
 _RESULT_SIGN = re.compile(r"=|\b(?:is|are|equals)\b")
 # a word of prose: two or more letters that are not a LaTeX command's name
 _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
@@ -133,6 +135,17 @@ def _occurs(needle: str, haystack: str) -> bool:
     return bool(re.search(before + re.escape(needle) + after, haystack))
 
 
+def _marked_answer(text: str) -> str | None:
+    """Rule 2: the math after the last answer marker that is followed by math, up to the first word
+    of prose ("18 dollars" is 18); "the answer is clear" states nothing."""
+    for marker in reversed(list(_MARKER.finditer(text))):
+        span = _TEXT_GROUP.sub("", _to_sentence_end(text[marker.end():])).strip()
+        if _STARTS_MATH.match(span) or _is_math(span):
+            prose = _PROSE.search(span)
+            return span[: prose.start()] if prose else span
+    return None
+
+
 def _closing_answer(text: str, problem: str) -> str | None:
     """Rule 3: X of the closing statement "... = X" / "... is X", None when it has none or is copied."""
     sentences = [s for line in text.splitlines() for s in re.split(r"(?<=[.!?;])\s+", line) if _MATHY.search(s)]
@@ -140,8 +153,8 @@ def _closing_answer(text: str, problem: str) -> str | None:
         return None
     sentence = sentences[-1].strip()
     signs = list(_RESULT_SIGN.finditer(sentence))
-    if not signs:
-        return None
+    if not signs or sentence.endswith("?"):
+        return None  # no result stated, or a question ("What is $\\frac{18}{6}$?") asks for one
     result = sentence[signs[-1].end():].rstrip(" .!?;$*").removesuffix("\\]").removesuffix("\\)").strip(" $")
     if not _is_math(result):
         return None  # nothing after the "=" (cut off), or the sentence goes on in words
@@ -158,12 +171,11 @@ def extract_answer(completion: str, problem: str = "") -> str | None:
     boxed = _last_boxed(completion)
     if boxed is not None:
         return boxed
-    markers = list(_MARKER.finditer(completion))
-    if markers:
-        return _to_sentence_end(completion[markers[-1].end():])
-    closing = _closing_answer(completion, problem)
-    if closing is not None:
-        return closing
+    found = _marked_answer(completion)
+    if found is None:
+        found = _closing_answer(completion, problem)
+    if found is not None:
+        return found
     whole = completion.strip()
     return whole if _is_math(whole) and "=" not in whole else None
 
