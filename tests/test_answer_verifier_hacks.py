@@ -54,6 +54,8 @@ NUMERIC = [
         {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ECHO["question"]}],
          "answer": ECHO["answer"]}, None),
     # honest answers keep paying, also when the answer is one of the problem's numbers
+    row("honest_answer_then_calculation_aside", "numeric", "So the sum is 85 (37 + 48).", ADD, 1.0),
+    row("aside_only", "numeric", "(37 + 48)", {**ADD, "answer": "48"}, None),
     row("honest_restated_question_then_answer", "numeric", "What is 12*3? 36", TIMES, 1.0),
     row("honest_restated_question_own_paragraph", "numeric", "What is 12*3?\n\n36", TIMES, 1.0),
     row("honest_equation", "numeric", "37 + 48 = 85", ADD, 1.0),
@@ -83,6 +85,8 @@ ARITHMETIC = [
         {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
     row("honest_restated_question_then_answer", "arithmetic", "What is 12*3? 36", {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
     row("honest_wrong", "arithmetic", "0 + 48 = 49", ZERO, 0.0),
+    row("honest_problem_paragraph_then_working", "arithmetic", "To find 37 + 48, we add the numbers.\n\n37 + 48 = 85",
+        {"prompt": "What is 37 + 48?", "answer": "85"}, 1.0),
 ]
 
 FRAC = {"problem": "Compute $\\frac{24}{8}$.", "answer": "3"}
@@ -111,6 +115,8 @@ MATH = [
     row("honest_answer_is_words_then_closing_equation", "math",
         "I think the answer is clear now.\n\nSo $\\frac{24}{8} = 3$.", FRAC, 1.0),
     row("honest_answer_with_a_unit", "math", "The answer is 18 dollars.", {"problem": GSM8K_QUESTION, "answer": "18"}, 1.0),
+    row("honest_answer_then_calculation_aside", "math", "The answer is 85 (37 + 48).",
+        {"problem": "What is $37+48$?", "answer": "85"}, 1.0),
     row("honest_so_the_answer_is", "math", "24 divided by 8 is 3, so the answer is 3.", FRAC, 1.0),
     row("honest_boxed", "math", "$\\frac{24}{8} = \\boxed{3}$", FRAC, 1.0),
     row("honest_final_answer_marker", "math", "We simplify.\n\nFinal answer: 4495", BINOM, 1.0),

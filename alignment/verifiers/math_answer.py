@@ -82,6 +82,8 @@ _MARKER = re.compile(r"\banswer(?:\s+is\b|\s*\**\s*:)|####", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?;](?=\s|$)")
 _MATHY = re.compile(r"[\d=$\\]")
 _STARTS_MATH = re.compile(r"[-+\d$\\(\[{.]")
+# an aside after a complete value: "85 (37 + 48)", "$18$ (9 * 2)"
+_ASIDE = re.compile(r"(?<=[\d$}])\s+\(.*$")
 _RESULT_SIGN = re.compile(r"=|\b(?:is|are|equals)\b")
 # a word of prose: two or more letters that are not a LaTeX command's name
 _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
@@ -137,12 +139,13 @@ def _occurs(needle: str, haystack: str) -> bool:
 
 def _marked_answer(text: str) -> str | None:
     """Rule 2: the math after the last answer marker that is followed by math, up to the first word
-    of prose ("18 dollars" is 18); "the answer is clear" states nothing."""
+    of prose ("18 dollars" is 18) or an aside ("85 (37 + 48)" is 85); "the answer is clear" states
+    nothing."""
     for marker in reversed(list(_MARKER.finditer(text))):
         span = _TEXT_GROUP.sub("", _to_sentence_end(text[marker.end():])).strip()
         if _STARTS_MATH.match(span) or _is_math(span):
             prose = _PROSE.search(span)
-            return span[: prose.start()] if prose else span
+            return _ASIDE.sub("", span[: prose.start()] if prose else span)
     return None
 
 

@@ -12,7 +12,8 @@ reads and a policy learns to copy the question when that pays (issue #28). So, r
 
 - an operand: a number right after an arithmetic operator (``37 + 48``, ``9 * 2``, ``2^10``) is part
   of an unfinished calculation, not its result; after ``####`` the first number that is not an
-  operand counts (``#### 37 + 48 = 85`` is 85, ``#### 37 + 48`` is nothing);
+  operand counts (``#### 37 + 48 = 85`` is 85, ``#### 37 + 48`` is nothing); a closing aside in
+  parentheses that shows the calculation is passed over ("so 85 (37 + 48)." is 85);
 - with the problem at hand (the ``question``, ``problem`` or ``prompt`` column, whichever the row
   has), a last number that also occurs in the problem is no answer when its final statement is
   copied from the problem ("Janet's ducks lay 16 eggs per day.") or is cut off mid-sentence ("She
@@ -63,6 +64,8 @@ _OPERATOR_BEFORE = re.compile(rf"[\w)}}\]][ \t]*{_OPERATOR}[ \t]*\$?[ \t]*$")
 _OPERATOR_AFTER = re.compile(rf"[ \t]*{_OPERATOR}[ \t]*\$?[ \t]*[-+]?[\d.]")
 _STATED_AS_RESULT = re.compile(r"(?:[=:]|\b(?:is|are|was|equals))\s*\$?\s*$", re.IGNORECASE)
 _SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+# a closing aside that shows the calculation: "so 85 (37 + 48)."
+_CLOSING_ASIDE = re.compile(rf"\((?=[^()]*{_OPERATOR})[^()]*\)[\s.!?]*$")
 # Columns that may hold the problem: GSM8K's `question`, MATH's `problem`, the RL stages' `prompt`.
 PROBLEM_COLUMNS = ("question", "problem", "prompt")
 
@@ -139,7 +142,9 @@ def _first_result(text: str) -> Fraction | None:
 
 
 def _last_number(text: str, problem: str) -> Fraction | None:
-    """The last number in `text` when it is an answer: not an operand, not quoted from the problem."""
+    """The last number in `text` when it is an answer: not an operand, not quoted from the problem.
+    A closing aside that shows the calculation is not where the answer is ("85 (37 + 48)." is 85)."""
+    text = _CLOSING_ASIDE.sub("", text)
     matches = list(_NUMBER.finditer(text))
     if not matches or _OPERATOR_BEFORE.search(text[: matches[-1].start()]):
         return None
