@@ -21,9 +21,10 @@ reads and a policy learns to copy the question when that pays (issue #28). So, r
   ``?`` or line break after the number) and no ``=``, ``:``, "is", "are", "was" or "equals" comes
   right before it. A final statement that is just the number ("16") is an answer.
 
-Not covered: a wrong-looking but finished sentence in the model's own words that ends in a number of
-the problem ("She has 5 apples left.") counts, as it must when the answer is 5; use ``mode="strict"``
-where only a deliberate ``#### N`` may pay.
+Not covered: a finished sentence in the model's own words that ends in a number of the problem ("She
+has 5 apples left.") counts, as it must when the answer is 5, so guessing a number of the problem
+still pays on problems whose answer is one; without a problem column only the operand rule applies.
+Use ``mode="strict"`` where only a deliberate ``#### N`` may pay.
 
 Numbers may carry thousands commas (1,234), a sign (also the Unicode minus), a ``$``, a trailing
 ``%`` (ignored: "25%" equals 25), decimals, an exponent (1e3) or be a fraction (3/4 == 0.75). A
@@ -31,7 +32,7 @@ trailing sentence period is not a decimal point. The `answer` column is a number
 GSM8K solution ending in ``#### 42`` or just "42". Equality is exact on rationals up to a relative
 ``tolerance`` (default 1e-6) so 0.1+0.2-style float noise in a gold column still matches.
 
-Returns 1.0 (equal), 0.0 (different) or None (no number found). A gold answer without a number
+Returns 1.0 (equal), 0.0 (different) or None (no answer found). A gold answer without a number
 raises ValueError, which the Verifier reports as an error row, not as the model's fault.
 
     resolve("gsm8k").score("6 * 7 = 42\\n#### 42", {"answer": "... #### 42"}).reward  # 1.0
