@@ -26,10 +26,12 @@ from contextlib import nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers import CompileConfig
 
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
 from ..runtime.progress import track
+from .decode import decode_batch
 from .samples import (
     Sample,
     checkpoint_sampling_defaults_off,
@@ -55,26 +57,53 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     device = next(model.parameters()).device
     synced = is_sharded(model)
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
+    looped = settings.engine == "loop" and settings.cache == "dynamic" and not synced
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
-            rows = [encoded[i] for i, _ in batch]
-            width = max(len(r) for r in rows)
-            if settings.cache == "static":
-                width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-            input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-            output = model.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
-                do_sample=settings.temperature > 0, temperature=settings.temperature or None,
-                top_p=settings.top_p if settings.temperature > 0 else None,
-                top_k=settings.top_k if settings.temperature > 0 else None,
-                eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced,
-                **({"cache_implementation": "static"} if settings.cache == "static" else {}),
-            )
-            for (i, j), ids in zip(batch, output[:, width:].tolist()):
-                results[(i, j)] = to_sample(i, ids, stops, tokenizer)
+            if looped:
+                rows, logprobs = loop_batch(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+            else:
+                rows, logprobs = generate_batch(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
+                                                device, synced), [None] * len(batch)
+            for (i, j), ids, logprob in zip(batch, rows, logprobs):
+                results[(i, j)] = to_sample(i, ids, stops, tokenizer, logprob)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` left-padded to one width (static cache: rounded up to STATIC_WIDTH_STEP), and the attention mask."""
+    width = max(len(r) for r in rows)
+    if static:
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return input_ids, attention
+
+
+def generate_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
+                   synced: bool) -> list[list[int]]:
+    """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a stop)."""
+    input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
+    static = {"cache_implementation": "static"} if settings.cache == "static" else {}
+    if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told
+        static["compile_config"] = CompileConfig(_compile_all_devices=True)
+    output = model.generate(
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.temperature > 0, temperature=settings.temperature or None,
+        top_p=settings.top_p if settings.temperature > 0 else None,
+        top_k=settings.top_k if settings.temperature > 0 else None,
+        eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced, **static,
+    )
+    return output[:, input_ids.shape[1]:].tolist()
+
+
+def loop_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
+    """`engine: loop`: each distinct prompt of the batch prefilled once, then `decode.decode_batch`."""
+    distinct: dict[tuple[int, ...], int] = {}
+    sources = [distinct.setdefault(tuple(r), len(distinct)) for r in rows]
+    input_ids, attention = left_padded([list(r) for r in distinct], pad_id, device)
+    return decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)
 
 
 def is_sharded(model) -> bool:
