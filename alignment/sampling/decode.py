@@ -35,7 +35,13 @@ import inspect
 
 import torch
 from peft import PeftModel
-from transformers import DynamicCache, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from ..config.sampling import SamplingSpec
 
@@ -59,6 +65,12 @@ def warpers(settings: SamplingSpec) -> LogitsProcessorList:
     return processors
 
 
+def cache_name(model) -> str:
+    """The forward's name for the KV cache: `cache` since transformers 5.2x, `past_key_values` before (the vLLM
+    environment's transformers 5.19)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int]):
     """Run the prompts of `input_ids` (one row per distinct prompt) and give row r of the batch the cache, last
     logits and positions of prompt `sources[r]`. Returns (fp32 logits [batch, vocab], cache, the attention mask
@@ -68,8 +80,8 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     if "position_ids" in inspect.signature(model.forward).parameters:  # as `generate` decides it
         positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)
     mask = None if bool((attention == 1).all()) else attention
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                return_dict=True)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
+                **{cache_name(model): cache})
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     del out
     positions = None if positions is None else positions[:, -1:]
@@ -122,8 +134,8 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
             attention = None if attention is None else attention[keep]
             positions = None if positions is None else positions[keep]
             running = torch.ones(len(live), dtype=torch.bool, device=device)
-        out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, cache=cache,
-                    use_cache=True, return_dict=True)
+        out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
+                    return_dict=True, **{cache_name(model): cache})
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[running]
         del out
     return ids, logprobs

@@ -6,11 +6,20 @@ left-pads (decoder-only models continue from the right edge), samples `n` comple
 stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
 so RL code can score the exact tokens that were sampled.
 
+`engine` chooses who runs each batch's decoding: `loop` (the default, `decode.py`) prefills each distinct
+prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
+handling and random draws as `generate` (one `model.generate` call per batch, the sampler before it, kept
+as the reference: tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test
+models), plus each sampled token's raw log-prob. A sharded (FSDP2) model and `cache: static` always go
+through `generate`, which keeps every process in step and the shapes fixed.
+
 `cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
 multiples of 64, so every decode step has the same shapes; on a GPU, transformers then compiles the
 decode step (torch.compile, CUDA graphs), which removes the per-token Python/launch overhead that
-bounds eager decoding (see docs/performance.md). On CPU nothing is compiled and the static cache only
-costs memory, so the default `dynamic` is kept there; `static` is opt-in until it is measured on a GPU.
+bounds eager decoding (see docs/performance.md). On CPU nothing is compiled unless `compile: true` asks
+for it (transformers' own flag to compile on any device; the first call compiles, which takes long), and
+the static cache alone only costs memory, so the default `dynamic` is kept there; `static` and `compile`
+are opt-in until they are measured (docs/performance.md, the `static` section of scripts/bench.py).
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
 (`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
@@ -87,7 +96,7 @@ def generate_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: 
     input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
     static = {"cache_implementation": "static"} if settings.cache == "static" else {}
     if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told
-        static["compile_config"] = CompileConfig(_compile_all_devices=True)
+        static["compile_config"] = compile_everywhere(device)
     output = model.generate(
         input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
         do_sample=settings.temperature > 0, temperature=settings.temperature or None,
@@ -96,6 +105,14 @@ def generate_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: 
         eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced, **static,
     )
     return output[:, input_ids.shape[1]:].tolist()
+
+
+def compile_everywhere(device) -> CompileConfig:
+    """transformers' compile settings for the decode step, flagged to compile on any device (its own flag for
+    CPU runs); off CUDA in torch.compile's default mode, as CUDA graphs ("reduce-overhead") need a GPU."""
+    config = CompileConfig() if torch.device(device).type == "cuda" else CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
 
 
 def loop_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
