@@ -253,3 +253,16 @@ def test_compile_needs_the_static_cache():
     with pytest.raises(ValidationError, match="cache: static"):
         SamplingSpec(compile=True)
     assert SamplingSpec(compile=True, cache="static").compile
+
+
+@pytest.mark.slow
+def test_the_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_checkpoint):
+    """The real model (byte-level BPE, ChatML, answers that stop at different lengths): greedy and n=4 sampled
+    (a batch of 6 splits a prompt's samples) give the same ids and stops through both engines."""
+    tokenizer, model = load_tokenizer(str(smollm2_checkpoint)), load_policy(str(smollm2_checkpoint))
+    prompts = [render_prompt(tokenizer, f"What is {a} + {b}? Answer briefly.") for a, b in [(2, 3), (37, 48), (120, 7)]]
+    for spec in ({"temperature": 0}, {"temperature": 1.0, "n": 4, "batch_size": 6}):
+        reference, looped = both_engines(model, tokenizer, prompts, **spec)
+        assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
+        assert [s.finished for s in looped] == [s.finished for s in reference]
+        assert any(s.finished for s in looped)
