@@ -5,10 +5,15 @@ import importlib.util
 from conftest import REPO
 
 
-def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
+    bench = load_bench()
     out = tmp_path / "bench.json"
     results = bench.main(["--size", "micro", "--json", str(out), "--static-cache"])
     assert any(r["variant"].startswith("ours: static cache") for r in results)
@@ -24,9 +29,7 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
 def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(capsys):
     """The decode section at micro size: for every recipe shape, the roofline row and each sampler's useful
     tokens/s, GFLOP/s and share of the roofline. No speed is asserted (the machine may be loaded)."""
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench()
     results = bench.main(["--size", "micro", "--sections", "decode"])
     shapes = {name for name, *_ in bench.SIZES["micro"]["decode"]}
     for name in shapes:

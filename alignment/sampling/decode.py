@@ -99,26 +99,27 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
     per distinct prompt). Returns each row's ids up to and including its stop token (or `max_new_tokens` of
     them) and the raw model log-prob of each."""
-    batch = len(sources)
-    device = input_ids.device
+    batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources)
-    process, sample = warpers(settings), settings.temperature > 0
+    process, sample, cache_arg = warpers(settings), settings.temperature > 0, cache_name(model)
     stop_ids = torch.tensor(stops, device=device)
+    # Written on the device, read once at the end: no host round trip per row and step.
+    ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
     live = torch.arange(batch, device=device)  # batch row of each row still in the model's batch
     running = torch.ones(batch, dtype=torch.bool, device=device)  # over `live`: not finished yet
-    ids: list[list[int]] = [[] for _ in range(batch)]
-    logprobs: list[list[float]] = [[] for _ in range(batch)]
-    for step in range(settings.max_new_tokens):
-        raw = torch.log_softmax(logits, dim=-1)
-        tokens = next_tokens(process, logits, live[running], batch, sample, pad_id)
-        chosen = raw.gather(1, tokens[:, None]).squeeze(1)
-        for row, token, logprob in zip(live[running].tolist(), tokens.tolist(), chosen.tolist()):
-            ids[row].append(token)
-            logprobs[row].append(logprob)
+    for step in range(steps):
+        rows = live[running]
+        tokens = next_tokens(process, logits, rows, batch, sample, pad_id)
+        ids[rows, step] = tokens
+        logprobs[rows, step] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        lengths[rows] += 1
         ended = torch.isin(tokens, stop_ids)
         running[running.clone()] = ~ended
-        if not running.any() or step + 1 == settings.max_new_tokens:
+        still = int(running.sum())  # the one host sync of a step, as `generate` has its own
+        if still == 0 or step + 1 == steps:
             break
         # Finished rows are fed the pad token until compaction drops them, as `generate` feeds them.
         feed = torch.full((len(live),), pad_id, device=device)
@@ -127,7 +128,7 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
             attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=-1)
         if positions is not None:
             positions = positions + 1
-        if (~running).sum() >= max(1, COMPACT_SHARE * len(live)):
+        if len(live) - still >= max(1, COMPACT_SHARE * len(live)):
             keep = running.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             live, feed = live[keep], feed[keep]
@@ -135,10 +136,11 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
             positions = None if positions is None else positions[keep]
             running = torch.ones(len(live), dtype=torch.bool, device=device)
         out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
-                    return_dict=True, **{cache_name(model): cache})
+                    return_dict=True, **{cache_arg: cache})
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[running]
         del out
-    return ids, logprobs
+    counts = lengths.tolist()
+    return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
 
 
 def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int, sample: bool,

@@ -70,9 +70,9 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
             if looped:
-                rows, logprobs = loop_batch(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+                rows, logprobs = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
             else:
-                rows, logprobs = generate_batch(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
+                rows, logprobs = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
                                                 device, synced), [None] * len(batch)
             for (i, j), ids, logprob in zip(batch, rows, logprobs):
                 results[(i, j)] = to_sample(i, ids, stops, tokenizer, logprob)
@@ -90,7 +90,7 @@ def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False
     return input_ids, attention
 
 
-def generate_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
+def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
                    synced: bool) -> list[list[int]]:
     """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a stop)."""
     input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
@@ -115,7 +115,7 @@ def compile_everywhere(device) -> CompileConfig:
     return config
 
 
-def loop_batch(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
+def via_loop(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
     """`engine: loop`: each distinct prompt of the batch prefilled once, then `decode.decode_batch`."""
     distinct: dict[tuple[int, ...], int] = {}
     sources = [distinct.setdefault(tuple(r), len(distinct)) for r in rows]
