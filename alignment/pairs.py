@@ -28,9 +28,9 @@ import torch
 from accelerate import PartialState
 
 from .config.sampling import OnPolicySpec
-from .data import check_columns, file_rows
+from .data import check_columns, file_rows, messages_problem
 from .dist import get_logger
-from .errors import UserError
+from .errors import UserError, row_name
 from .formatting import encode_prompt_completion, render_completion, render_prompt
 from .prompts import check_prompt_rows, prompt_of
 from .sampling import generate
@@ -55,12 +55,14 @@ def _answer(value: Any, column: str, index: int, where: str) -> tuple[list | Non
     if value is None or isinstance(value, str):
         return None, (value if value and value.strip() else None)
     if _is_chat(value):
+        if problem := messages_problem(value):
+            raise UserError(f"{where}: {row_name(index)}, column '{column}': {problem}.")
         if not value or value[-1].get("role") != "assistant":
-            raise UserError(f"{where}: row {index}, column '{column}' is a chat that does not end with an assistant "
+            raise UserError(f"{where}: {row_name(index)}, column '{column}' is a chat that does not end with an assistant "
                             "turn; the last assistant message is the answer being compared.")
         content = value[-1].get("content")
         return list(value[:-1]), (content if isinstance(content, str) and content.strip() else None)
-    raise UserError(f"{where}: row {index}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
+    raise UserError(f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
                     "a string or a list of chat messages ({'role': ..., 'content': ...}).")
 
 
@@ -96,8 +98,10 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
         if not chosen.strip() or not rejected.strip():
             return "empty chosen or rejected"
     elif not (isinstance(prompt, str) or _is_chat(prompt)):
-        raise UserError(f"{where}: row {index}, column 'prompt' is {type(prompt).__name__}; expected a string or "
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt' is {type(prompt).__name__}; expected a string or "
                         "a list of chat messages.")
+    elif _is_chat(prompt) and (problem := messages_problem(prompt)):
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt': {problem}.")
     if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
         return "empty prompt"
     if chosen.strip() == rejected.strip():
