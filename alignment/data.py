@@ -20,9 +20,11 @@ import logging
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import datasets
+import pyarrow
 import pyarrow.parquet
 from datasets.data_files import DataFilesDict, get_data_patterns
 
@@ -182,7 +184,7 @@ def scan_file(path: Path, where: str) -> list[str]:
     if suffix == ".parquet":
         try:
             pyarrow.parquet.ParquetFile(path)
-        except Exception as error:
+        except (pyarrow.ArrowException, OSError) as error:
             raise UserError(f"{where}.dataset: '{path}' is not a readable parquet file (truncated or corrupted?): "
                             f"{_first_line(error)}") from None
         return []

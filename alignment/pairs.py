@@ -5,7 +5,8 @@
   chat `chosen`/`rejected` message lists (the messages before the last assistant turn are the prompt,
   as in HuggingFaceH4/ultrafeedback_binarized; with only the assistant turn, the `prompt` column is);
   implicit prompt (`chosen`/`rejected` full texts, the prompt is their shared beginning cut at a
-  word boundary). Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
+  word boundary); Anthropic HH-RLHF transcripts (`format: hh` on the data, or detected and said in the
+  log), read as chat turns, which a malformed transcript makes a UserError naming the row. Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
   shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
   a dataset where every row is dropped.
 - `on_policy_pairs(...)`: sample N completions per prompt from the policy (`sampling.generate`),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -112,15 +114,77 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
 def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
     """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
     check_columns(dataset, PAIR_COLUMNS, where, spec)
+    hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
     for index, row in zip(file_rows(dataset), dataset):
-        result = normalize_row(dict(row), index, where)
+        row = hh_chats(dict(row), index, where) if hh else dict(row)
+        result = normalize_row(row, index, where)
         if isinstance(result, str):
             dropped[result] += 1
         else:
             pairs.append(result)
     report_drops(len(pairs), dropped, where, "rows")
     return pairs, dropped
+
+
+# Anthropic HH-RLHF (Anthropic/hh-rlhf) holds each side of a pair as one transcript,
+# "\n\nHuman: ...\n\nAssistant: ...\n\nHuman: ...\n\nAssistant: <answer>". Left as text it would be one user
+# turn of the chat template, so the reward model and DPO would see a prompt the samplers never render. Parsed,
+# the turns before the last Assistant turn are the prompt (a conversation) and that turn is the answer.
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def looks_like_hh(text: Any) -> bool:
+    return isinstance(text, str) and text.lstrip("\n").startswith("Human:") and "\n\nAssistant:" in text
+
+
+def uses_hh(dataset, spec, where: str) -> bool:
+    """Whether the pairs are HH transcripts: `format: hh`, or detected on the first row (said in the log)."""
+    if spec is not None and spec.format == "hh":
+        return True
+    if "prompt" in dataset.column_names or len(dataset) == 0:
+        return False
+    first = dataset[0]
+    if looks_like_hh(first["chosen"]) and looks_like_hh(first["rejected"]):
+        log.info(f"[{where}] 'chosen' and 'rejected' hold Anthropic HH transcripts (\\n\\nHuman: ... \\n\\nAssistant: "
+                 "...): each is read as chat turns, the turns before the last Assistant turn being the prompt. Set "
+                 "`format: hh` on the data to say so.")
+        return True
+    return False
+
+
+def hh_turns(text: Any, column: str, row: Any, where: str) -> list[dict]:
+    """An HH transcript as chat messages; one that is not a Human/Assistant transcript ending with an Assistant
+    turn is an error naming the row."""
+    def malformed(problem: str) -> UserError:
+        return UserError(f"{where}: {row_name(row)}, column '{column}' is not an Anthropic HH transcript "
+                         f"(\\n\\nHuman: ... \\n\\nAssistant: ...): {problem}: {str(text)[:80]!r}.")
+
+    if not isinstance(text, str):
+        raise malformed(f"it is {type(text).__name__}")
+    head, *turns = HH_TURN.split("\n\n" + text.lstrip("\n"))
+    if head.strip() or not turns or turns[0] != "Human":
+        raise malformed("it does not start with a 'Human:' turn")
+    # strip: the space after "Assistant:" and the blank lines around turns are the format's, not the text's
+    messages = [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(turns[::2], turns[1::2])]
+    if messages[-1]["role"] != "assistant":
+        raise malformed("it has no Assistant turn after its last Human turn, so there is no answer")
+    return messages
+
+
+def hh_chats(row: dict, index: Any, where: str) -> dict:
+    """The row with `chosen` and `rejected` as chats that share every turn but the last."""
+    if row.get("prompt") is not None:
+        raise UserError(f"{where}: {row_name(index)}: `format: hh` takes the prompt from the transcripts in 'chosen' "
+                        "and 'rejected', but the row also has a 'prompt'; remove one of them.")
+    chosen, rejected = (hh_turns(row.get(c), c, index, where) for c in ("chosen", "rejected"))
+    if chosen[:-1] != rejected[:-1]:
+        turn = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        raise UserError(f"{where}: {row_name(index)}: the HH transcripts in 'chosen' and 'rejected' differ at turn "
+                        f"{turn + 1}, before their last Assistant turn; the turns they share are the prompt, so only "
+                        "the last Assistant turn may differ.")
+    return {**row, "chosen": chosen, "rejected": rejected}
 
 
 def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:

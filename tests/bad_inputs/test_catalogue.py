@@ -226,6 +226,16 @@ CASES = [
     ("empty-split-file", with_recipe(lambda t: recipe(t, {"sft": {"data": {"dataset": str(split_folder(t, test="")),
                                                                             "split": "test"}}})), CHECK,
      ["test.jsonl' is empty"]),
+    ("hh-without-final-assistant-turn", with_recipe(lambda t: recipe(t, {"rm": {"kind": "reward", "data": {
+        "dataset": str(jsonl(t, "hh.jsonl", [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.",
+                                              "rejected": "\n\nHuman: Hi?\n\nAssistant: Go away.\n\nHuman: Rude."}]))}}})),
+     CHECK, ["line 1 of", "column 'rejected' is not an Anthropic HH transcript", "no Assistant turn"]),
+    ("hh-prefixes-differ", with_recipe(lambda t: recipe(t, {"rm": {"kind": "reward", "data": {"format": "hh",
+        "dataset": str(jsonl(t, "hh.jsonl", [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.",
+                                              "rejected": "\n\nHuman: Hey?\n\nAssistant: Go away."}]))}}})),
+     CHECK, ["line 1 of", "'chosen' and 'rejected' differ at turn 1"]),
+    ("unknown-data-format", sft_on([{"prompt": "q", "completion": "a"}], format="HH"), CHECK,
+     ["unknown format 'HH'", "did you mean 'hh'"]),
     # --- split and config of local data ---
     ("split-on-single-file", sft_on([{"prompt": "q", "completion": "a"}], split="train_sft"), CHECK,
      ["stages.sft.data.split: 'train_sft' cannot apply to the single file", "d.jsonl"]),
