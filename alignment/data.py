@@ -18,9 +18,9 @@ import csv
 import json
 import logging
 import re
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import datasets
