@@ -41,10 +41,15 @@ def _setup() -> None:
     configure_logging()
 
 
+OVERRIDES_HELP = ("dotted overrides, e.g. stages.sft.train.learning_rate=1e-4; a number indexes a list "
+                  "(evaluate.suites.0.data.dataset=x.jsonl); a value replaces what is there, a mapping too "
+                  "(stages.sft.data.rename={} empties it)")
+
+
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help="dotted overrides, e.g. stages.sft.train.learning_rate=1e-4"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     force: bool = typer.Option(False, "--force", help="rerun stages that already finished"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only this stage (repeatable)"),
     start_from: Optional[str] = typer.Option(None, "--from", help="run this stage and every later one"),
@@ -68,7 +73,7 @@ def run(
 @app.command()
 def check(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help="dotted overrides"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
 ):
     """Validate a recipe without training: schema, references, data columns, models, verifiers, TRL configs."""
     from .config.recipe import load_recipe

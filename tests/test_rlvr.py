@@ -160,7 +160,7 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
-def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
+def test_prompt_data_errors_name_the_line_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
     from alignment.config.evaluate import SuiteSpec
     from alignment.config.recipe import load_recipe
     from alignment.evaluation.evaluate import load_suites
@@ -186,7 +186,7 @@ def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(t
                          (23, r"a chat message is not \{'role': str, 'content': str\}")):
         written = [broken[row] if i == row else r for i, r in enumerate(rows)]
         path.write_text("".join(json.dumps(r) + "\n" for r in written))
-        with pytest.raises(UserError, match=rf"row {row}: {message}"):
+        with pytest.raises(UserError, match=rf"line {row + 1} of \S*prompts.jsonl\W.*{message}"):
             checked()
 
 

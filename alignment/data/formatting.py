@@ -27,7 +27,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..errors import UserError
+from ..errors import UserError, row_name
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -139,7 +139,7 @@ def answer_end_in(tail: str, completion: str) -> int:
 def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[dict], str]:
     """Split a chat into (prompt messages, final assistant answer)."""
     if not messages or messages[-1].get("role") != "assistant":
-        where = f" (row {row})" if row is not None else ""
+        where = f" ({row_name(row)})" if row is not None else ""
         raise UserError(f"A 'messages' conversation{where} must end with an assistant turn, which is the completion.")
     return list(messages[:-1]), messages[-1]["content"]
 
@@ -159,7 +159,7 @@ def completion_text(completion: Any, row: int | None = None) -> str:
         return completion
     roles = [m.get("role") for m in completion] if isinstance(completion, list) else None
     if roles != ["assistant"] or not isinstance(completion[0].get("content"), str):
-        where = f" (row {row})" if row is not None else ""
+        where = f" ({row_name(row)})" if row is not None else ""
         raise UserError(f"A conversational 'completion'{where} must be one assistant message "
                         f"[{{'role': 'assistant', 'content': ...}}]; got roles {roles}.")
     return completion[0]["content"]
@@ -171,7 +171,7 @@ def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
     try:
         return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
     except UserError as error:
-        raise UserError(f"row {index}: {error}" if index is not None else str(error)) from None
+        raise UserError(f"{row_name(index)}: {error}" if index is not None else str(error)) from None
 
 
 def eos_as_end_of_turn(tokenizer):

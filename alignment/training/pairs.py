@@ -5,7 +5,8 @@
   chat `chosen`/`rejected` message lists (the messages before the last assistant turn are the prompt,
   as in HuggingFaceH4/ultrafeedback_binarized; with only the assistant turn, the `prompt` column is);
   implicit prompt (`chosen`/`rejected` full texts, the prompt is their shared beginning cut at a
-  word boundary). Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
+  word boundary); Anthropic HH-RLHF transcripts (`format: hh` on the data, or detected and said in the
+  log), read as chat turns, which a malformed transcript makes a UserError naming the row. Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
   shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
   a dataset where every row is dropped.
 - `on_policy_pairs(...)`: sample N completions per prompt from the policy (`sampling.generate`),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -29,8 +31,8 @@ from accelerate import PartialState
 
 from ..config.sampling import OnPolicySpec
 from ..data.formatting import encode_prompt_completion, render_completion, render_prompt
-from ..data.loading import check_columns, file_rows
-from ..errors import UserError
+from ..data.loading import check_columns, file_rows, messages_problem
+from ..errors import UserError, row_name
 from ..runtime.dist import get_logger
 from ..sampling import generate
 from ..verifiers import is_pass, resolve
@@ -55,12 +57,14 @@ def _answer(value: Any, column: str, index: int, where: str) -> tuple[list | Non
     if value is None or isinstance(value, str):
         return None, (value if value and value.strip() else None)
     if _is_chat(value):
+        if problem := messages_problem(value):
+            raise UserError(f"{where}: {row_name(index)}, column '{column}': {problem}.")
         if not value or value[-1].get("role") != "assistant":
-            raise UserError(f"{where}: row {index}, column '{column}' is a chat that does not end with an assistant "
+            raise UserError(f"{where}: {row_name(index)}, column '{column}' is a chat that does not end with an assistant "
                             "turn; the last assistant message is the answer being compared.")
         content = value[-1].get("content")
         return list(value[:-1]), (content if isinstance(content, str) and content.strip() else None)
-    raise UserError(f"{where}: row {index}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
+    raise UserError(f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
                     "a string or a list of chat messages ({'role': ..., 'content': ...}).")
 
 
@@ -96,8 +100,10 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
         if not chosen.strip() or not rejected.strip():
             return "empty chosen or rejected"
     elif not (isinstance(prompt, str) or _is_chat(prompt)):
-        raise UserError(f"{where}: row {index}, column 'prompt' is {type(prompt).__name__}; expected a string or "
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt' is {type(prompt).__name__}; expected a string or "
                         "a list of chat messages.")
+    elif _is_chat(prompt) and (problem := messages_problem(prompt)):
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt': {problem}.")
     if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
         return "empty prompt"
     if chosen.strip() == rejected.strip():
@@ -108,15 +114,77 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
 def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
     """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
     check_columns(dataset, PAIR_COLUMNS, where, spec)
+    hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
     for index, row in zip(file_rows(dataset), dataset):
-        result = normalize_row(dict(row), index, where)
+        row = hh_chats(dict(row), index, where) if hh else dict(row)
+        result = normalize_row(row, index, where)
         if isinstance(result, str):
             dropped[result] += 1
         else:
             pairs.append(result)
     report_drops(len(pairs), dropped, where, "rows")
     return pairs, dropped
+
+
+# Anthropic HH-RLHF (Anthropic/hh-rlhf) holds each side of a pair as one transcript,
+# "\n\nHuman: ...\n\nAssistant: ...\n\nHuman: ...\n\nAssistant: <answer>". Left as text it would be one user
+# turn of the chat template, so the reward model and DPO would see a prompt the samplers never render. Parsed,
+# the turns before the last Assistant turn are the prompt (a conversation) and that turn is the answer.
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def looks_like_hh(text: Any) -> bool:
+    return isinstance(text, str) and text.lstrip("\n").startswith("Human:") and "\n\nAssistant:" in text
+
+
+def uses_hh(dataset, spec, where: str) -> bool:
+    """Whether the pairs are HH transcripts: `format: hh`, or detected on the first row (said in the log)."""
+    if spec is not None and spec.format == "hh":
+        return True
+    if "prompt" in dataset.column_names or len(dataset) == 0:
+        return False
+    first = dataset[0]
+    if looks_like_hh(first["chosen"]) and looks_like_hh(first["rejected"]):
+        log.info(f"[{where}] 'chosen' and 'rejected' hold Anthropic HH transcripts (\\n\\nHuman: ... \\n\\nAssistant: "
+                 "...): each is read as chat turns, the turns before the last Assistant turn being the prompt. Set "
+                 "`format: hh` on the data to say so.")
+        return True
+    return False
+
+
+def hh_turns(text: Any, column: str, row: Any, where: str) -> list[dict]:
+    """An HH transcript as chat messages; one that is not a Human/Assistant transcript ending with an Assistant
+    turn is an error naming the row."""
+    def malformed(problem: str) -> UserError:
+        return UserError(f"{where}: {row_name(row)}, column '{column}' is not an Anthropic HH transcript "
+                         f"(\\n\\nHuman: ... \\n\\nAssistant: ...): {problem}: {str(text)[:80]!r}.")
+
+    if not isinstance(text, str):
+        raise malformed(f"it is {type(text).__name__}")
+    head, *turns = HH_TURN.split("\n\n" + text.lstrip("\n"))
+    if head.strip() or not turns or turns[0] != "Human":
+        raise malformed("it does not start with a 'Human:' turn")
+    # strip: the space after "Assistant:" and the blank lines around turns are the format's, not the text's
+    messages = [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(turns[::2], turns[1::2])]
+    if messages[-1]["role"] != "assistant":
+        raise malformed("it has no Assistant turn after its last Human turn, so there is no answer")
+    return messages
+
+
+def hh_chats(row: dict, index: Any, where: str) -> dict:
+    """The row with `chosen` and `rejected` as chats that share every turn but the last."""
+    if row.get("prompt") is not None:
+        raise UserError(f"{where}: {row_name(index)}: `format: hh` takes the prompt from the transcripts in 'chosen' "
+                        "and 'rejected', but the row also has a 'prompt'; remove one of them.")
+    chosen, rejected = (hh_turns(row.get(c), c, index, where) for c in ("chosen", "rejected"))
+    if chosen[:-1] != rejected[:-1]:
+        turn = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        raise UserError(f"{where}: {row_name(index)}: the HH transcripts in 'chosen' and 'rejected' differ at turn "
+                        f"{turn + 1}, before their last Assistant turn; the turns they share are the prompt, so only "
+                        "the last Assistant turn may differ.")
+    return {**row, "chosen": chosen, "rejected": rejected}
 
 
 def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:

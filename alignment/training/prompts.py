@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.loading import check_columns, check_strings, file_rows
-from ..errors import UserError
+from ..data.loading import check_columns, check_strings, file_rows, messages_problem
+from ..errors import UserError, row_name
 from .rewards import check_verifier_columns
 
 PROMPT_COLUMNS = [("prompt",), ("messages",)]
@@ -28,11 +28,7 @@ def prompt_problem(prompt: Any) -> str | None:
         return None if prompt.strip() else "the prompt is empty"
     if not prompt:
         return "the conversation holds no prompt before its final assistant turn"
-    for message in prompt:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            return f"a chat message is not {{'role': str, 'content': str}}: {str(message)[:80]!r}"
-    return None
+    return messages_problem(prompt)
 
 
 def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=(), entry: str | None = None) -> None:
@@ -45,7 +41,7 @@ def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=
     needed = {c: v.name for v in verifiers for c in v.required_columns if c in dataset.column_names}
     for index, row in zip(file_rows(dataset), dataset):
         if problem := prompt_problem(prompt_of(row)):
-            raise UserError(f"{where}: row {index}: {problem}.")
+            raise UserError(f"{where}: {row_name(index)}: {problem}.")
         if empty := [c for c in needed if row[c] is None]:
-            raise UserError(f"{where}: row {index}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
+            raise UserError(f"{where}: {row_name(index)}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
                             "is empty (the row lacks it); fill it in or drop the row.")
