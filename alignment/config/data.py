@@ -18,13 +18,21 @@ class DataSpec(Strict):
 
     model_config = ConfigDict(extra="allow")
 
-    dataset: str | None = None
-    task: str | None = None
-    config: str | None = None
-    split: str = "train"
-    rename: dict[str, str] = Field(default_factory=dict)
-    shuffle: bool = True
-    limit: int | None = Field(None, gt=0)
+    dataset: str | None = Field(None, description="Hugging Face Hub dataset id, or a local .json/.jsonl/.parquet/.csv "
+                                "file or folder of them (as given, or relative to the recipe's folder); give this or "
+                                "`task`")
+    task: str | None = Field(None, description="built-in offline task (`arithmetic`) whose rows are generated from the "
+                             "recipe's seed; its parameters are further keys of this mapping; give this or `dataset`")
+    config: str | None = Field(None, description="configuration (subset) name of a hub dataset, passed to "
+                               "datasets.load_dataset; default: the dataset's own; not used for local files or tasks")
+    split: str = Field("train", description="split of a hub dataset; a task gives its held-out problems for `test`, "
+                       "`validation`, `eval` or `heldout` and its training problems for any other name; local files "
+                       "are read whole")
+    rename: dict[str, str] = Field(default_factory=dict, description="{old: new} column renames, applied first, to map "
+                                   "a dataset's columns onto those the stage needs; an unknown column is an error")
+    shuffle: bool = Field(True, description="shuffle the rows with the recipe's seed (after `rename`, before `limit`)")
+    limit: int | None = Field(None, gt=0, description="keep only the first `limit` rows (after shuffling); default: "
+                              "every row")
 
     @model_validator(mode="after")
     def _one_source_and_known_keys(self):
