@@ -51,7 +51,7 @@ class TrainSpec(Strict):
                                           "clipping")
     vf_coef: float = Field(0.1, ge=0, description="weight of the value loss: loss = policy loss + vf_coef x value loss")
     gamma: float = Field(1.0, ge=0, le=1, description="discount per token of GAE (Schulman et al. 2016, "
-                         "arXiv:1506.02438); 1: none, the score at the last token counts fully at every token")
+                         "arXiv:1506.02438); 1: no discount over a completion's tokens")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: 1 gives Monte-Carlo returns minus the value (high "
                        "variance), 0 one-step TD errors (high bias) (Schulman et al. 2016, arXiv:1506.02438)")
     whiten_advantages: bool = Field(True, description="standardise the advantages of each rollout batch (this "
