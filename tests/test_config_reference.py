@@ -77,7 +77,7 @@ def test_align_keys_without_a_kind_prints_every_topic(capsys):
     main(["keys"])
     out = capsys.readouterr().out
     for topic in reference.topics().values():
-        assert topic.title.replace("`", "").upper() in out
+        assert topic.title.replace("`", "") in out
 
 
 def test_align_keys_names_the_kinds_for_an_unknown_one(capsys):

@@ -87,9 +87,10 @@ class LoraSpec(Strict):
     lora_alpha: int = Field(32, description="scale of the update: BA is multiplied by lora_alpha / r (lora_alpha / "
                             "sqrt(r) with use_rslora)")
     lora_dropout: float = Field(0.0, description="dropout probability on the adapter's input during training; 0: none")
-    target_modules: str | list[str] = Field("all-linear", description="names of the modules that get an adapter (a "
-                                            "name matches a module path's last parts, e.g. q_proj), or all-linear; a "
-                                            "name the model lacks fails `align check`")
+    target_modules: str | list[str] = Field("all-linear", description="the modules that get an adapter: a list of "
+                                            "names (each matches a module path's last parts, e.g. q_proj), a regular "
+                                            "expression the whole module path must match, or all-linear; a name the "
+                                            "model lacks fails `align check`")
     use_rslora: bool = Field(False, description="rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of "
                              "lora_alpha / r (Kalajdzievski 2023, arXiv:2312.03732)")
 

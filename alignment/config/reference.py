@@ -40,10 +40,13 @@ class Topic:
     title: str
     root: type[BaseModel]
     key: str  # where the root's keys sit in a recipe ("" = the top level)
+    note: str = ""  # what the topic is, where neither a `kind` description nor the key says it
 
     @property
     def summary(self) -> str:
-        """What the topic is: a stage kind's `kind` description, else where its keys go."""
+        """What the topic is: its note, a stage kind's `kind` description, else where its keys go."""
+        if self.note:
+            return self.note
         kind = self.root.model_fields.get("kind")
         if kind is not None and kind.description:
             return f"{kind.description}. Keys of a stage `{STAGE_KEY}` with `kind: {self.name}` (or with the id " \
@@ -56,8 +59,9 @@ def topics() -> dict[str, Topic]:
     found = [Topic("recipe", "Recipe (top level)", Recipe, "")]
     found += [Topic(kind, f"Stage kind `{kind}`", config, STAGE_KEY) for kind, config in CONFIGS.items()]
     found.append(Topic("evaluate", "Evaluation (`evaluate:`)", EvaluateSpec, "evaluate"))
-    found += [Topic(task, f"Built-in task `{task}` (`data: {{task: {task}, ...}}`)", params, "data")
-              for task, params in TASK_PARAMS.items()]
+    found += [Topic(task, f"Built-in task `{task}` (`data: {{task: {task}, ...}}`)", params, "data",
+                    f"Keys of a `data:` mapping with `task: {task}`, beside those of every data spec (DataSpec: "
+                    "split, shuffle, limit, ...).") for task, params in TASK_PARAMS.items()]
     return {topic.name: topic for topic in found}
 
 
@@ -153,6 +157,12 @@ def yaml_value(value: typing.Any) -> str:
     return str(value)
 
 
+def type_of(field: FieldInfo, link: typing.Callable[[type[BaseModel]], str] = lambda m: m.__name__) -> str:
+    """The field's type with its bounds: 'float | null, > 0'."""
+    limits = bounds(field)
+    return type_name(field.annotation, link) + (f", {limits}" if limits else "")
+
+
 def default_of(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
@@ -212,8 +222,8 @@ def markdown() -> str:
                 lines += ["", f"Also at {', '.join(_code(k) for k in others)}."] if others else []
             lines += ["", "| key | type | default | description |", "|---|---|---|---|"]
             for name, field in model.model_fields.items():
-                kind = type_name(field.annotation, link) + (f", {bounds(field)}" if bounds(field) else "")
-                lines.append(f"| `{name}` | {_escape(kind)} | `{default_of(field)}` | {_escape(field.description or '')} |")
+                lines.append(f"| `{name}` | {_escape(type_of(field, link))} | `{default_of(field)}` | "
+                             f"{_escape(field.description or '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,7 +239,8 @@ def text(name: str | None = None, width: int | None = None) -> str:
     lines: list[str] = []
     done: set[type[BaseModel]] = set()
     for t in chosen:
-        lines += ["", f"{t.title.replace('`', '')}".upper(), *textwrap.wrap(t.summary.replace("`", ""), width)]
+        title = t.title.replace("`", "")
+        lines += ["", title, "=" * len(title), *textwrap.wrap(t.summary, width)]
         for model, keys in walk(t.root, t.key).items():
             if model in done:
                 continue
@@ -237,7 +248,6 @@ def text(name: str | None = None, width: int | None = None) -> str:
             label = "" if model is t.root else f"  ({model.__name__})"
             lines += ["", ", ".join(k or "(top level)" for k in keys) + label]
             for field_name, field in model.model_fields.items():
-                kind = type_name(field.annotation) + (f", {bounds(field)}" if bounds(field) else "")
-                lines.append(f"  {field_name}: {kind} = {default_of(field)}")
+                lines.append(f"  {field_name}: {type_of(field)} = {default_of(field)}")
                 lines += textwrap.wrap(field.description or "", width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(lines).lstrip("\n") + "\n"

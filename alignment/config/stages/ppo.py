@@ -24,7 +24,8 @@ class RolloutSpec(SamplingSpec):
     temperature: float = Field(1.0, gt=0, description="sampling temperature (> 0); the log-probs of the ratio and the KL "
                                "are taken at the same temperature, so they match the sampled distribution")
     n: Literal[1] = Field(1, description="one completion per prompt (PPO's rollout is one sample per episode)")
-    max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens")
+    max_prompt_length: int | None = Field(None, gt=0, description="drop prompts longer than this many tokens "
+                                             "(rendered; the count is logged); default: keep every prompt")
 
 class TrainSpec(Strict):
     """Optimisation settings of our PPO loop (not a TRL config). Sizes are per process."""
@@ -60,8 +61,8 @@ class TrainSpec(Strict):
                                                              "penalty: batch by the update's scores (all processes), "
                                                              "running by every score so far (Welford); none: raw")
     reward_clip: float | None = Field(None, gt=0, description="clip (normalised) scores to [-c, c]")
-    total_updates: int | None = Field(None, gt=0, description="PPO updates (rollout, then optimisation) to run; give "
-                                      "this or total_episodes")
+    total_updates: int | None = Field(None, gt=0, description="PPO updates (rollout, then optimisation) to run, "
+                                      "instead of total_episodes")
     total_episodes: int | None = Field(None, gt=0, description="completions to train on over all processes: updates = "
                                        "ceil(episodes / (rollout.batch_size x processes)); default: one pass over the "
                                        "prompts")
