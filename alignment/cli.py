@@ -2,6 +2,7 @@
 
   align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval] [--jobs N]
   align check RECIPE [key=value ...]
+  align keys [KIND]                         the keys a stage kind (or recipe, evaluate) accepts: docs/config.md
   align merge SOURCE OUT                    (SOURCE: an adapter folder, or a .gguf file to convert)
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
              [--max-new-tokens N --temperature T]
@@ -84,6 +85,17 @@ def check(
     print(f"{recipe}: {len(loaded.stages)} stage(s)")
     check_recipe(loaded)
     print(f"{recipe}: ok")
+
+
+@app.command()
+def keys(
+    kind: Optional[str] = typer.Argument(None, help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
+                                         "evaluate or a built-in task (arithmetic); default: all of them"),
+):
+    """Print the recipe keys of a stage kind (or of all): type, default and what each does, as in docs/config.md."""
+    from .config.reference import text
+
+    print(text(kind), end="")
 
 
 @app.command()

@@ -34,23 +34,37 @@ _REF = re.compile(r"^\$\{([A-Za-z_][\w-]*)\}$")
 
 
 class TinyModel(Strict):
-    tiny: TinySpec
+    tiny: TinySpec = Field(description="a model built from scratch with a character-level tokenizer, with the recipe's "
+                           "seed, into <output_dir>/base (offline runs and tests)")
 
 
 class Recipe(Strict):
-    name: str
-    model: str | TinyModel | GgufSpec = Field(description="hub id, local folder, a .gguf file (or {gguf: FILE, "
-                                             "package: REQUIREMENT}), or {tiny: {...}}")
-    output_dir: str | None = None
-    seed: int = 42
-    lora: LoraSpec | None = None
-    template: TemplateSpec | None = None
+    name: str = Field(description="name of the run: output_dir defaults to outputs/<name>, and `${name}` "
+                      "interpolates it anywhere in the recipe")
+    model: str | TinyModel | GgufSpec = Field(description="the base model the first stage starts from: hub id, "
+                                             "local folder, a .gguf file (or {gguf: FILE, package: REQUIREMENT}), or "
+                                             "{tiny: {...}}")
+    output_dir: str | None = Field(None, description="folder holding every stage's output (<output_dir>/<stage>/), "
+                                   "the base model built or converted for the run, and the evaluation; default: "
+                                   "outputs/<name>")
+    seed: int = Field(42, description="the one seed of the run: data shuffling and built-in tasks, the tiny model's "
+                      "initial weights, TRL's seed and data_seed, PPO's and RSFT's sampling, the evaluation's")
+    lora: LoraSpec | None = Field(None, description="LoRA settings every stage trains with unless it gives its own "
+                                  "`lora:` (`lora: null` in a stage: full fine-tuning there); default: none, every "
+                                  "stage trains all weights")
+    template: TemplateSpec | None = Field(None, description="chat-template settings (system prompt, template variables) "
+                                          "written into the tokenizer, so every stage renders prompts with them")
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from")
-    trust_remote_code: bool = False
-    report_to: str | list[str] = "none"
-    stages: dict[str, Any] = Field(min_length=1)
-    evaluate: dict[str, Any] | None = None
+    trust_remote_code: bool = Field(False, description="run code shipped with a hub model or tokenizer (transformers' "
+                                    "trust_remote_code) for every model the recipe loads; only for sources you trust")
+    report_to: str | list[str] = Field("none", description="experiment trackers (e.g. wandb, tensorboard): TRL's "
+                                       "report_to in TRL-backed stages, accelerate's log_with in ppo; none: only "
+                                       "log_history.json")
+    stages: dict[str, Any] = Field(min_length=1, description="stage id -> that stage's keys (see its kind), run in the "
+                                   "order written; `kind` defaults to the id")
+    evaluate: dict[str, Any] | None = Field(None, description="the evaluation run after the stages (see `evaluate:`); "
+                                            "default: none")
 
     @field_validator("model")
     @classmethod
