@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from alignment.config.data import DataSpec
-from alignment.data import file_rows, load_rows
+from alignment.data.loading import file_rows, load_rows
 from alignment.errors import UserError
 
 

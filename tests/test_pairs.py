@@ -207,7 +207,7 @@ def test_hh_transcripts_become_turns_rendered_as_sampling_renders_them(family, l
     last Assistant turns the answers, so the pair's prompt text is exactly what the samplers feed."""
     from chat_templates import family_tokenizer
 
-    from alignment.formatting import render_prompt
+    from alignment.data.formatting import render_prompt
 
     tokenizer = family_tokenizer(family)
     pairs, dropped = normalize_pairs(datasets.Dataset.from_list([HH_ROW]), "stages.rm.data")
@@ -243,7 +243,7 @@ def test_text_pairs_without_hh_markers_are_not_read_as_hh(logged):
     ({"chosen": 3, "rejected": HH_ROW["rejected"]}, r"'chosen' is not an Anthropic HH transcript .*it is int"),
 ])
 def test_malformed_hh_rows_name_the_row(tmp_path, row, message):
-    from alignment.data import load_rows
+    from alignment.data.loading import load_rows
 
     path = tmp_path / "hh.jsonl"
     path.write_text(json.dumps(row) + "\n")

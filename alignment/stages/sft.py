@@ -41,14 +41,12 @@ COLUMNS = [("prompt", "completion"), ("messages",), ("text",)]
 
 
 def trl_config(ctx: StageContext):
-
     return ctx.trl_args(SFTConfig, completion_only_loss=True, max_length=1024, learning_rate=2e-5)
 
 
 def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length: int | None):
     """Rows TRL trains on as they are: pairs tokenized (`token_rows`) and those whose prompt alone fills
     `max_length` dropped, or plain `text` rows."""
-
     dataset = ctx.load_data(spec, key)
     columns = check_columns(dataset, COLUMNS, f"{ctx.where}.{key}", spec)
     check_strings(dataset, columns, f"{ctx.where}.{key}")
@@ -72,7 +70,6 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
 
 
 def _empty_answer(row: dict) -> bool:
-
     try:
         return not prompt_and_completion(row)[1].strip()
     except UserError:
@@ -99,7 +96,6 @@ def check(ctx: StageContext) -> None:
 
 def build_trainer(ctx: StageContext):
     """(SFTTrainer, tokenizer, row counts); the tokenizer is the one saved with the output."""
-
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
@@ -111,7 +107,6 @@ def build_trainer(ctx: StageContext):
 
 
 def run(ctx: StageContext) -> dict:
-
     trainer, tokenizer, counts = build_trainer(ctx)
     train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())

@@ -94,8 +94,6 @@ def make_sft_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list
     """The SFTTrainer of the `sft` stage and of each `rsft` round: token rows (`token_rows`) or text rows,
     the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
     `formatting.eos_as_end_of_turn`)."""
-
-
     return SFTTrainer(
         model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
         train_dataset=datasets.Dataset.from_list(train_rows),
