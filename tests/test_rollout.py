@@ -76,6 +76,7 @@ def test_trimmed_cuts_only_the_columns_that_are_padding_in_every_row():
     for name in ("logprobs", "ref_logprobs", "values", "entropy", "advantages", "returns"):
         assert masked_mean(getattr(cut, name), cut.response_mask) == masked_mean(getattr(part, name), part.response_mask)
     assert torch.equal(cut.scores, part.scores) and torch.equal(cut.finished, part.finished)
+    assert all(value.is_contiguous() for value in tensors(cut).values())
     assert whole.trimmed().response_width == 5  # the longest response fills T
     assert whole[torch.tensor([2])].trimmed().response_width == 1  # an empty response keeps one column
 

@@ -109,19 +109,21 @@ class Rollout:
     def trimmed(self) -> Rollout:
         """The same rows without the trailing response columns that are padding in every row (at least one
         column is kept). A causal model's outputs at the columns kept do not change, and every masked
-        sum over [B, T] is the same, so a micro-batch of short responses costs only its longest one."""
+        sum over [B, T] is the same, so a micro-batch of short responses costs only its longest one.
+        Contiguous copies (as `x[rows, :k]` gives): the forward pass sees one memory layout, cut or not."""
         keep = max(int(self.response_mask.sum(1).max().item()), 1)
         cut = self.query_responses.shape[1] - self.response_width + keep
-        return self._map({"P+T": slice(None, cut), "T": slice(None, keep)})
+        return self._map({"P+T": slice(None, cut), "T": slice(None, keep)}, contiguous=True)
 
-    def _map(self, index: dict) -> Rollout:
+    def _map(self, index: dict, contiguous: bool = False) -> Rollout:
         """Every tensor field indexed along its named dimensions: `index` maps a dimension name (B, P+T, T)
         to what that dimension is indexed with; dimensions it leaves out are kept whole."""
         changes = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None:
-                changes[f.name] = value[tuple(index.get(dim, slice(None)) for dim in f.metadata["dims"])]
+                value = value[tuple(index.get(dim, slice(None)) for dim in f.metadata["dims"])]
+                changes[f.name] = value.contiguous() if contiguous else value
         return dataclasses.replace(self, **changes)
 
 
