@@ -12,9 +12,10 @@ One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155
      step, split into `gradient_accumulation_steps` micro-batches): clipped policy loss +
      `vf_coef` * clipped value loss, gradient clipping, one AdamW step (policy and critic groups);
   5. the KL controller updates `kl_coef` (adaptive when `kl_target` is set).
-The math is in `alignment/rl.py`, the models in `alignment/training/actor_critic.py` (with LoRA ONE copy
-of the base weights serves policy, reference and critic), the batch in `alignment/training/rollout.py`
-(`Rollout`: every tensor of an update with its shape, sliced together for minibatches).
+The math is in `alignment/rl.py`, the models in `alignment/training/actor_critic.py` (with LoRA ONE copy of the
+base weights serves policy, reference and critic).
+One update's tensors travel as a `Rollout` (`alignment/training/rollout.py`): each with its shape, checked
+when built, and sliced together for minibatches; the reward-part means and sampling time as `RolloutStats`.
 
 Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
 path/hub id), `verifiers: [{name, weight, options}]`, `data` (a `prompt` or `messages` column, plus
