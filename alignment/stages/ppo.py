@@ -100,7 +100,6 @@ log = logging.getLogger(__name__)
 
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
-
     cfg, where = ctx.config, f"{ctx.where}.data"
     rows = ctx.load_prompt_rows(cfg.data, "data", verifiers)
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
@@ -119,7 +118,6 @@ class Scorer:
     """Sequence scores: reward model + weighted verifiers - missing-EOS penalty."""
 
     def __init__(self, ctx: StageContext, device):
-
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
         self.model = self.tokenizer = None
         if cfg.reward_model is not None:
@@ -132,8 +130,6 @@ class Scorer:
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
         """(scores [B], {part: batch mean}). The reward model scores `render_prompt + render_completion`
         through `scoring.score_texts`, exactly the text the reward stage trained on."""
-
-
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
         if self.model is not None:
@@ -159,8 +155,6 @@ class PPOLoop:
     """State of one PPO run; `run()` does the updates. Plain composition, one method per phase."""
 
     def __init__(self, ctx: StageContext):
-
-
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
         report_to = ctx.recipe.report_to
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
@@ -200,7 +194,6 @@ class PPOLoop:
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
-
         if self.t.gradient_checkpointing is not None:
             return self.t.gradient_checkpointing
 
@@ -269,7 +262,6 @@ class PPOLoop:
     def normalise(self, scores):
         """Scores as the reward: raw, or standardised by this batch's (all processes) or running
         statistics (Welford), then clipped to [-reward_clip, reward_clip] if set."""
-
         norm = self.t.reward_norm
         if norm != "none":
             gathered = self.acc.gather(scores).float()
@@ -350,8 +342,6 @@ class PPOLoop:
         the optimizer step, so the weights and the last checkpoint stay intact. (DeepSpeed clips and steps
         inside the last micro-batch's backward pass; there the stop comes after its step, and the last
         checkpoint stays intact.)"""
-
-
         norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
         norm = float(norm)
         bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.acc.device)
@@ -399,7 +389,6 @@ class PPOLoop:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}
 
     def run(self) -> dict:
-
         self.resume()
         if self.acc.trackers:
             self.acc.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
@@ -427,17 +416,14 @@ class PPOLoop:
     def save_final(self) -> None:
         """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
         process, written by rank 0 (`sharding.save_trained`)."""
-
         self.acc.wait_for_everyone()
         save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=policy_state)
 
     def save_state(self) -> None:
-
         save_loop_state(self.acc, Path(self.ctx.work_dir), self.update,
                         {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history})
 
     def resume(self) -> None:
-
         state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
         if state is not None:
             self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
@@ -454,7 +440,6 @@ LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "val
 
 
 def check(ctx: StageContext) -> None:
-
     tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
     ref = ctx.config.reward_model
