@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from ..data.formatting import encode_prompt_completion
+from ..data.formatting import encode_prompt_completion, encode_segments
 from ..errors import UserError
 from ..runtime.dist import log_share
 
@@ -14,19 +14,26 @@ log = logging.getLogger(__name__)
 
 
 def token_rows(tokenizer, rendered: list[dict]) -> list[dict]:
-    """Rendered {'prompt', 'completion'} rows as {'input_ids', 'completion_mask'}, which TRL's SFTTrainer takes
-    as they are: the prompt's ids are exactly those the samplers feed (`formatting.encode_prompt_completion`;
-    TRL would tokenize the joined text, where tokens can merge across the boundary)."""
+    """Rendered {'prompt', 'completion'} rows, or multi-turn {'segments'} rows (`formatting.render_example`), as
+    {'input_ids', 'completion_mask'}, which TRL's SFTTrainer takes as they are: the prompt's ids are exactly
+    those the samplers feed (`formatting.encode_prompt_completion`; TRL would tokenize the joined text, where
+    tokens can merge across the boundary), and a conversation's mask is 1 on every assistant turn."""
 
     rows = []
     for row in rendered:
+        if "segments" in row:
+            ids, mask = encode_segments(tokenizer, row["segments"])
+            rows.append({"input_ids": ids, "completion_mask": mask})
+            continue
         prompt, completion = encode_prompt_completion(tokenizer, row["prompt"], row["completion"])
         rows.append({"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)})
     return rows
 
 
 def prompt_length(row: dict) -> int:
-    return row["completion_mask"].count(0)
+    """Tokens before the first trained one: what must fit within max_length for anything to be trained."""
+    mask = row["completion_mask"]
+    return mask.index(1) if 1 in mask else len(mask)
 
 
 def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=prompt_length) -> list[dict]:
