@@ -104,15 +104,15 @@ def test_a_one_turn_conversation_is_a_plain_pair_and_bad_conversations_name_thei
         render_example(tokenizer, {"messages": no_content}, 2)
 
 
-# Two-turn conversations whose answers are a function of the question: "a+b" then "times 2".
+# Two-turn conversations: a word first, a number second. Trained on the second answers alone (the old
+# behaviour), the model learns that answers are numbers and the first answers' loss rises.
+WORDS = ["red", "green", "blue", "black"]
+
+
 def two_turn_rows(n: int = 64) -> list[dict]:
-    rows = []
-    for k in range(n):
-        a, b = k % 8, (k * 3) % 7
-        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": str(a + b)},
-                                  {"role": "user", "content": "times 2?"},
-                                  {"role": "assistant", "content": str(2 * (a + b))}]})
-    return rows
+    return [{"messages": [{"role": "user", "content": f"colour {k % 4}?"}, {"role": "assistant", "content": WORDS[k % 4]},
+                          {"role": "user", "content": "and a number?"},
+                          {"role": "assistant", "content": str(10 + k % 8)}]} for k in range(n)]
 
 
 def answer_losses(model_dir, rows: list[dict]) -> list[float]:
@@ -141,8 +141,9 @@ def answer_losses(model_dir, rows: list[dict]) -> list[float]:
 
 
 def test_sft_on_two_turn_conversations_lowers_the_loss_on_the_first_answer_too(tmp_path):
-    """Before the fix only the last turn was trained and the first answer's loss ROSE (measured 5.29 -> 9.60);
-    `assistant_only_loss: true` is accepted (it is what the stage does) and runs."""
+    """Before the fix only the last turn was trained and the first answer's loss ROSE (issue #28: 5.29 -> 9.60; on
+    this data 4.55 -> 5.26 with the last turn alone, 4.55 -> 0.91 now). `assistant_only_loss: true` is accepted
+    (it is what the stage does) and runs."""
     rows = two_turn_rows()
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
