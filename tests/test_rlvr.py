@@ -330,6 +330,26 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
     assert "[rl] 2 of 8 completions (25%) were cut at max_completion_length=4" in said
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_truncation_message_says_what_happened_to_the_cut_completions(logged, masked):
+    """Cut completions are trained as cut off unless `mask_truncated_completions` is set; with it set, the message
+    neither tells the user to set it nor says they were trained."""
+    from alignment.training.rewards import GroupSignal, VerifierReward
+    from alignment.verifiers import resolve
+
+    reward = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "one")
+    signal = GroupSignal([reward], stop_ids=[9], num_generations=2)
+    reward(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=[[9], [2], [9], [9]], a=[0, 1, 0, 1])
+    signal.report("rl", max_completion_length=4, masked=masked)
+    said = logged()
+    assert "[rl] 1 of 4 completions (25%) were cut at max_completion_length=4" in said
+    if masked:
+        assert "left out of the loss (mask_truncated_completions: true)" in said
+        assert "trained as cut off" not in said and "set train.mask_truncated_completions" not in said
+    else:
+        assert "trained as cut off" in said and "set train.mask_truncated_completions: true" in said
+
+
 def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):
     import logging
 

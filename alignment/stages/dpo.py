@@ -45,7 +45,7 @@ from ..runtime.dist import loads_partitioned
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
-    normalize_pairs,
+    eval_pairs,
     pair_token_ids,
     render_pairs,
     split_eval,
@@ -108,8 +108,7 @@ def build_trainer(ctx: StageContext):
     sampler = (lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code)) if loads_partitioned() else (lambda: policy)
     pairs, stats = stage_pairs(ctx, tokenizer, sampler)
     if ctx.config.eval_data is not None:
-        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
-                                      ctx.config.eval_data)
+        held_out = eval_pairs(ctx)
     else:
         pairs, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
     if not held_out:

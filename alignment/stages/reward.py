@@ -38,7 +38,7 @@ from ..runtime.dist import log_share
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
-    normalize_pairs,
+    eval_pairs,
     render_pairs,
     reward_token_ids,
     split_eval,
@@ -81,9 +81,7 @@ def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], 
     """(train pairs, held-out pairs, counts): raw {'prompt', 'chosen', 'rejected'} rows."""
     pairs, stats = stage_pairs(ctx, tokenizer, lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
     if ctx.config.eval_data is not None:
-        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
-                                      ctx.config.eval_data)
-        return pairs, held_out, stats
+        return pairs, eval_pairs(ctx), stats
     train, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
     return train, held_out, stats
 

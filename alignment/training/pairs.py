@@ -36,7 +36,7 @@ from ..errors import UserError, row_name
 from ..runtime.dist import get_logger
 from ..sampling import generate
 from ..verifiers import is_pass, resolve
-from .prompts import check_prompt_rows, prompt_of
+from .prompts import check_prompt_rows, prompt_data_format, prompt_of
 
 log = get_logger(__name__)
 
@@ -290,13 +290,62 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     return ctx.computed_once(f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs)
 
 
+def pair_layout(row: dict) -> str:
+    """Which preference layout a row has (TRL's names): its answers as chat messages, or as text after an explicit
+    `prompt`, or as full texts whose shared beginning is the prompt."""
+    if _is_chat(row.get("chosen")):
+        return "conversational"
+    if row.get("prompt") is None:
+        return "implicit prompt"
+    return "explicit prompt (conversational)" if _is_chat(row["prompt"]) else "explicit prompt"
+
+
+TRAINED_ON = {"dpo": "the chosen and rejected answers after their prompt (DPO's log-ratio to the reference)",
+              "reward": "the prompt and each answer, scored at the answer's last token"}
+
+
+def pair_data_format(ctx, dataset, pairs: list[dict]) -> dict:
+    """What a preference stage made of its data, for stage.json and the model card (`record_data`)."""
+    layouts = Counter(pair_layout(row) for row in dataset)
+    # The prompt column is read unless every row's chosen chat carries its own prompt (the turns before the answer).
+    reads_prompt = any(row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1)
+                       for row in dataset)
+    used = ["prompt", "chosen", "rejected"] if reads_prompt else ["chosen", "rejected"]
+    info = {"format": "preference pairs: " + ", ".join(f"{layout} ({n} rows)" for layout, n in layouts.most_common()),
+            "columns": used, "ignored_columns": [c for c in dataset.column_names if c not in used], "pairs": len(pairs),
+            "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")}
+    if layouts["conversational"]:
+        info["prompt_from"] = "the turns before the last assistant turn of chosen/rejected (the `prompt` column only " \
+                              "where a chat holds the answer alone)"
+    if layouts["implicit prompt"]:
+        info["implicit_prompt"] = "the shared beginning of chosen and rejected, cut at a word boundary"
+    return info
+
+
 def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
     """The stage's training pairs (from `data`, or sampled `on_policy`) and counts for the metrics."""
     spec = getattr(ctx.config, "on_policy", None)
     if spec is not None:
-        return cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
-    pairs, dropped = normalize_pairs(ctx.load_data(ctx.config.data, "data"), f"{ctx.where}.data", ctx.config.data)
+        pairs, stats = cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
+        dataset = ctx.load_data(ctx.config.data, "data")
+        verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
+        info = prompt_data_format([dict(r) for r in dataset], dataset.column_names, [verifier])
+        ctx.record_data("data", **{**info, "format": f"on-policy pairs: {info['format']}, the start policy's samples "
+                                   f"graded by `{spec.verifier}`", "pairs": len(pairs),
+                                   "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")})
+        return pairs, stats
+    dataset = ctx.load_data(ctx.config.data, "data")
+    pairs, dropped = normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
+    ctx.record_data("data", **pair_data_format(ctx, dataset, pairs))
     return pairs, {"pairs": len(pairs), "pairs_dropped": sum(dropped.values())}
+
+
+def eval_pairs(ctx) -> list[dict]:
+    """The held-out pairs of a preference stage's `eval_data`."""
+    dataset = ctx.load_data(ctx.config.eval_data, "eval_data")
+    pairs, _ = normalize_pairs(dataset, f"{ctx.where}.eval_data", ctx.config.eval_data)
+    ctx.record_data("eval_data", **pair_data_format(ctx, dataset, pairs))
+    return pairs
 
 
 def check_stage_data(ctx) -> None:
@@ -309,7 +358,7 @@ def check_stage_data(ctx) -> None:
     else:
         normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     if ctx.config.eval_data is not None:
-        normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data", ctx.config.eval_data)
+        eval_pairs(ctx)
 
 
 def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
