@@ -71,6 +71,7 @@ def test_selection_rules():
     ({"select": "best_of_n", "k": 3}, "top_k"),
     ({"rounds": 0}, "rounds"),
     ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
+    ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
 ])
 def test_config_errors(tmp_path, stage, message):
     from alignment.config.recipe import load_recipe

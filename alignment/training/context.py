@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+PAIR_KINDS = ("reward", "dpo")  # the stages that read preference pairs (training/pairs.py)
+
+
 @dataclass
 class StageContext:
     """Everything a stage needs to run; paths are already resolved."""
@@ -63,6 +66,10 @@ class StageContext:
     def load_data(self, spec: DataSpec | None, key: str = "data"):
         if spec is None:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
+        if spec.format == "hh" and spec.task is None and self.config.kind not in PAIR_KINDS:
+            raise UserError(f"{self.where}.{key}: `format: hh` reads Anthropic HH-RLHF preference transcripts "
+                            f"(chosen/rejected), which only {' and '.join(PAIR_KINDS)} stages train on; a "
+                            f"{self.config.kind} stage reads no pairs, so drop the key.")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
     def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:

@@ -234,6 +234,8 @@ CASES = [
         "dataset": str(jsonl(t, "hh.jsonl", [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.",
                                               "rejected": "\n\nHuman: Hey?\n\nAssistant: Go away."}]))}}})),
      CHECK, ["line 1 of", "'chosen' and 'rejected' differ at turn 1"]),
+    ("hh-format-on-a-stage-without-pairs", sft_on([{"prompt": "q", "completion": "a"}], format="hh"), CHECK,
+     ["stages.sft.data: `format: hh` reads Anthropic HH-RLHF preference transcripts", "a sft stage reads no pairs"]),
     ("unknown-data-format", sft_on([{"prompt": "q", "completion": "a"}], format="HH"), CHECK,
      ["unknown format 'HH'", "did you mean 'hh'"]),
     # --- split and config of local data ---
