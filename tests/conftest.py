@@ -54,6 +54,22 @@ def run_with_digests(digests: Path, *args: str, timeout: int = 900):
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
 
+def require_isolation() -> str:
+    """The sandbox's isolation mode (`process.isolation()`), for tests that need namespaces. Where none works
+    the test is skipped with the probe's reason (shown by `-rs`), except under CI (`CI` set, as CI services
+    do), where it fails: the CI machine is set up with namespaces, so losing them must not pass as skips."""
+    from alignment.verifiers.sandbox import process
+
+    mode = process.isolation()
+    if mode is None:
+        failures = "; ".join(f"{k}: {v}" for k, v in process._probe_result.get("failures", {}).items())
+        reason = f"no sandbox isolation works on this machine ({failures or 'no probe result'})"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"the CI machine lost its namespaces: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return mode
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A small random-init Qwen2 model + char tokenizer saved locally (hidden 64, 2 layers)."""

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
+from conftest import REPO, TINY_MODEL, heldout_accuracy, require_isolation, write_recipe
 
 from alignment.errors import UserError
 
@@ -84,7 +84,6 @@ def test_shipped_code_rsft_recipe_validates():
     from alignment.run.runner import make_context
     from alignment.stages import rsft
     from alignment.training.rewards import resolve_all
-    from alignment.verifiers.sandbox import process
 
     recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "code-rsft.yaml")
     ctx = make_context(recipe, "rsft")
@@ -92,8 +91,7 @@ def test_shipped_code_rsft_recipe_validates():
     assert not ctx.config.verifiers[0].options.get("allow_unsandboxed")  # never ship an unsandboxed recipe
     args = rsft.sft_args(ctx, ctx.work_dir)
     assert args.completion_only_loss and args.learning_rate == 1.0e-4
-    if process.isolation() is None:
-        pytest.skip("no sandbox isolation on this machine: python_tests refuses to resolve, as designed")
+    require_isolation()  # without it python_tests refuses to resolve, as designed
     resolve_all(ctx.config.verifiers, [recipe.base_dir], ctx.where)
 
 
