@@ -80,6 +80,17 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def prompts(tiny_model) -> list[str]:
+    """Chat-rendered arithmetic questions for the tiny model: of different lengths (so batches are left-padded
+    and sorted by length), prompts 1 and 3 equal (equal prompts must still get their own samples)."""
+    from alignment.data.formatting import render_prompt
+    from alignment.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (37, 48)]]
+
+
+@pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory) -> Path:
     """A policy SFT-trained on arithmetic (about 50-60% held-out accuracy): the start of the
     preference and RL stage tests. Built once per test session (~30 s on 2 cores)."""
