@@ -5,6 +5,7 @@ Everything is offline: models are built from scratch with the character-level to
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -31,6 +32,7 @@ SMALLEST_MODEL = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # The model used by end-to-end tests that need a policy that already knows the task a little.
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
+QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 SFT_TRAIN = {"num_train_epochs": 2, "per_device_train_batch_size": 64, "learning_rate": 2.0e-3,
              "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 20, "logging_steps": 25}
 
@@ -40,6 +42,29 @@ def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
+
+
+def recipe_dict(tmp_path: Path, kind: str, stage: dict, model=None, *, name: str | None = None, seed: int = 1,
+                **top) -> dict:
+    """A recipe with one stage of `kind` (its id too) made of `stage`'s keys, on TINY_MODEL unless `model` is
+    given, writing to tmp_path/NAME (tmp_path/out unnamed); `top` adds top-level keys (lora, template, ...)."""
+    return {"name": name or f"{kind}-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / (name or "out")),
+            "seed": seed, "stages": {kind: stage}, **top}
+
+
+def sft_recipe(tmp_path: Path, name: str | None = None, *, n: int = 600, train: dict = QUICK_TRAIN, **options) -> dict:
+    """`recipe_dict` for an sft stage on `n` arithmetic rows (one quick epoch by default)."""
+    return recipe_dict(tmp_path, "sft", {"data": {"task": "arithmetic", "n": n}, "train": train}, name=name, **options)
+
+
+def run(tmp_path: Path, kind: str, stage: dict, model=None):
+    """Write, load and run `recipe_dict(tmp_path, kind, stage, model)`: (recipe, the stage's result, its log history)."""
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, kind, stage, model)))
+    result = run_recipe(recipe)[kind]
+    return recipe, result, json.loads((recipe.stage_dir(kind) / "log_history.json").read_text())
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900, env: dict | None = None):

@@ -10,17 +10,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
+from conftest import (
+    QUICK_TRAIN,
+    REPO,
+    heldout_accuracy,
+    sft_recipe,
+    write_recipe,
+)
 
 from alignment.config.recipe import load_recipe
 from alignment.run.runner import run_recipe
-
-QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
-
-
-def sft_recipe(tmp_path, **extra) -> dict:
-    return {"name": "sft-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"sft": {"data": {"task": "arithmetic", "n": 600}, "train": QUICK_TRAIN}}, **extra}
 
 
 def params(path) -> dict[str, torch.Tensor]:
