@@ -19,9 +19,12 @@ os.environ.setdefault("ALIGN_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One torch thread: tiny models gain nothing from two, and on a busy 2-core machine two threads per
-# process oversubscribe the cores (a tiny forward pass measured 1,230 ms with 2 threads vs 18 ms with 1).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One torch thread, set here and nowhere else: tiny models gain nothing from two, and on a busy 2-core machine
+# two threads per process oversubscribe the cores (a tiny forward pass measured 1,230 ms with 2 threads vs 18 ms
+# with 1). Set (not defaulted) before anything imports torch, which reads it at import, so this process and
+# every child it starts (CLI runs, accelerate launch, stage processes) inherit it; a test that means another
+# count says so in its child's environment (the --jobs tests).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -69,7 +69,7 @@ EVALUATE = {"after": ["ppo", "ppo_full"], "suites": [
 # ppo; sft, reward, dpo and rlvr bit-identical), ZeRO-2 2.5e-5 and ZeRO-3 1.8e-5 (the full-weight reward model).
 FSDP2_TOLERANCE = 2e-6
 DEEPSPEED_TOLERANCE = 1e-4
-ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
 needs_deepspeed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
     reason="DeepSpeed not installed (pip install 'alignment-toolkit[deepspeed]'; .ci/run installs it)")

@@ -23,18 +23,6 @@ from alignment.evaluation.evaluate import (
 from alignment.evaluation.metrics import mean
 from alignment.tasks.arithmetic import agrees_with_stated
 
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads per process
-    spin against other jobs (measured 3x slower); restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def small_suite(name="arith", n=24, pass_k=None, **task) -> SuiteSpec:
     return SuiteSpec(name=name, data={"task": "arithmetic", "split": "test", "n": n, **task}, verifier="arithmetic",
@@ -224,7 +212,7 @@ def test_align_eval_on_an_adapter_folder_and_a_plain_checkpoint(tiny_model, adap
     started = time.time()
     result = run_cli("eval", adapter_folder, tiny_model, "--suite", "arithmetic", "--suite", "arithmetic-sycophancy",
                      "--limit", "12", "--n", "4", "--k", "2", "--reward-model", reward_model,
-                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out, env=ONE_THREAD)
+                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out)
     print(f"align eval: {time.time() - started:.1f}s")
     assert result.returncode == 0, result.stderr
     metrics = json.loads((out / "metrics.json").read_text())["checkpoints"]
