@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -128,7 +127,6 @@ def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
     message = " ".join(done.stderr.split())
     assert "num_generations=4" in message and "per_device_train_batch_size=6" in message
     assert "Traceback" not in done.stderr
-    print(message)
 
 
 def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
@@ -359,7 +357,6 @@ def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_the
     groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]
     truth = sum(len(set(g)) == 1 for g in groups) / len(groups)
     trl = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
-    print(f"{algorithm}: true share of flat groups {truth:.3f}, TRL frac_reward_zero_std per step {trl}")
     assert len(rewards) == 3 * 16 and 0 < truth < 1
     assert abs(sum(trl) / len(trl) - truth) > 0.1  # what TRL's number would have reported
     metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]
@@ -407,13 +404,8 @@ def test_grpo_from_sft_checkpoint_keeps_accuracy_and_logs_kl(tmp_path, sft_check
     stage = {"model": str(sft_checkpoint), "lora": None, "data": {"task": "arithmetic", "split": "train", "n": 2000},
              "train": GRPO_ARITHMETIC}
     before = heldout_accuracy(sft_checkpoint)
-    started = time.time()
     recipe, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
-    seconds = time.time() - started
     after = heldout_accuracy(recipe.stage_dir("rlvr"))
-    rewards = [h["rewards/arithmetic/mean"] for h in history if "rewards/arithmetic/mean" in h]
-    print(f"GRPO: held-out greedy accuracy {before:.3f} -> {after:.3f} ({seconds:.0f} s); train reward (T=1) "
-          f"{rewards[0]:.3f} -> {rewards[-1]:.3f}; final kl {result['metrics'].get('kl')}")
     assert result["metrics"]["kl"] > 0  # the KL term to the starting policy is on by default
     start = load_file(sft_checkpoint / "model.safetensors")
     end = load_file(recipe.stage_dir("rlvr") / "model.safetensors")
@@ -456,7 +448,6 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
     _, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     key = "rewards/my_verifiers:lucky_seven/mean"  # TRL logs each reward function under its __name__
     means = [h[key] for h in history if key in h]
-    print(f"custom verifier reward every 2 steps: {[round(m, 3) for m in means]}")
     assert len(means) == 10 and result["metrics"]["verifier/my_verifiers:lucky_seven/scored"] == 20 * 64
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.05
 
@@ -466,7 +457,6 @@ def test_verifier_raising_on_some_rows_does_not_stop_training(tmp_path):
     (tmp_path / "my_verifiers.py").write_text(textwrap.dedent(MY_VERIFIERS))
     recipe, result, history = run(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetic", "my_verifiers:flaky"]})
     metrics = result["metrics"]
-    print(f"errors: {metrics['verifier/my_verifiers:flaky/errors']} of {metrics['verifier/my_verifiers:flaky/scored']}")
     assert (recipe.stage_dir("rlvr") / "stage.json").exists()
     assert 0 < metrics["verifier/my_verifiers:flaky/errors"] < metrics["verifier/my_verifiers:flaky/scored"]
     assert any(h.get("errors/my_verifiers:flaky", 0) > 0 for h in history)

@@ -85,7 +85,6 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
         assert record["metrics"]["train_loss"] > 0
         trained, base = params(loaded.stage_dir("sft")), params(loaded.out / "base")
         assert any(not torch.equal(trained[k], base[k]) for k in trained)
-    print(f"\noptimizer steps for one epoch: padded {steps[False]}, packed {steps[True]}")
     assert steps[False] == 19  # ceil(600 / 32)
     assert steps[True] * 4 <= 600 / 2  # measured 50 steps: 600 rows of ~20 tokens fill about 200 rows of 64
 
@@ -93,7 +92,6 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
 def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
     trained = heldout_accuracy(sft_checkpoint)
     scratch = heldout_accuracy(sft_checkpoint.parent / "base")
-    print(f"held-out greedy accuracy: from scratch {scratch:.3f}, after SFT {trained:.3f}")
     assert scratch < 0.05 and trained > scratch + 0.3
 
 
