@@ -4,6 +4,7 @@ accuracy, score head trained), saves a loadable merged checkpoint, validates its
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -73,7 +74,10 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
     by_kind = accuracy_by_mistake_kind(model, tokenizer, held_out)
-    assert overall["accuracy"] >= 0.6 and by_kind["reversed digits"] >= 0.8
+    # Above chance (0.5) by three standard errors of a coin flip over these pairs (0.075 for 400): a margin set
+    # by the sample size, not by one machine's run; the measured 0.65-0.70 clears it by 3 to 5 standard errors.
+    assert overall["accuracy"] >= 0.5 + 3 * math.sqrt(0.25 / len(held_out)), overall
+    assert by_kind["reversed digits"] >= 0.8, by_kind
     assert (ctx.out_dir / "adapter").is_dir() and model.config.num_labels == 1
 
 
