@@ -1,4 +1,4 @@
-"""`align run --jobs N`: independent stages at once, each in its own process (alignment/jobs.py)."""
+"""`align run --jobs N`: independent stages at once, each in its own process (alignment/run/jobs.py)."""
 
 from __future__ import annotations
 

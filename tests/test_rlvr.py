@@ -1,4 +1,4 @@
-"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/verifier_rewards.py).
+"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/training/rewards.py).
 
 Fast: the adapter on its own (columns, prompt, errors, logging), config validation, the batch /
 num_generations check through `align check`, and the shipped real-model recipes (schema + TRL
@@ -143,7 +143,7 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
-def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
+def test_prompt_data_errors_name_the_line_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
     from alignment.config.evaluate import SuiteSpec
     from alignment.config.recipe import load_recipe
     from alignment.evaluation.evaluate import load_suites
@@ -169,7 +169,7 @@ def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(t
                          (23, r"a chat message is not \{'role': str, 'content': str\}")):
         written = [broken[row] if i == row else r for i, r in enumerate(rows)]
         path.write_text("".join(json.dumps(r) + "\n" for r in written))
-        with pytest.raises(UserError, match=rf"row {row}: {message}"):
+        with pytest.raises(UserError, match=rf"line {row + 1} of \S*prompts.jsonl\W.*{message}"):
             checked()
 
 
@@ -311,6 +311,26 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
     said = logged()
     assert "prompt groups" not in said  # half, not most
     assert "[rl] 2 of 8 completions (25%) were cut at max_completion_length=4" in said
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_truncation_message_says_what_happened_to_the_cut_completions(logged, masked):
+    """Cut completions are trained as cut off unless `mask_truncated_completions` is set; with it set, the message
+    neither tells the user to set it nor says they were trained."""
+    from alignment.training.rewards import GroupSignal, VerifierReward
+    from alignment.verifiers import resolve
+
+    reward = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "one")
+    signal = GroupSignal([reward], stop_ids=[9], num_generations=2)
+    reward(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=[[9], [2], [9], [9]], a=[0, 1, 0, 1])
+    signal.report("rl", max_completion_length=4, masked=masked)
+    said = logged()
+    assert "[rl] 1 of 4 completions (25%) were cut at max_completion_length=4" in said
+    if masked:
+        assert "left out of the loss (mask_truncated_completions: true)" in said
+        assert "trained as cut off" not in said and "set train.mask_truncated_completions" not in said
+    else:
+        assert "trained as cut off" in said and "set train.mask_truncated_completions: true" in said
 
 
 def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):

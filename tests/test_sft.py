@@ -275,10 +275,10 @@ def test_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path
     recipe = sft_recipe(tmp_path)
     recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "d.jsonl", rows)}  # shuffled by default
     loaded = load_recipe(write_recipe(tmp_path, recipe))
-    with pytest.raises(UserError, match=r"row 17, column 'completion' is int"):
+    with pytest.raises(UserError, match=r"line 18 of \S*d.jsonl, column 'completion' is int"):
         check_recipe(loaded)
     rows[17]["completion"] = "it is 18"
     rows[23] = {"prompt": "q", "completion": [{"role": "user", "content": "x"}]}
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=r"\(row 23\).*one assistant message"):
+    with pytest.raises(UserError, match=r"\(line 24 of \S*d.jsonl\).*one assistant message"):
         check_recipe(loaded)
