@@ -61,7 +61,8 @@ def sft_recipe(tmp_path: Path, name: str | None = None, *, n: int = 600, train: 
 
 
 def run(tmp_path: Path, kind: str, stage: dict, model=None):
-    """Write, load and run `recipe_dict(tmp_path, kind, stage, model)`: (recipe, the stage's result, its log history)."""
+    """Write, load and run `recipe_dict(tmp_path, kind, stage, model)`: (recipe, the stage's result, its log
+    history)."""
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
 

@@ -121,7 +121,8 @@ def test_kl_on_by_default_and_recipe_can_override(tmp_path):
 
 
 def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
-    recipe = recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})
+    recipe = recipe_dict(tmp_path, "rlvr",
+                         {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})
     done = run_cli("check", write_recipe(tmp_path, recipe))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
@@ -218,7 +219,8 @@ def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypa
     from alignment.run.runner import check_recipe
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True}})))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr",
+                                                            {**FAST, "train": {**FAST_TRAIN, "use_vllm": True}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: vllm is not installed.*use_vllm: false"):
         check_recipe(recipe)
 
@@ -250,7 +252,8 @@ def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monke
 
     patch_everywhere(monkeypatch, sampling, "vllm_missing", lambda *_: None)  # as if installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(
+        tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
                                         r"sync_weights.*weight_loader.*use_vllm: false.*backend: vllm"):
         check_recipe(recipe)
@@ -371,8 +374,9 @@ def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_the
     (tmp_path / "signal_verifiers.py").write_text(MIXED)
     steps = {**FAST_TRAIN, "max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 16,
              "max_completion_length": 4, "learning_rate": 1.0e-2, **train}
-    _, result, history = run(tmp_path, "rlvr", {**FAST, "algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "data": {
-        "task": "arithmetic", "split": "train", "n": 32}, "train": steps}, model=SMALLEST_MODEL)
+    stage = {**FAST, "algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "train": steps,
+             "data": {"task": "arithmetic", "split": "train", "n": 32}}
+    _, result, history = run(tmp_path, "rlvr", stage, model=SMALLEST_MODEL)
     rewards = [float(line) for line in (tmp_path / "rewards.log").read_text().split()]
     groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]
     truth = sum(len(set(g)) == 1 for g in groups) / len(groups)

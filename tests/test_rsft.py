@@ -92,7 +92,8 @@ def test_shipped_code_rsft_recipe_validates():
 
 
 def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
-    recipe, result, _ = run(tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
+    recipe, result, _ = run(tmp_path, "rsft",
+                            {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
     out = recipe.stage_dir("rsft")
     metrics = result["metrics"]
     for k in (1, 2):
