@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, SMALLEST_MODEL, write_recipe
+from conftest import REPO, SMALLEST_MODEL, require_isolation, write_recipe
 from hub_fixtures import DATASETS, write_hub_fixtures
 
 from alignment.config.recipe import load_recipe
 from alignment.run.runner import run_recipe
-from alignment.verifiers.sandbox import process
 
 RECIPES = sorted((REPO / "recipes" / "qwen2.5-0.5b").glob("*.yaml"))
 
@@ -83,8 +82,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
 def test_a_hub_recipe_runs_on_local_files_laid_out_like_its_datasets(tmp_path, path):
-    if path.stem == "code-rsft" and process.isolation() is None:
-        pytest.skip("no sandbox isolation on this machine: python_tests refuses to run code, as designed")
+    if path.stem == "code-rsft":
+        require_isolation()  # without it python_tests refuses to run code, as designed
     folder = write_hub_fixtures(tmp_path / "hub")
     recipe = load_recipe(write_recipe(tmp_path, shortened(path, folder, tmp_path / "out")))
     run_recipe(recipe)

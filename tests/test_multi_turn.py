@@ -154,7 +154,6 @@ def test_sft_on_two_turn_conversations_lowers_the_loss_on_the_first_answer_too(t
         "stages": {"sft": {"data": {"dataset": str(data)}, "train": train}}}))
     run_recipe(recipe)
     before, after = answer_losses(recipe.out / "base", rows), answer_losses(recipe.stage_dir("sft"), rows)
-    print(f"\nNLL per token, first answer {before[0]:.2f} -> {after[0]:.2f}, second {before[1]:.2f} -> {after[1]:.2f}")
     assert after[0] < before[0] - 1.0 and after[1] < before[1] - 1.0
     record = json.loads((recipe.stage_dir("sft") / "stage.json").read_text())
     assert record["data_format"]["data"]["conversations_multi_turn"] == len(rows)

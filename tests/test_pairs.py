@@ -102,7 +102,6 @@ def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
     torch.manual_seed(0)
     spec = OnPolicySpec(verifier="parity", n=8, temperature=1.0, max_new_tokens=6, pairs_per_prompt=2)
     pairs, stats = on_policy_pairs(model, tokenizer, rows, spec, resolve(parity), "stages.dpo")
-    print(stats)
     assert stats["prompts_without_incorrect"] == 1 and stats["prompts_without_correct"] == 1
     assert stats["prompts_dropped"] == 2 and stats["pairs_built"] == len(pairs) >= 4
     assert all(ord(p["chosen"].strip()[0]) % 2 == 1 and ord(p["rejected"].strip()[0]) % 2 == 0 for p in pairs)

@@ -168,7 +168,6 @@ def test_seeded_tiny_ppo_run_trains_as_recorded_before_the_rollout_container(tmp
     run = seeded_run(tmp_path, tiny_model)
     observed = {key: [entry[key] for entry in run["history"]] for key in LOGGED}
     observed.update(adapter_sum=run["adapter_sum"], adapter_abs_sum=run["adapter_abs_sum"])
-    print(f"\nseeded tiny PPO run: {observed}")
     for key, recorded in RECORDED.items():
         assert observed[key] == pytest.approx(recorded, rel=1e-4, abs=2e-6), key
     assert min(observed["response_length"]) < 40  # some micro-batches were trimmed
