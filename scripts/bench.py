@@ -197,7 +197,8 @@ def bench_static(model_dir: Path, size: dict, args) -> list[dict]:
     static = spec.model_copy(update={"cache": "static", "engine": "generate"})
     timed_generate("static", "compile", model, tokenizer, prompts, static, args)  # the first call compiles (GPU)
     results = [timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
-               timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static, args)]
+               timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static,
+                              args)]
     if args.compile and not torch.cuda.is_available():  # `compile: true`: the decode step compiled on CPU too
         compiled = static.model_copy(update={"compile": True})
         timed_generate("static", "compile", model, tokenizer, prompts, compiled, args)  # the first call compiles
@@ -403,7 +404,8 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
             roofline = matmul_roofline(model.config, batch, model.dtype, model.device)
         results.append({"section": "decode", "variant": f"roofline: torch.matmul at the decode shapes, batch {batch}",
                         "rate": round(roofline, 2), "unit": "GFLOP/s", "peak_mib": round(peak.mib, 1),
-                        "seconds": round(peak.seconds, 2), "mfu": None, "gflops": round(roofline, 3), "of_roofline": 1.0})
+                        "seconds": round(peak.seconds, 2), "mfu": None, "gflops": round(roofline, 3),
+                        "of_roofline": 1.0})
         warm_up(model, tokenizer, prompts, spec)
         variants = [("ours: engine loop (default)", spec),
                     ("ours: engine generate (previous sampler)", spec.model_copy(update={"engine": "generate"}))]

@@ -20,7 +20,7 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
     assert {"ours: LoRA adapter unmerged", "ours: LoRA merged for sampling"} <= {r["variant"] for r in results}
     pairs = {(r["section"], r["variant"].split(":")[0]) for r in results}
     assert pairs == ({(s, v) for s in ("rollout", "sft", "dpo", "decode") for v in ("ours", "plain")}
-                     | {("static", "ours"), ("ppo", "ours"), ("decode", "roofline")})  # static: ours against ours; TRL has no PPO
+                     | {("static", "ours"), ("ppo", "ours"), ("decode", "roofline")})  # static: ours vs ours; no TRL PPO
     assert next(r for r in results if r["section"] == "ppo")["unit"] == "episodes/s"
     assert all(r["rate"] > 0 and r["peak_mib"] > 0 for r in results)
     assert out.exists() and "rollout" in capsys.readouterr().out
@@ -34,7 +34,8 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
     shapes = {name for name, *_ in bench.SIZES["micro"]["decode"]}
     for name in shapes:
         rows = {r["variant"].split(",")[0]: r for r in results if f", {name}:" in r["variant"]}
-        assert {"ours: engine loop (default)", "ours: engine generate (previous sampler)", "plain: model.generate"} <= set(rows)
+        samplers = {"ours: engine loop (default)", "ours: engine generate (previous sampler)", "plain: model.generate"}
+        assert samplers <= set(rows)
         for r in rows.values():
             assert r["unit"] == "tokens/s" and r["rate"] > 0 and r["gflops"] > 0 and 0 < r["of_roofline"]
     roofs = [r for r in results if r["variant"].startswith("roofline")]

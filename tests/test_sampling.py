@@ -13,13 +13,6 @@ from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate, stop_token_ids
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_model):
-    tokenizer = load_tokenizer(str(tiny_model))
-    # Different lengths, so batches are left-padded and sorted by length.
-    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
-
-
 def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts):
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
     greedy = generate(model, tokenizer, prompts, SamplingSpec(temperature=0, max_new_tokens=6, batch_size=2))
@@ -151,6 +144,13 @@ LOOP_CASES = [{"temperature": 0}, {"temperature": 0, "n": 3, "batch_size": 7}, {
 
 
 @pytest.fixture(scope="module")
+def varied_prompts(tiny_model, prompts):
+    """The shared prompts (one of them twice) and two more, after which the shaken model stops early greedily."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    return prompts + [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(99, 9), (12, 345)]]
+
+
+@pytest.fixture(scope="module")
 def varied_model(tiny_model):
     model = load_policy(str(tiny_model))
     torch.manual_seed(1)
@@ -169,9 +169,9 @@ def both_engines(model, tokenizer, prompts, **spec):
 
 
 @pytest.mark.parametrize("spec", LOOP_CASES, ids=["greedy", "greedy-n3-split", "sampled", "top-p-split", "top-k"])
-def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varied_model, prompts, spec):
+def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varied_model, varied_prompts, spec):
     tokenizer = load_tokenizer(str(tiny_model))
-    reference, looped = both_engines(varied_model, tokenizer, prompts, **spec)
+    reference, looped = both_engines(varied_model, tokenizer, varied_prompts, **spec)
     assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
     assert [s.finished for s in looped] == [s.finished for s in reference]
     assert [s.text for s in looped] == [s.text for s in reference]
@@ -179,24 +179,25 @@ def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varie
 
 
 @pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled"])
-def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, prompts, spec):
+def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec):
     """The reference is model.generate's own per-step logits (output_logits) for the same left-padded batch."""
     from alignment.sampling.hf import left_padded
     from alignment.sampling.samples import checkpoint_sampling_defaults_off
 
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
-    looped = generate(varied_model, tokenizer, prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
+    looped = generate(varied_model, tokenizer, varied_prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
     stops = stop_token_ids(tokenizer, varied_model)
-    order = sorted(range(len(looped)), key=lambda k: -len(tokenizer(prompts[k // spec.get("n", 1)],
+    order = sorted(range(len(looped)), key=lambda k: -len(tokenizer(varied_prompts[k // spec.get("n", 1)],
                                                                         add_special_tokens=False)["input_ids"]))
-    rows = [tokenizer(prompts[k // spec.get("n", 1)], add_special_tokens=False)["input_ids"] for k in order]
+    rows = [tokenizer(varied_prompts[k // spec.get("n", 1)], add_special_tokens=False)["input_ids"] for k in order]
     input_ids, attention = left_padded(rows, tokenizer.pad_token_id, "cpu")
     torch.manual_seed(0)
     with torch.no_grad(), checkpoint_sampling_defaults_off(varied_model):
         out = varied_model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=24,
                                     do_sample=spec["temperature"] > 0, eos_token_id=stops,
-                                    pad_token_id=tokenizer.pad_token_id, output_logits=True, return_dict_in_generate=True)
+                                    pad_token_id=tokenizer.pad_token_id, output_logits=True,
+                                    return_dict_in_generate=True)
     steps = [logits.log_softmax(-1) for logits in out.logits]  # per step [batch, vocab], as the loop computes them
     for row, k in enumerate(order):
         sample = looped[k]
@@ -205,7 +206,8 @@ def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_m
         assert sample.logprobs == expected  # bit for bit
 
 
-def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, prompts, monkeypatch):
+def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, varied_prompts,
+                                                                           monkeypatch):
     tokenizer = load_tokenizer(str(tiny_model))
     batches = []
     forward = varied_model.forward
@@ -216,10 +218,11 @@ def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_
 
     monkeypatch.setattr(varied_model, "forward", counting)
     torch.manual_seed(0)
-    samples = generate(varied_model, tokenizer, prompts, SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop"))
-    assert batches[0][0] == len(prompts) and batches[0][1] > 1  # the prefill: one row per distinct prompt
+    spec = SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop")
+    samples = generate(varied_model, tokenizer, varied_prompts, spec)
+    assert batches[0][0] == len(set(varied_prompts)) and batches[0][1] > 1  # the prefill: one row per distinct prompt
     decode = [b for b, width in batches[1:]]
-    assert decode[0] == 4 * len(prompts) and decode[-1] < decode[0]  # the batch shrinks as rows finish
+    assert decode[0] == 4 * len(varied_prompts) and decode[-1] < decode[0]  # the batch shrinks as rows finish
     assert sum(decode) < len(decode) * decode[0]
     assert len(batches) == max(len(s.token_ids) for s in samples)  # no step after the last row's stop
 
@@ -234,13 +237,13 @@ def test_the_decode_loop_is_reproducible_and_samples_like_merged_and_unmerged_lo
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_the_decode_loop_draws_from_the_models_distribution(tiny_model, varied_model, prompts):
+def test_the_decode_loop_draws_from_the_models_distribution(tiny_model, varied_model, varied_prompts):
     """3000 one-token samples of one prompt: their frequencies match softmax(logits) (total variation < 0.05)."""
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
-    samples = generate(varied_model, tokenizer, prompts[:1], SamplingSpec(temperature=1.0, n=3000, max_new_tokens=1,
-                                                                         batch_size=500, engine="loop"))
-    ids = torch.tensor([tokenizer(prompts[0], add_special_tokens=False)["input_ids"]])
+    spec = SamplingSpec(temperature=1.0, n=3000, max_new_tokens=1, batch_size=500, engine="loop")
+    samples = generate(varied_model, tokenizer, varied_prompts[:1], spec)
+    ids = torch.tensor([tokenizer(varied_prompts[0], add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         probs = varied_model(input_ids=ids).logits[0, -1].float().softmax(-1)
     counts = torch.bincount(torch.tensor([s.token_ids[0] for s in samples]), minlength=probs.numel()).float()

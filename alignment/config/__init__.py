@@ -9,6 +9,11 @@
     stages/   StageConfig (keys every stage accepts) and each stage kind's `Config`
     evaluate  EvaluateSpec, SuiteSpec and the validation of a recipe's `evaluate:` block
     recipe    YAML -> validated `Recipe`: duplicate keys, overrides, interpolation, stage references
+    reference the configuration reference rendered from these models: docs/config.md, `align keys KIND`
+
+Every field carries a `description=`: what it does, its unit, what its default means and the paper behind it;
+`reference.py` renders them, and tests/test_config_reference.py fails on a field without one or on a stale
+docs/config.md (`python scripts/config_reference.py` rewrites it).
 
 Loading a recipe imports only this layer: no torch, no TRL (tests/test_layout.py holds it). This package
 imports none of its modules itself, so that each is imported only where it is used.

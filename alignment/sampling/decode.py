@@ -11,7 +11,8 @@
 What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the
 dynamic cache; the left-padded attention mask grown by a column of ones per step, or none where no row is
 padded; position ids counted from each row's first real token where the model's forward takes them; a PEFT
-model's inner model called, as PEFT's `generate` calls it), the fp32 copy of the last position's logits, the logits warpers
+model's inner model called, as PEFT's `generate` calls it), the fp32 copy of the last position's logits, the
+logits warpers
 (temperature, top-k, top-p, in transformers' order, with checkpoint defaults turned off by the caller), and
 the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole
 batch the step would have had in `generate`. torch draws a single sample per row as argmax(p / q) with q

@@ -95,7 +95,8 @@ def lora_merged(model):
             layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
 
 
-def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer, logprobs: list[float] | None = None) -> Sample:
+def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,
+              logprobs: list[float] | None = None) -> Sample:
     end = next((k for k, t in enumerate(ids) if t in stops), None)
     kept = ids if end is None else ids[: end + 1]
     text = tokenizer.decode(kept, skip_special_tokens=True)

@@ -115,8 +115,6 @@ def check_group_size(ctx: StageContext) -> None:
 def check_vllm(ctx: StageContext) -> None:
     """TRL raises a bare ImportError after the models are loaded, and fails at its first weight sync on vLLM's
     CPU build; say either first, with the key."""
-
-
     train = ctx.config.train
     if not train.get("use_vllm"):
         return
@@ -129,7 +127,6 @@ def check_vllm(ctx: StageContext) -> None:
 
 def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
     """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
-
     if getattr(args, "use_vllm", False):
         kwargs = dict(args.generation_kwargs or {})
         kwargs.setdefault("stop_token_ids", stop_token_ids(tokenizer, model))
@@ -145,7 +142,6 @@ def trl_config(ctx: StageContext):
 
 def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
-
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers):
         source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
@@ -168,7 +164,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
     """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); make that the stop
     set of every other sampler, which adds the chat template's end-of-turn token (it differs from EOS for base
     models: Qwen2.5's <|im_end|> vs <|endoftext|>)."""
-
     config = model.generation_config
     config.eos_token_id = stop_token_ids(tokenizer, model)
     if config.pad_token_id is None:
@@ -176,7 +171,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 
 def check(ctx: StageContext) -> None:
-
     trl_config(ctx)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     tokenizer = ctx.load_tokenizer()
@@ -186,8 +180,6 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-
-
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
     rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -214,7 +206,7 @@ def run(ctx: StageContext) -> dict:
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
-    signal.report(ctx.stage_id, args.max_completion_length)
+    signal.report(ctx.stage_id, args.max_completion_length, masked=args.mask_truncated_completions)
     return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
 
 
@@ -223,7 +215,6 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
     context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
     and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
-
     context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
         getattr(model.config, "max_position_embeddings", None)
     if not context or not rows:

@@ -43,7 +43,6 @@ from pathlib import Path
 
 from accelerate import PartialState
 from transformers import set_seed
-from trl import SFTConfig
 
 from ..config.base import stage_ref
 from ..data.formatting import render_pair, render_prompt
@@ -57,7 +56,7 @@ from ..training.prompts import prompt_of
 from ..training.rewards import build_rewards, combined_scores, resolve_all
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
-from ..training.trainer import make_sft_trainer, save_model, train
+from ..training.trainer import make_sft_trainer, save_model, sft_config, train
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +66,8 @@ log = logging.getLogger(__name__)
 
 
 def sft_args(ctx: StageContext, folder: Path):
-
-    return ctx.trl_args(SFTConfig, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
-                        num_train_epochs=1)
+    return sft_config(ctx, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
+                      num_train_epochs=1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,7 +96,6 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 def make_scorer(ctx: StageContext):
     """(score(rows, prompts, samples) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
-
     if ctx.config.verifiers:
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
 
@@ -121,7 +118,6 @@ def make_scorer(ctx: StageContext):
 
 
 def _device():
-
     return PartialState().device
 
 
@@ -135,8 +131,6 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
 
 def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer):
     """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats)."""
-
-
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
@@ -184,7 +178,6 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history, rows truncated
     at max_length, which TRL cuts: counted and said as the sft stage does)."""
-
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     where = f"{ctx.where} round {round_index}"
@@ -209,7 +202,6 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 
 def check(ctx: StageContext) -> None:
-
     sft_args(ctx, ctx.work_dir)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
@@ -220,7 +212,6 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,15 @@ from ..models.tokenizer import load_tokenizer
 from ..runtime.dist import keeps_configured_state
 from ..runtime.files import write_atomic
 from .memory import needs_gradient_checkpointing
-from .prompts import check_prompt_rows
+from .prompts import check_prompt_rows, prompt_data_format
 
 if TYPE_CHECKING:
     from ..config.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+PAIR_KINDS = ("reward", "dpo")  # the stages that read preference pairs (training/pairs.py)
 
 
 @dataclass
@@ -45,6 +51,9 @@ class StageContext:
     work_dir: Path  # survives crashes: trainer checkpoints for resume
     lora: LoraSpec | None
     is_main: bool = True
+    # What the stage made of each data key: the format detected, the columns read and what was trained on;
+    # written into stage.json and the model card (`record_data`).
+    data_formats: dict[str, dict] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -55,18 +64,30 @@ class StageContext:
         return f"stages.{self.stage_id}"
 
     def load_data(self, spec: DataSpec | None, key: str = "data"):
-
         if spec is None:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
+        if spec.format == "hh" and spec.task is None and self.config.kind not in PAIR_KINDS:
+            raise UserError(f"{self.where}.{key}: `format: hh` reads Anthropic HH-RLHF preference transcripts "
+                            f"(chosen/rejected), which only {' and '.join(PAIR_KINDS)} stages train on; a "
+                            f"{self.config.kind} stage reads no pairs, so drop the key.")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
     def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
         columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
-
         dataset = self.load_data(spec, key)
         check_prompt_rows(dataset, verifiers, f"{self.where}.{key}", spec, provided=("prompt",), entry="verifiers")
-        return [dict(row) for row in dataset]
+        rows = [dict(row) for row in dataset]
+        self.record_data(key, **prompt_data_format(rows, dataset.column_names, verifiers))
+        return rows
+
+    def record_data(self, key: str, **info) -> None:
+        """Say what the stage made of data key `key` (format, columns, what is trained on) in stage.json and the
+        model card; logged once."""
+        if self.data_formats.get(key) != info:
+            self.data_formats[key] = info
+            log.info(f"[{self.where}.{key}] {info['format']}; columns used: {', '.join(info['columns'])}; trained on: "
+                     f"{info['trained_on']}")
 
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)
@@ -74,24 +95,18 @@ class StageContext:
     def save_dtype(self):
         """The dtype to save this stage's weights in: the recipe's `save_dtype`, by default the start model's own
         (training upcasts to fp32 on CPU: a bf16 135M model would otherwise be saved at twice its size)."""
-
-
         if self.recipe.save_dtype != "auto":
             return getattr(torch, self.recipe.save_dtype)
         return checkpoint_dtype(self.start_model, self.recipe.trust_remote_code)
 
     def load_tokenizer(self):
         """The start model's tokenizer, with the recipe's `template:` settings written into its template."""
-
         return load_tokenizer(self.start_model, self.recipe.trust_remote_code, self.recipe.template)
 
     def computed_once(self, name: str, compute) -> tuple[list[dict], dict]:
         """`compute() -> (rows, stats)`, run by the main process first and kept in the work folder as JSON
         lines (stats, then rows), so every process trains on the same rows and a rerun after a crash reads
         them instead of sampling again (`files.write_atomic`: never half a file)."""
-
-
-
         path = self.work_dir / name
         with PartialState().main_process_first():
             if not path.exists():
@@ -105,7 +120,6 @@ class StageContext:
         (`work_dir`: where the trainer checkpoints, by default the stage's).
         Unless the recipe sets it, gradient checkpointing is on only where the stage would not fit on its
         GPU without it (`memory.py`); TRL turns it on always."""
-
         def build(checkpointing: bool):
             return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train,
                                     work_dir or self.work_dir, checkpointing=checkpointing, **stage_defaults)
@@ -121,8 +135,6 @@ class StageContext:
 def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
     """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`).
     Where the run set up FSDP2 itself (`dist.fsdp_on_cpu`), the trainer reuses that process state."""
-
-
     cuda = is_cuda()
     configured = {"accelerator_config": {"use_configured_state": True}} if keeps_configured_state() else {}
     return dict(**configured,

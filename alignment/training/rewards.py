@@ -220,8 +220,10 @@ class GroupSignal:
         return {"zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
                 "completions_truncated": self.counts["truncated"], "completions_sampled": self.counts["completions"]}
 
-    def report(self, where: str, max_completion_length: int | None) -> None:
-        """Say what the counts mean: a warning when most groups taught nothing or many answers were cut."""
+    def report(self, where: str, max_completion_length: int | None, masked: bool = False) -> None:
+        """Say what the counts mean: a warning when most groups taught nothing or many answers were cut. `masked`:
+        the run set `mask_truncated_completions`, so the cut completions were left out of the loss (TRL zeroes
+        their completion mask); their rewards still count in their group's baseline."""
         found = self.metrics()
         if not found:
             return
@@ -233,9 +235,16 @@ class GroupSignal:
                 "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
                 "train.num_generations.")
         cut, total = found["completions_truncated"], found["completions_sampled"]
-        if cut:
-            log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
-                      f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
-                      "(completions_truncated in stage.json); they were scored and trained as cut off. Raise "
-                      "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
-                      "of the loss.")
+        if not cut:
+            return
+        if masked:
+            what = ("they were scored, and their rewards count in their group's baseline, but they were left out of "
+                    "the loss (mask_truncated_completions: true), so their samples taught nothing. Raise "
+                    "train.max_completion_length to waste fewer.")
+        else:
+            what = ("they were scored and trained as cut off, without an end-of-turn token. Raise "
+                    "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
+                    "of the loss.")
+        log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
+                  f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
+                  f"(completions_truncated in stage.json); {what}")

@@ -12,9 +12,16 @@ from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
 class Config(StageConfig):
-    kind: Literal["rlvr"] = "rlvr"
+    kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
+                                  "RLOOTrainer; the verifiers' weighted sum is the reward, with a KL penalty to the "
+                                  "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
     memory_knobs: ClassVar[tuple[str, ...]] = (
         "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
-    data: DataSpec
-    algorithm: Literal["grpo", "rloo"] = "grpo"
-    verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers")
+    data: DataSpec = Field(description="prompts (`prompt` or chat `messages`, a final assistant turn dropped) and the "
+                           "columns the verifiers read, e.g. `answer`")
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="grpo: advantages normalised within each prompt's "
+                                               "group of num_generations samples (Shao et al. 2024, DeepSeekMath, "
+                                               "arXiv:2402.03300); rloo: leave-one-out baseline (Ahmadian et al. "
+                                               "2024, arXiv:2402.14740)")
+    verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers (at least "
+                                          "one)")
