@@ -1,6 +1,6 @@
 """Our own decode loop for one batch (`engine: loop`, see sampling/hf.py): the steps `model.generate` wastes, left out.
 
-`decode_batch(model, rows, sources, settings, stops, pad_id)` returns the generated ids of every row, as
+`decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)` returns the generated ids of every row, as
 `model.generate` would for the same left-padded batch, minus two kinds of work:
 
 - a prompt shared by several rows (`n` samples of one prompt) is prefilled once; its KV cache and its last
@@ -12,9 +12,8 @@ What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forw
 dynamic cache; the left-padded attention mask grown by a column of ones per step, or none where no row is
 padded; position ids counted from each row's first real token where the model's forward takes them; a PEFT
 model's inner model called, as PEFT's `generate` calls it), the fp32 copy of the last position's logits, the
-logits warpers
-(temperature, top-k, top-p, in transformers' order, with checkpoint defaults turned off by the caller), and
-the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole
+logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults turned off by the
+caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole
 batch the step would have had in `generate`. torch draws a single sample per row as argmax(p / q) with q
 exponential noise laid out over the tensor's shape, so a row's draw depends only on its own probabilities
 and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they
@@ -47,7 +46,7 @@ from transformers import (
 from ..config.sampling import SamplingSpec
 
 # Compaction copies every layer's cache once: it is done when at least this share of the rows still in the
-# batch has finished (or all but none run), so a batch whose rows end one by one is not copied at every step.
+# batch has finished, so a batch whose rows end one by one is not copied at every step.
 COMPACT_SHARE = 0.125
 
 
