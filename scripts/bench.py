@@ -376,7 +376,7 @@ def decode_row(shape: str, variant: str, tokens: int, peak, params: int, rooflin
 
 def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     """Each sampling shape of the recipes (`decode` of the size): plain `model.generate`, our sampler (`engine:
-    loop`, the default, and `engine: generate`, the sampler before it), vLLM where it is installed; beside
+    generate`, the default, and `engine: loop`), vLLM where it is installed; beside
     this machine's matmul rate at the shape's batch (`matmul_roofline`). Rates count useful tokens only."""
     import importlib.util
 
@@ -407,8 +407,8 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
                         "seconds": round(peak.seconds, 2), "mfu": None, "gflops": round(roofline, 3),
                         "of_roofline": 1.0})
         warm_up(model, tokenizer, prompts, spec)
-        variants = [("ours: engine loop (default)", spec),
-                    ("ours: engine generate (previous sampler)", spec.model_copy(update={"engine": "generate"}))]
+        variants = [("ours: engine loop", spec.model_copy(update={"engine": "loop"})),
+                    ("ours: engine generate (default)", spec.model_copy(update={"engine": "generate"}))]
         if has_vllm:
             engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
             variants.append(("vLLM", SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})))

@@ -6,10 +6,10 @@ left-pads (decoder-only models continue from the right edge), samples `n` comple
 stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
 so RL code can score the exact tokens that were sampled.
 
-`engine` chooses who runs each batch's decoding: `loop` (the default, `decode.py`) prefills each distinct
+`engine` chooses who runs each batch's decoding: `loop` (`decode.py`, opt-in) prefills each distinct
 prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
-handling and random draws as `generate` (one `model.generate` call per batch, the sampler before it, kept
-as the reference: tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test
+handling and random draws as `generate` (one `model.generate` call per batch, the default until a quiet
+benchmark measures the loop, and the reference: tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test
 models), plus each sampled token's raw log-prob. A sharded (FSDP2) model and `cache: static` always go
 through `generate`, which keeps every process in step and the shapes fixed.
 
