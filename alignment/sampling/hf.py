@@ -43,10 +43,19 @@ STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` samples per prompt, ordered prompt by prompt (sample j of prompt i at i*n+j)."""
+    encoded = [encode(tokenizer, p) for p in prompts]  # the prompt ids training puts before each completion
+    return generate_ids(model, tokenizer, encoded, settings, progress)
+
+
+def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingSpec, progress: str | None = None,
+                 logprobs: bool = False) -> list[Sample]:
+    """`generate` on prompts given as token ids (a multi-turn rollout continues the ids it holds, never
+    re-tokenizing them). `logprobs`: each Sample's `logprobs` holds log p(token) of every sampled token under
+    the distribution it was drawn from before top-k/top-p (log-softmax of logits / temperature, as TRL's GRPO
+    scores them); greedy decoding records the temperature-1 log-probs."""
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    jobs = [(i, j) for i in range(len(prompts)) for j in range(settings.n)]
-    encoded = [encode(tokenizer, p) for p in prompts]  # the prompt ids training puts before each completion
+    jobs = [(i, j) for i in range(len(encoded)) for j in range(settings.n)]
     # Longest first: similar lengths share a batch, and an out-of-memory error shows up at once.
     jobs.sort(key=lambda job: -len(encoded[job[0]]))
     results: dict[tuple[int, int], Sample] = {}
@@ -70,11 +79,25 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
                 top_k=settings.top_k if settings.temperature > 0 else None,
                 eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced,
                 **({"cache_implementation": "static"} if settings.cache == "static" else {}),
+                **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
             )
-            for (i, j), ids in zip(batch, output[:, width:].tolist()):
+            sequences = output.sequences if logprobs else output
+            scores = token_logprobs(output.logits, sequences[:, width:], settings.temperature) if logprobs else None
+            for k, ((i, j), ids) in enumerate(zip(batch, sequences[:, width:].tolist())):
                 results[(i, j)] = to_sample(i, ids, stops, tokenizer)
+                if scores is not None:
+                    results[(i, j)].logprobs = scores[k, : len(results[(i, j)].token_ids)].tolist()
     model.train(was_training)
-    return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+    return [results[(i, j)] for i in range(len(encoded)) for j in range(settings.n)]
+
+
+def token_logprobs(logits: tuple, sampled, temperature: float):
+    """[batch, steps] log-probs of the sampled ids from generate's per-step raw logits (one [batch, vocab] at a
+    time, so no [batch, steps, vocab] tensor is held)."""
+    scale = temperature if temperature > 0 else 1.0
+    columns = [torch.log_softmax(step.float() / scale, dim=-1).gather(-1, sampled[:, t : t + 1])
+               for t, step in enumerate(logits)]
+    return torch.cat(columns, dim=-1).cpu()
 
 
 def is_sharded(model) -> bool:

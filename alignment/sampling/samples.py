@@ -20,6 +20,7 @@ class Sample:
     text: str  # completion text without special tokens
     token_ids: list[int] = field(default_factory=list)  # sampled ids, through the stop token if one was sampled
     finished: bool = False  # ended with the end-of-turn / EOS token
+    logprobs: list[float] | None = None  # per token of token_ids, when the caller asked for them (hf.generate_ids)
 
 
 # What a plain generation config keeps of a checkpoint's generation_config.json: its token ids, nothing that
