@@ -118,8 +118,8 @@ def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 
         output = result.output
         if len(output) > output_chars:
             output = output[: output_chars // 2] + "\n[... output cut ...]\n" + output[-output_chars // 2:]
-        if result.status == "timeout":
-            return f"{output}\n[timed out after {timeout:g} s]".lstrip()
+        if result.status == "timeout":  # an error, so the rollout counts it; the model still sees the output
+            raise TimeoutError(f"the code ran past {timeout:g} s and was killed; its output: {output}")
         if result.status == "setup_error":
             raise RuntimeError(f"the sandbox failed to start: {output}")
         return output
