@@ -67,3 +67,43 @@ def test_partitioned_engines_are_refused_before_loading(monkeypatch):
     config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"])
     with pytest.raises(UserError, match="do not run under zero3"):
         tool_rollouts.check_engine(config, "stages.rlvr")
+
+
+def test_smollm2_tools_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_model):
+    """recipes/smollm2-135m/tools.yaml on the tiny model (the real model is the slow suite's): data, verifiers,
+    tools, tool format, TRL configs and the evaluate block."""
+    from conftest import REPO, run_cli
+
+    recipe = REPO / "recipes" / "smollm2-135m" / "tools.yaml"
+    result = run_cli("check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_an_evaluation_suite_with_tools_reports_tool_use_and_whole_trajectories(tmp_path, tiny_model, monkeypatch):
+    """Every closed turn read as a call (the random tiny model writes none): pass@1 on the final answers, the tool
+    metrics, and each sample's whole trajectory in samples.jsonl."""
+    from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluation.evaluate import evaluate_checkpoints
+
+    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "2*3"})], []))
+    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 6},
+                      verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
+                      max_turns=2, sampling={"temperature": 1.0, "max_new_tokens": 60})
+    metrics = evaluate_checkpoints({"tiny": str(tiny_model)}, [suite], tmp_path / "eval")["tiny"]
+    assert {"products/pass@1", "products/tool_call_rate", "products/tool_errors", "products/parse_failures",
+            "products/turns", "products/truncated_tool_outputs"} <= set(metrics)
+    assert 1 <= metrics["products/turns"] <= 2
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 6 and all(line["trajectory"]["messages"][0]["role"] == "assistant" for line in lines)
+    assert all(line["completion"] == [t for t in line["trajectory"]["messages"] if t["role"] == "assistant"][-1]["content"]
+               for line in lines)
+
+
+def test_suites_with_tools_refuse_pass_k():
+    from pydantic import ValidationError
+
+    from alignment.config.evaluate import SuiteSpec
+
+    with pytest.raises(ValidationError, match="pass_k is not computed for suites with tools"):
+        SuiteSpec(name="p", data={"task": "tool_arithmetic"}, verifier="arithmetic", tools=["calculator"],
+                  pass_k={"n": 4})

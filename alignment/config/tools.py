@@ -43,6 +43,9 @@ class ToolUse(Strict):
                            "the last that calls a tool")
     tool_format: Literal[TOOL_FORMATS] | None = Field(None, description="how tool calls are written, for chat "
                                                       "templates without tool support (default: the template's own)")
+    describe_tools: bool = Field(True, description="describe the tools in a system message (templates without tool "
+                                 "support); false: the prompts stay as in the data, for a model taught the calls "
+                                 "by demonstrations (a small context)")
     max_tool_output_tokens: int = Field(256, gt=0, description="a tool result longer than this is cut, with a "
                                         "marker, and counted (truncated_tool_outputs)")
     tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take")
@@ -55,7 +58,7 @@ class ToolUse(Strict):
     @model_validator(mode="after")
     def _tools_named(self):
         given = self.model_fields_set & {"max_turns", "tool_format", "max_tool_output_tokens", "tool_timeout",
-                                         "max_tool_time"}
+                                         "max_tool_time", "describe_tools"}
         if given and not self.uses_tools:
             raise ValueError(f"{', '.join(sorted(given))} only apply with `tools:` or `environment:`")
         return self

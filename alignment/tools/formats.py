@@ -154,9 +154,12 @@ class ToolFormat:
         return (f"You may call tools. Their signatures:\n{listing}\nTo call one, answer with only:\n{example}\n"
                 "The result comes back in the next turn.")
 
-    def render_prompt(self, tokenizer, prompt, schemas: list[dict]) -> str:
-        """The prompt with the tools described, ending where the model's answer starts."""
+    def render_prompt(self, tokenizer, prompt, schemas: list[dict], describe: bool = True) -> str:
+        """The prompt with the tools described, ending where the model's answer starts. `describe=False`: as
+        written in the data (a model taught its calls by demonstrations)."""
         messages = as_messages(prompt)
+        if not describe:
+            return render_prompt(tokenizer, messages)
         if self.native:
             return tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
         description = self.describe(schemas)

@@ -85,11 +85,12 @@ class Trajectory:
 
     def record(self) -> dict:
         """The trajectory for samples.jsonl and stage logs: turns, counts, why it stopped."""
-        return {"turns": self.turns, "stop_reason": self.stop_reason, **{k: self.counts[k] for k in COUNTS},
+        return {"messages": self.turns, "stop_reason": self.stop_reason, **{k: self.counts[k] for k in COUNTS},
                 **({"environment_reward": self.reward} if self.environment is not None else {})}
 
 
-def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: list[dict]) -> list[Trajectory]:
+def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: list[dict],
+          describe: bool = True) -> list[Trajectory]:
     """One trajectory per (prompt, row): a fresh environment reset to the row (its note appended to the last
     user message), the prompt rendered with the tools described and tokenized once."""
     trajectories = []
@@ -98,7 +99,7 @@ def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: lis
         if note:
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             prompt = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + note}]
-        text = fmt.render_prompt(tokenizer, prompt, toolbox.schemas)
+        text = fmt.render_prompt(tokenizer, prompt, toolbox.schemas, describe)
         trajectories.append(Trajectory(encode(tokenizer, text), toolbox.bind(environment), environment))
     return trajectories
 

@@ -75,7 +75,8 @@ class ToolRollouts:
         hands the rollout. With an environment, rows must differ in their prompt (reset gets the row)."""
         prepared = []
         for row in rows:
-            text = self.format.render_prompt(self.tokenizer, row[SOURCE_PROMPT], self.toolbox.schemas)
+            text = self.format.render_prompt(self.tokenizer, row[SOURCE_PROMPT], self.toolbox.schemas,
+                                             self.config.describe_tools)
             other = self.rows.setdefault(text, row)
             if other is not row and self.toolbox.environment is not None and other != row:
                 raise UserError(f"{self.where}.data: two rows have the same prompt but different columns; with an "
@@ -89,7 +90,8 @@ class ToolRollouts:
         settings = SamplingSpec(max_new_tokens=args.max_completion_length, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k or 0, batch_size=max(len(prompts), 1))
         rows = [self.rows[p] for p in prompts]
-        trajectories = start(self.tokenizer, self.format, self.toolbox, [r[SOURCE_PROMPT] for r in rows], rows)
+        trajectories = start(self.tokenizer, self.format, self.toolbox, [r[SOURCE_PROMPT] for r in rows], rows,
+                             self.config.describe_tools)
         model = trainer.accelerator.unwrap_model(trainer.model)
         rollout(model, self.tokenizer, trajectories, self.format, settings,
                 RolloutLimits.of(self.config, args.max_completion_length))
@@ -117,7 +119,8 @@ class ToolRollouts:
     def save(self, out_dir: Path) -> None:
         """tools.json beside the checkpoint: how the policy was prompted and how it calls tools."""
         record = {"tool_format": self.format.style, "native_template": self.format.native,
-                  "tools": self.toolbox.schemas, "max_turns": self.config.max_turns}
+                  "tools": self.toolbox.schemas, "max_turns": self.config.max_turns,
+                  "described_in_prompt": self.config.describe_tools}
         (Path(out_dir) / "tools.json").write_text(json.dumps(record, indent=2))
 
 
