@@ -4,11 +4,13 @@ rollout, tool tokens masked), what `align check` refuses, and the shipped tools 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from conftest import SMALLEST_MODEL, write_recipe
 
+from alignment.tasks import tool_arithmetic
 from alignment.tools.formats import Call, ToolFormat
 
 TRAIN = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 48,
@@ -107,3 +109,56 @@ def test_suites_with_tools_refuse_pass_k():
     with pytest.raises(ValidationError, match="pass_k is not computed for suites with tools"):
         SuiteSpec(name="p", data={"task": "tool_arithmetic"}, verifier="arithmetic", tools=["calculator"],
                   pass_k={"n": 4})
+
+
+def scripted_calculator_user(tokenizer):
+    """A stand-in for sampling.generate_ids: on a product prompt it calls the calculator, then answers with the
+    last tool result (log-prob 0 per token); the turns are the model's, the results the rollout's."""
+    from alignment.data.formatting import encode
+    from alignment.sampling import Sample
+
+    eot = tokenizer.convert_tokens_to_ids("<|end|>")
+
+    def generate_ids(model, tokenizer_, prompt_ids, settings, progress=None, logprobs=False):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            text = tokenizer.decode(ids)
+            if "<tool_response>" in text:
+                reply = re.findall(r"<tool_response>\s*(-?\d+)", text)[-1]
+            else:
+                reply = tool_arithmetic.call_text(re.findall(r"\d+\*\d+", text)[-1])
+            turn = encode(tokenizer, reply) + [eot]
+            out.append(Sample(i, "", turn, finished=True, logprobs=[0.0] * len(turn)))
+        return out
+
+    return generate_ids
+
+
+def test_rsft_selects_whole_trajectories_and_trains_with_tool_results_masked(tmp_path, monkeypatch):
+    from alignment.config.recipe import load_recipe
+    from alignment.models.tiny import build_tokenizer
+    from alignment.run.runner import run_recipe
+    from alignment.tools import rollout as rollout_module
+
+    monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
+    stage = {"kind": "rsft", "data": {"task": "tool_arithmetic", "split": "train", "n": 8}, "verifiers": ["arithmetic"],
+             "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False, "max_turns": 2,
+             "sampling": {"n": 2, "max_new_tokens": 200},
+             "train": {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 256}}
+    loaded = load_recipe(write_recipe(tmp_path, {"name": "rsft-tools", "model": SMALLEST_MODEL,
+                                                 "output_dir": str(tmp_path / "out"), "seed": 1,
+                                                 "stages": {"rsft": stage}}))
+    metrics = run_recipe(loaded)["rsft"]
+    metrics = metrics.get("metrics", metrics)
+    assert metrics["round1/selected"] == 8 and metrics["round1/pass_rate"] == 1.0
+    rows = [json.loads(line) for line in (loaded.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
+    tokenizer = build_tokenizer()
+    for row in rows:
+        mask, ids = row["completion_mask"], row["input_ids"]
+        sampled = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        # (the tiny model's reloaded tokenizer drops whitespace, so compare without it)
+        expected = tool_arithmetic.call_text(re.findall(r"\d+\*\d+", row["prompt"])[-1]) + "<|end|>" + \
+            row["completion"] + "<|end|>"
+        assert re.sub(r"\s", "", sampled) == re.sub(r"\s", "", expected)
+        assert "<tool_response>" in tokenizer.decode(ids) and "<tool_response>" not in sampled
+        assert row["trajectory"]["tool_calls"] == 1 and row["trajectory"]["stop_reason"] == "answer"

@@ -57,6 +57,7 @@ from ..training.prompts import prompt_of
 from ..training.rewards import build_rewards, combined_scores, resolve_all
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
+from ..training.tool_rollouts import ToolRollouts, sample_trajectories
 from ..training.trainer import make_sft_trainer, save_model, train
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 # ---------------------------------------------------------------------------------------------------
 # Data, scoring, sampling
+
+
+# With tools, a selected row also holds its trajectory's token row and record (training/tool_rollouts.py).
+TRAJECTORY_KEYS = ("input_ids", "completion_mask", "trajectory")
 
 
 def make_scorer(ctx: StageContext):
@@ -142,18 +147,24 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
     prompts = [prompt_of(r) for r in batch]
     model = load_policy(policy, ctx.recipe.trust_remote_code).to(_device())
-    samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
-                       progress=f"{ctx.where} round {round_index} sampling")
+    progress, token_rows_of = f"{ctx.where} round {round_index} sampling", None
+    if cfg.uses_tools:  # multi-turn rollouts; each keeps its token row, tool results masked out of the loss
+        tools = ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where)
+        samples, token_rows_of = sample_trajectories(model, tokenizer, tools, prompts, batch, cfg.sampling, progress)
+    else:
+        samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
+                           progress=progress)
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
     selected, covered = [], 0
     for i, prompt in enumerate(prompts):
-        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j]}
+        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j],
+                  **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {})}
                  for j, s in enumerate(samples[i * cfg.sampling.n:(i + 1) * cfg.sampling.n])]
         kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers))
         covered += bool(kept)
-        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"]}
-                     for c in kept]
+        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"],
+                      **{k: c[k] for k in TRAJECTORY_KEYS if k in c}} for c in kept]
     n = max(len(samples), 1)
     stats = {
         "round": round_index, "prompts": len(prompts), "samples": len(samples), "selected": len(selected),
@@ -188,7 +199,12 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     where = f"{ctx.where} round {round_index}"
-    rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where)
+    if "input_ids" in selected[0]:  # trajectories with tools: their own ids, tool results masked
+        rows = [{k: r[k] for k in ("input_ids", "completion_mask")} for r in selected]
+        rows = drop_overlong(rows, args.max_length, where, length=lambda r: r["completion_mask"].index(1))
+    else:
+        rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length,
+                             where)
     truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
     policy_model = load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True)
     trainer = make_sft_trainer(ctx, args, policy_model, tokenizer, rows)
@@ -211,6 +227,8 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 def check(ctx: StageContext) -> None:
 
     sft_args(ctx, ctx.work_dir)
+    if ctx.config.uses_tools:
+        ToolRollouts(ctx.config, ctx.load_tokenizer(), [ctx.recipe.base_dir], ctx.where)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):

@@ -28,6 +28,7 @@ from pathlib import Path
 from ..config.sampling import SamplingSpec
 from ..errors import UserError
 from ..runtime.dist import PARTITIONED, get_logger, launched_engine
+from ..sampling import Sample
 from ..tools.formats import ToolFormat
 from ..tools.registry import Toolbox, resolve_tools
 from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
@@ -146,3 +147,22 @@ class AnswerReward:
 def environment_reward(prompts=None, completions=None, environment_reward=None, **_) -> list[float]:
     """The environment's reward() of each finished rollout (TRL logs it as rewards/environment_reward)."""
     return [float(r or 0.0) for r in environment_reward or [0.0] * len(completions or [])]
+
+
+def sample_trajectories(model, tokenizer, tools: ToolRollouts, prompts: list, rows: list[dict],
+                        settings: SamplingSpec, progress: str | None = None) -> tuple[list[Sample], list[dict]]:
+    """`settings.n` multi-turn rollouts per prompt (rsft): one Sample per rollout holding its final answer
+    (`finished` when it ended with an answer), and per rollout the token row SFT trains on
+    (`input_ids`, `completion_mask` = 1 on the model's own tokens only: tool results are out of the loss) with
+    the trajectory's record. `settings.max_new_tokens` bounds the whole trajectory after the prompt."""
+    n = settings.n
+    repeated = [(i, p, r) for i, (p, r) in enumerate(zip(prompts, rows)) for _ in range(n)]
+    trajectories = start(tokenizer, tools.format, tools.toolbox, [p for _, p, _ in repeated],
+                         [r for _, _, r in repeated], tools.config.describe_tools)
+    rollout(model, tokenizer, trajectories, tools.format, settings,
+            RolloutLimits.of(tools.config, settings.max_new_tokens), progress)
+    samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
+               for (i, _, _), t in zip(repeated, trajectories)]
+    token_rows = [{"input_ids": t.prompt_ids + t.ids, "completion_mask": [0] * len(t.prompt_ids) + t.mask,
+                   "trajectory": t.record()} for t in trajectories]
+    return samples, token_rows
