@@ -21,6 +21,10 @@ and generation stops at the template's end-of-turn token. Recipe keys under `tra
 `per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
 steps_per_generation` must be a multiple of `num_generations`.
 
+With `tools:` / `environment:` / `max_turns` the completions are multi-turn rollouts with tools, sampled by our
+rollout through TRL's `rollout_func` (training/tool_rollouts.py says why not TRL's own `tools=`), tool results
+masked out of the loss; the verifiers score the final answer.
+
 Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
 policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs). The
 stage checks that vllm is installed before anything loads (and, without a GPU, that colocate mode is not

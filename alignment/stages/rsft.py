@@ -19,6 +19,10 @@ round's policy; its `adapter/` is kept only with one round (with more, the adapt
 intermediate round that is not kept). The selected data of round k is `selected_round<k>.jsonl` in
 the output (prompt, completion, score), ready to reuse as SFT data.
 
+With `tools:` (or `environment:`; training/tool_rollouts.py), each sample is a multi-turn rollout with tools:
+the verifiers (or the reward model) score its final answer, and a selected rollout is trained on as sampled, its
+own token ids with the tool results masked out of the loss; its trajectory is kept in the selected data.
+
 Resume: each finished round leaves `round<k>/round.json` in the stage's work folder with its policy;
 a rerun continues with the next round. A round that crashed after sampling reuses its samples and
 resumes its trainer checkpoint.
