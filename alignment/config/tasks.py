@@ -36,9 +36,9 @@ class ToolArithmeticParams(Strict):
     digits: tuple[int, int] = Field((3, 2), description="digits of the two factors")
     demonstrations: bool = Field(False, description="rows hold `messages` demonstrating an answer (SFT); "
                                  "false: `prompt` and `answer` only (RL, evaluation)")
-    call_fraction: float = Field(0.5, ge=0, le=1, description="share of demonstrated problems that call the calculator "
-                                 "(each gives two rows: the call, and the answer after the result); the others are "
-                                 "answered directly")
+    call_fraction: float = Field(0.5, ge=0, le=1, description="share of demonstrated problems whose first turn calls "
+                                 "the calculator (the others answer directly); every problem also demonstrates the "
+                                 "answer after the calculator's result")
     phrasing: Literal["compact", "chat"] = "compact"
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
 

@@ -226,6 +226,8 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
     """(scores {METRIC: value}, per-sample rows, (main texts, rm scores)) of one loaded model on one suite."""
     spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
     if suite.toolbox is not None:
+        if judges.reference is not None:
+            log.info(f"[{where}] no KL for a suite with tools: it would need the tool-result mask (not done yet)")
         main, tool_scores, trajectories = tool_samples(model, tokenizer, suite, where)
         scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
         for row, trajectory in zip(rows, trajectories):

@@ -208,10 +208,10 @@ def run(ctx: StageContext) -> dict:
     rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     verifiers = [r.verifier for r in rewards]
     tokenizer = ctx.load_tokenizer()
+    tools = tool_rollouts(ctx, tokenizer)  # refuses what it cannot run (FSDP2, ZeRO-3) before the model loads
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     stop_at_end_of_turn(model, tokenizer)
     stop_vllm_at_end_of_turn(args, tokenizer, model)
-    tools = tool_rollouts(ctx, tokenizer)
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
     eval_rows = None
     if ctx.config.eval_data:

@@ -1,10 +1,11 @@
 """Products of a 3-digit and a 2-digit number ("What is 123*45?"), a task that needs a calculator: the offline
 task of tool use (recipes/smollm2-135m/tools.yaml, tests/test_tools_learning.py).
 
-`demonstrations: true` gives SFT rows (`messages`): a `call_fraction` share of the problems is demonstrated as a
-calculator call in two rows, the call itself ([user, assistant: <tool_call>...]) and the answer after the
-result ([user, assistant: call, tool: <tool_response>...</tool_response>, assistant: answer]), because SFT trains
-the last assistant turn of a row; the other problems are answered directly. The calls are written in the
+`demonstrations: true` gives two SFT rows (`messages`) per problem, because SFT trains the last assistant turn of
+a row: the first turn, a calculator call ([user, assistant: <tool_call>...]) for a `call_fraction` share of the
+problems and a direct answer for the others; and the answer after the calculator's result ([user, assistant:
+call, tool: <tool_response>...</tool_response>, assistant: answer]), for every problem, so that a policy which
+calls learns to use the result whatever share of problems demonstrates the call. The calls are written in the
 `hermes` tool format for a chat template without tool support (a recipe's `tool_format: hermes`), as
 alignment/tools/formats.py renders them (tests/test_tools_learning.py holds the two equal). Otherwise rows hold
 `prompt` and `answer`, and the verifier is arithmetic's.
@@ -53,9 +54,8 @@ def _rows(a: int, b: int, params: ToolArithmeticParams, rng: random.Random) -> l
     if not params.demonstrations:
         return [{"prompt": question, "answer": answer}]
     user = {"role": "user", "content": question}
-    if rng.random() >= params.call_fraction:
-        return [{"messages": [user, {"role": "assistant", "content": answer}], "answer": answer}]
     call = {"role": "assistant", "content": call_text(expression)}
     result = {"role": "tool", "name": "calculator", "content": result_text(answer)}
-    return [{"messages": [user, call], "answer": answer},
+    first = call if rng.random() < params.call_fraction else {"role": "assistant", "content": answer}
+    return [{"messages": [user, first], "answer": answer},
             {"messages": [user, call, result, {"role": "assistant", "content": answer}], "answer": answer}]
