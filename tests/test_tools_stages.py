@@ -151,6 +151,8 @@ def test_rsft_selects_whole_trajectories_and_trains_with_tool_results_masked(tmp
     metrics = run_recipe(loaded)["rsft"]
     metrics = metrics.get("metrics", metrics)
     assert metrics["round1/selected"] == 8 and metrics["round1/pass_rate"] == 1.0
+    assert metrics["round1/tool_call_rate"] == 1.0 and metrics["round1/tool_errors"] == 0
+    assert json.loads((loaded.stage_dir("rsft") / "tools.json").read_text())["tool_format"] == "hermes"
     rows = [json.loads(line) for line in (loaded.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
     tokenizer = build_tokenizer()
     for row in rows:

@@ -179,6 +179,11 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     }
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
+    if token_rows_of:  # what the rollouts did with their tools, per sample
+        records = [r["trajectory"] for r in token_rows_of]
+        stats["tool_call_rate"] = sum(r["tool_calls"] > 0 for r in records) / n
+        stats.update({key: sum(r[key] for r in records) for key in ("tool_calls", "tool_errors", "parse_failures",
+                                                                     "truncated_tool_outputs")})
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
              f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
              f"mean score {stats['mean_score']:.3f})")
@@ -265,6 +270,8 @@ def run(ctx: StageContext) -> dict:
         records.append(record)
     if ctx.is_main:
         write_output(ctx, policy, records, load_policy, save_checkpoint, tokenizer)
+        if cfg.uses_tools:  # how the policy calls its tools, beside the checkpoint
+            ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where).save(ctx.out_dir)
     return stage_result(records, rewards)
 
 
@@ -290,7 +297,8 @@ def stage_result(records: list[dict], rewards) -> dict:
         history += record["log_history"]
         history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
-                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated")})
+                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
+                         "tool_call_rate", "tool_errors", "parse_failures")})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)
