@@ -164,3 +164,21 @@ def test_rsft_selects_whole_trajectories_and_trains_with_tool_results_masked(tmp
         assert re.sub(r"\s", "", sampled) == re.sub(r"\s", "", expected)
         assert "<tool_response>" in tokenizer.decode(ids) and "<tool_response>" not in sampled
         assert row["trajectory"]["tool_calls"] == 1 and row["trajectory"]["stop_reason"] == "answer"
+
+
+def test_the_tasks_demonstrations_are_written_as_the_rollout_writes_calls_and_results():
+    """tool_arithmetic's SFT rows, rendered by the chat template, are what the rollout builds: prompt, the call,
+    end of turn, then the tool result turn rendered on its own."""
+    from alignment.config.tasks import ToolArithmeticParams
+    from alignment.models.tiny import build_tokenizer
+
+    fmt = ToolFormat("hermes", native=False)
+    assert tool_arithmetic.call_text("12*3") == fmt.call_text([Call("calculator", {"expression": "12*3"})])
+    rows = tool_arithmetic.build(ToolArithmeticParams(n=50, demonstrations=True, call_fraction=1.0), "train", 0)
+    tokenizer = build_tokenizer()
+    messages = rows[1]["messages"]
+    prompt = fmt.render_prompt(tokenizer, messages[:1], [], describe=False)
+    rendered = tokenizer.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True)
+    assert rendered == (prompt + messages[1]["content"] + "<|end|>" +
+                        fmt.result_text(tokenizer, [("calculator", rows[1]["answer"])]))
+    assert [len(r["messages"]) for r in rows[:2]] == [2, 4]  # the call, then the answer after its result

@@ -1,5 +1,5 @@
 """Products of a 3-digit and a 2-digit number ("What is 123*45?"), a task that needs a calculator: the offline
-task of tool use (recipes/smollm2-135m/tools.yaml, tests/test_tools_learning.py).
+task of tool use (recipes/smollm2-135m/tools.yaml).
 
 `demonstrations: true` gives two SFT rows (`messages`) per problem, because SFT trains the last assistant turn of
 a row: the first turn, a calculator call ([user, assistant: <tool_call>...]) for a `call_fraction` share of the
@@ -7,7 +7,7 @@ problems and a direct answer for the others; and the answer after the calculator
 call, tool: <tool_response>...</tool_response>, assistant: answer]), for every problem, so that a policy which
 calls learns to use the result whatever share of problems demonstrates the call. The calls are written in the
 `hermes` tool format for a chat template without tool support (a recipe's `tool_format: hermes`), as
-alignment/tools/formats.py renders them (tests/test_tools_learning.py holds the two equal). Otherwise rows hold
+alignment/tools/formats.py renders them (tests/test_tools_stages.py holds the two equal). Otherwise rows hold
 `prompt` and `answer`, and the verifier is arithmetic's.
 """
 
