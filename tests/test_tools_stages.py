@@ -182,3 +182,49 @@ def test_the_tasks_demonstrations_are_written_as_the_rollout_writes_calls_and_re
     assert rendered == (prompt + messages[1]["content"] + "<|end|>" +
                         fmt.result_text(tokenizer, [("calculator", rows[1]["answer"])]))
     assert [len(r["messages"]) for r in rows[:2]] == [2, 4]  # the call, then the answer after its result
+
+
+CHECKED_CALCULATOR = '''
+import re
+
+from alignment.tools.builtins import calculator as exact
+
+
+class CheckedCalculator:
+    def reset(self, row):
+        self.expected, self.asked = re.findall(r"\\d+\\*\\d+", str(row["prompt"]))[-1], False
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression exactly.
+
+        Args:
+            expression: numbers with + - * / ** and parentheses
+        """
+        self.asked = self.asked or expression.replace(" ", "") == self.expected
+        return exact(expression)
+
+    def reward(self):
+        return float(self.asked)
+'''
+
+
+def test_rlvr_with_an_environment_gets_its_reward(tmp_path, monkeypatch):
+    """An environment's methods are the tools and its reward() reaches GRPO as one more reward (weight 1), through
+    TRL's rollout_func fields; the scripted user asks each problem's own product, so every rollout earns it."""
+    from alignment.config.recipe import load_recipe
+    from alignment.models.tiny import build_tokenizer
+    from alignment.run.runner import run_recipe
+    from alignment.tools import rollout as rollout_module
+
+    (tmp_path / "calc_env.py").write_text(CHECKED_CALCULATOR)
+    monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
+    stage = recipe(tmp_path, tools=[], environment="calc_env:CheckedCalculator", describe_tools=False,
+                   data={"task": "tool_arithmetic", "split": "train", "n": 32},
+                   train={**TRAIN, "max_completion_length": 200})
+    loaded = load_recipe(write_recipe(tmp_path, stage))
+    metrics = run_recipe(loaded)["rlvr"]
+    metrics = metrics.get("metrics", metrics)
+    history = json.loads((loaded.stage_dir("rlvr") / "log_history.json").read_text())
+    rewards = [h["rewards/environment_reward/mean"] for h in history if "rewards/environment_reward/mean" in h]
+    assert rewards and all(r == 1.0 for r in rewards)
+    assert metrics["tools/call_rate"] == 1.0 and metrics["tools/tool_errors"] == 0

@@ -146,7 +146,9 @@ class AnswerReward:
 
 def environment_reward(prompts=None, completions=None, environment_reward=None, **_) -> list[float]:
     """The environment's reward() of each finished rollout (TRL logs it as rewards/environment_reward)."""
-    return [float(r or 0.0) for r in environment_reward or [0.0] * len(completions or [])]
+    if environment_reward is None:  # never a silent 0: the rollout_func's field did not reach the reward call
+        raise RuntimeError("the rollout's environment_reward field did not reach the reward function")
+    return [float(r or 0.0) for r in environment_reward]
 
 
 def sample_trajectories(model, tokenizer, tools: ToolRollouts, prompts: list, rows: list[dict],
