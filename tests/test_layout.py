@@ -24,6 +24,7 @@ LAYERS = [
     ("alignment.evaluation",),   # what evaluates and reports
     ("alignment.stages",),       # one module per stage kind
     ("alignment.training",),     # what the stages share for training
+    ("alignment.tools",),        # tools, environments and the multi-turn rollout
     ("alignment.sampling",),     # the one sampling path
     ("alignment.models",),       # model loading
     ("alignment.data",),         # data loading and the one rendering

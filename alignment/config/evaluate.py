@@ -16,6 +16,7 @@ from ..errors import UserError
 from .base import Strict, did_you_mean, explain, stage_ref
 from .data import DataSpec
 from .sampling import SamplingSpec
+from .tools import ToolUse
 
 SUITE_NAME = r"^[\w.@-]+$"
 
@@ -42,7 +43,7 @@ class PassAtKSpec(SamplingSpec):
         return self
 
 
-class SuiteSpec(Strict):
+class SuiteSpec(ToolUse):
     name: str = Field(pattern=SUITE_NAME, description="prefix of the suite's metric names")
     data: DataSpec = Field(description="the suite's prompts (`prompt` or `messages`) and the columns its verifier reads")
     verifier: str | None = Field(None, description="verifier key or module:function scoring each completion "
@@ -59,6 +60,8 @@ class SuiteSpec(Strict):
     def _one_main_completion(self):
         if self.sampling.n != 1:
             raise ValueError("sampling.n must be 1 (one completion per prompt); use pass_k: {n: ...} for several")
+        if self.uses_tools and self.pass_k is not None:
+            raise ValueError("pass_k is not computed for suites with tools yet (pass@1 with tools is)")
         if self.pass_k is not None:  # pass@k samples as long as the main completions unless told otherwise
             for key in ("max_new_tokens", "batch_size"):
                 if key not in self.pass_k.model_fields_set:

@@ -33,7 +33,23 @@ class ArithmeticParams(Strict):
                                       "completion drops the carry (answer, chosen and the verifier stay correct)")
 
 
-TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams}
+class ToolArithmeticParams(Strict):
+    """Keys of `data: {task: tool_arithmetic, ...}` (alignment/tasks/tool_arithmetic.py builds the rows):
+    products too long to multiply by heart, demonstrated with and without a calculator call."""
+
+    n: int = Field(1000, gt=0, description="number of problems")
+    digits: tuple[int, int] = Field((3, 2), description="digits of the two factors")
+    demonstrations: bool = Field(False, description="rows hold `messages` demonstrating an answer (SFT); "
+                                 "false: `prompt` and `answer` only (RL, evaluation)")
+    call_fraction: float = Field(0.5, ge=0, le=1, description="share of demonstrated problems whose first turn calls "
+                                 "the calculator (the others answer directly); every problem also demonstrates the "
+                                 "answer after the calculator's result")
+    phrasing: Literal["compact", "chat"] = Field("compact", description="compact: 'What is 123*45?'; chat: 'What is "
+                                                 "123 * 45? Answer with just the number.'")
+    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
+
+
+TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams, "tool_arithmetic": ToolArithmeticParams}
 
 
 def task_params_model(name: str) -> type[Strict]:

@@ -55,6 +55,7 @@ from ..rl import prompt_completion_batch, sequence_logprobs
 from ..runtime.dist import distributed_state, get_logger
 from ..sampling import generate
 from ..tasks.arithmetic import agrees_with_stated
+from ..tools.registry import resolve_tools
 from ..training.prompts import check_prompt_rows, prompt_of
 from ..training.scoring import score_texts
 from ..verifiers import is_pass, resolve
@@ -66,6 +67,7 @@ from .metrics import (
     win_rate,
 )
 from .report import markdown_table, plot_metrics, plot_training_curves, report_markdown
+from .tool_suites import tool_samples
 
 log = get_logger(__name__)
 
@@ -130,6 +132,7 @@ class Suite:
     rows: list[dict]
     prompts: list
     verifier: Any = None
+    toolbox: Any = None  # with `tools:`: the suite samples multi-turn rollouts (tool_suites.py)
 
     @property
     def sycophancy(self) -> bool:  # rows that state the user's (wrong) answer, as arithmetic's style: sycophancy
@@ -154,7 +157,9 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
         dataset = load_rows(spec.data, seed, base_dir, where=where)
         check_prompt_rows(dataset, [verifier] if verifier else [], where, spec.data)
         rows = [dict(r) for r in dataset]
-        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier))
+        toolbox = (resolve_tools(spec.tools, spec.environment, [base_dir] if base_dir else [],
+                                 f"evaluate.suites.{index} ({spec.name})") if spec.uses_tools else None)
+        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier, toolbox))
     return loaded
 
 
@@ -220,6 +225,14 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
 def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
     """(scores {METRIC: value}, per-sample rows, (main texts, rm scores)) of one loaded model on one suite."""
     spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
+    if suite.toolbox is not None:
+        if judges.reference is not None:
+            log.info(f"[{where}] no KL for a suite with tools: it would need the tool-result mask (not done yet)")
+        main, tool_scores, trajectories = tool_samples(model, tokenizer, suite, where)
+        scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
+        for row, trajectory in zip(rows, trajectories):
+            row["trajectory"] = trajectory
+        return {**scores, **tool_scores}, rows, ([s.text for s in main], rm_scores)
     prompts = [render_prompt(tokenizer, p) for p in suite.prompts]
     main = generate(model, tokenizer, prompts, spec.sampling, progress=where)
     scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)

@@ -12,16 +12,27 @@ scores what was sampled.
 from __future__ import annotations
 
 from ..config.sampling import SamplingSpec
+from ..errors import UserError
 from . import hf, vllm_engine
 from .samples import Sample, lora_merged, stop_token_ids
 
-__all__ = ["Sample", "SamplingSpec", "close", "generate", "lora_merged", "stop_token_ids"]
+__all__ = ["Sample", "SamplingSpec", "close", "generate", "generate_ids", "lora_merged", "stop_token_ids"]
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` completions of every rendered prompt; `progress` names a progress bar (None: no bar)."""
     sampler = vllm_engine if settings.backend == "vllm" else hf
     return sampler.generate(model, tokenizer, prompts, settings, progress)
+
+
+def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
+                 logprobs: bool = False) -> list[Sample]:
+    """`generate` on prompts given as token ids, optionally with the sampler's log-probs (multi-turn rollouts).
+    Only the transformers backend takes ids so far."""
+    if settings.backend == "vllm":
+        raise UserError("Multi-turn rollouts with tools sample with `backend: transformers`; the vLLM backend takes "
+                        "rendered prompts only so far.")
+    return hf.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs)
 
 
 def close() -> None:

@@ -25,8 +25,8 @@ on the CPU test models; not checked on a GPU).
 Not covered: sharded models (FSDP2 needs every process to run the same number of forwards: hf.py sends them
 to `generate`), the static cache and compiled decoding (fixed shapes, which compaction changes: `generate`
 too), models whose cache is not a `DynamicCache` of plain layers (sliding-window or linear-attention
-layers: not checked). Per-token log-probs of the sampled ids under the raw model (no temperature or
-truncation) come back beside the ids, as vLLM's `raw_logprobs` do.
+layers: not checked). Per-token log-probs of the sampled ids under the distribution they were drawn from
+(logits / temperature, before top-k/top-p truncation; temperature 1 when greedy) come back beside the ids.
 """
 
 from __future__ import annotations
@@ -98,11 +98,12 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
                  settings: SamplingSpec, stops: list[int], pad_id: int) -> tuple[list[list[int]], list[list[float]]]:
     """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
     per distinct prompt). Returns each row's ids up to and including its stop token (or `max_new_tokens` of
-    them) and the raw model log-prob of each."""
+    them) and the log-prob of each under the distribution it was drawn from (`Sample.logprobs`)."""
     batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources)
     process, sample, cache_arg = warpers(settings), settings.temperature > 0, cache_name(model)
+    scale = settings.temperature if sample else 1.0  # log-probs of the distribution drawn from (Sample.logprobs)
     stop_ids = torch.tensor(stops, device=device)
     # Written on the device, read once at the end: no host round trip per row and step.
     ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -114,7 +115,7 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
         rows = live[running]
         tokens = next_tokens(process, logits, rows, batch, sample, pad_id)
         ids[rows, step] = tokens
-        logprobs[rows, step] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        logprobs[rows, step] = torch.log_softmax(logits / scale, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         lengths[rows] += 1
         ended = torch.isin(tokens, stop_ids)
         running[running.clone()] = ~ended

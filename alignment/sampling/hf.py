@@ -54,10 +54,20 @@ STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
     """`settings.n` samples per prompt, ordered prompt by prompt (sample j of prompt i at i*n+j)."""
+    encoded = [encode(tokenizer, p) for p in prompts]  # the prompt ids training puts before each completion
+    return generate_ids(model, tokenizer, encoded, settings, progress)
+
+
+def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingSpec, progress: str | None = None,
+                 logprobs: bool = False) -> list[Sample]:
+    """`generate` on prompts given as token ids (a multi-turn rollout continues the ids it holds, never
+    re-tokenizing them). `logprobs`: each Sample's `logprobs` holds log p(token) of every sampled token under
+    the distribution it was drawn from before top-k/top-p (log-softmax of logits / temperature, as TRL's GRPO
+    scores them); greedy decoding records the temperature-1 log-probs. `engine: loop` computes them on the way
+    whether asked or not."""
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
-    jobs = [(i, j) for i in range(len(prompts)) for j in range(settings.n)]
-    encoded = [encode(tokenizer, p) for p in prompts]  # the prompt ids training puts before each completion
+    jobs = [(i, j) for i in range(len(encoded)) for j in range(settings.n)]
     # Longest first: similar lengths share a batch, and an out-of-memory error shows up at once.
     jobs.sort(key=lambda job: -len(encoded[job[0]]))
     results: dict[tuple[int, int], Sample] = {}
@@ -70,14 +80,23 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
             if looped:
-                rows, logprobs = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+                rows, scores = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
             else:
-                rows, logprobs = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
-                                                device, synced), [None] * len(batch)
-            for (i, j), ids, logprob in zip(batch, rows, logprobs):
-                results[(i, j)] = to_sample(i, ids, stops, tokenizer, logprob)
+                rows, scores = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device,
+                                            synced, logprobs)
+            for (i, j), ids, score in zip(batch, rows, scores):
+                results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
     model.train(was_training)
-    return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+    return [results[(i, j)] for i in range(len(encoded)) for j in range(settings.n)]
+
+
+def token_logprobs(logits: tuple, sampled, temperature: float):
+    """[batch, steps] log-probs of the sampled ids from generate's per-step raw logits (one [batch, vocab] at a
+    time, so no [batch, steps, vocab] tensor is held)."""
+    scale = temperature if temperature > 0 else 1.0
+    columns = [torch.log_softmax(step.float() / scale, dim=-1).gather(-1, sampled[:, t : t + 1])
+               for t, step in enumerate(logits)]
+    return torch.cat(columns, dim=-1).cpu()
 
 
 def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +110,9 @@ def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False
 
 
 def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
-                   synced: bool) -> list[list[int]]:
-    """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a stop)."""
+                 synced: bool, logprobs: bool = False) -> tuple[list[list[int]], list]:
+    """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a
+    stop) and, when asked, their log-probs (`token_logprobs`), else None per row."""
     input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
     static = {"cache_implementation": "static"} if settings.cache == "static" else {}
     if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told
@@ -103,8 +123,12 @@ def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: li
         top_p=settings.top_p if settings.temperature > 0 else None,
         top_k=settings.top_k if settings.temperature > 0 else None,
         eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced, **static,
+        **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
     )
-    return output[:, input_ids.shape[1]:].tolist()
+    sampled = (output.sequences if logprobs else output)[:, input_ids.shape[1]:]
+    if not logprobs:
+        return sampled.tolist(), [None] * len(rows)
+    return sampled.tolist(), token_logprobs(output.logits, sampled, settings.temperature).tolist()
 
 
 def compile_everywhere(device) -> CompileConfig:

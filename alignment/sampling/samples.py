@@ -20,8 +20,9 @@ class Sample:
     text: str  # completion text without special tokens
     token_ids: list[int] = field(default_factory=list)  # sampled ids, through the stop token if one was sampled
     finished: bool = False  # ended with the end-of-turn / EOS token
-    # log p(token) of each of `token_ids` under the raw model (fp32, before temperature and truncation), where the
-    # sampler computes them on the way (`engine: loop`); None where it does not
+    # log p(token) of each of `token_ids` under the distribution it was drawn from, before top-k/top-p truncation
+    # (fp32 log-softmax of logits / temperature; temperature 1 when greedy): computed on the way by `engine: loop`,
+    # on request by `hf.generate_ids(..., logprobs=True)`; None where the sampler does not compute them
     logprobs: list[float] | None = None
 
 

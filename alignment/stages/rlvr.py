@@ -21,6 +21,10 @@ and generation stops at the template's end-of-turn token. Recipe keys under `tra
 `per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
 steps_per_generation` must be a multiple of `num_generations`.
 
+With `tools:` / `environment:` / `max_turns` the completions are multi-turn rollouts with tools, sampled by our
+rollout through TRL's `rollout_func` (training/tool_rollouts.py says why not TRL's own `tools=`), tool results
+masked out of the loss; the verifiers score the final answer.
+
 Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
 policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs). The
 stage checks that vllm is installed before anything loads (and, without a GPU, that colocate mode is not
@@ -57,6 +61,7 @@ from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
 from ..training.rewards import SOURCE_PROMPT, GroupSignal, build_rewards, resolve_all
+from ..training.tool_rollouts import ToolRollouts
 from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
@@ -174,9 +179,19 @@ def check(ctx: StageContext) -> None:
     trl_config(ctx)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     tokenizer = ctx.load_tokenizer()
-    prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
+    tools = tool_rollouts(ctx, tokenizer)
+    rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
     if ctx.config.eval_data:
-        prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+        rows += prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+    if tools:
+        tools.prepare(rows)
+
+
+def tool_rollouts(ctx: StageContext, tokenizer) -> ToolRollouts | None:
+    """The multi-turn rollout with `tools:`/`environment:` (training/tool_rollouts.py), or None without them."""
+    if not ctx.config.uses_tools:
+        return None
+    return ToolRollouts(ctx.config, tokenizer, [ctx.recipe.base_dir], ctx.where)
 
 
 def run(ctx: StageContext) -> dict:
@@ -185,6 +200,7 @@ def run(ctx: StageContext) -> dict:
     rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     verifiers = [r.verifier for r in rewards]
     tokenizer = ctx.load_tokenizer()
+    tools = tool_rollouts(ctx, tokenizer)  # refuses what it cannot run (FSDP2, ZeRO-3) before the model loads
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     stop_at_end_of_turn(model, tokenizer)
     stop_vllm_at_end_of_turn(args, tokenizer, model)
@@ -192,20 +208,27 @@ def run(ctx: StageContext) -> dict:
     eval_rows = None
     if ctx.config.eval_data:
         eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+    if tools:
+        train_rows, eval_rows = tools.prepare(train_rows), eval_rows and tools.prepare(eval_rows)
+        args.reward_weights = [*args.reward_weights, 1.0] if tools.has_environment_reward else args.reward_weights
     over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
     signal = GroupSignal(rewards, [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
                          args.num_generations_eval)
     trainer = trainer_class(
-        model=model, reward_funcs=rewards, args=args, processing_class=tokenizer,
+        model=model, reward_funcs=tools.rewards(rewards) if tools else rewards, args=args, processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+        **({"rollout_func": tools} if tools else {}),
     )
     signal.training = lambda: trainer.model.training
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in rewards for k, v in r.totals().items()}
+    if tools:
+        tools.save(ctx.out_dir)
+        totals.update(tools.metrics())
     signal.report(ctx.stage_id, args.max_completion_length, masked=args.mask_truncated_completions)
     return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
 

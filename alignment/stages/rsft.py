@@ -19,6 +19,10 @@ round's policy; its `adapter/` is kept only with one round (with more, the adapt
 intermediate round that is not kept). The selected data of round k is `selected_round<k>.jsonl` in
 the output (prompt, completion, score), ready to reuse as SFT data.
 
+With `tools:` (or `environment:`; training/tool_rollouts.py), each sample is a multi-turn rollout with tools:
+the verifiers (or the reward model) score its final answer, and a selected rollout is trained on as sampled, its
+own token ids with the tool results masked out of the loss; its trajectory is kept in the selected data.
+
 Resume: each finished round leaves `round<k>/round.json` in the stage's work folder with its policy;
 a rerun continues with the next round. A round that crashed after sampling reuses its samples and
 resumes its trainer checkpoint.
@@ -56,6 +60,7 @@ from ..training.prompts import prompt_of
 from ..training.rewards import build_rewards, combined_scores, resolve_all
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
+from ..training.tool_rollouts import ToolRollouts, sample_trajectories
 from ..training.trainer import make_sft_trainer, save_model, sft_config, train
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,10 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 # ---------------------------------------------------------------------------------------------------
 # Data, scoring, sampling
+
+
+# With tools, a selected row also holds its trajectory's token row and record (training/tool_rollouts.py).
+TRAJECTORY_KEYS = ("input_ids", "completion_mask", "trajectory")
 
 
 def make_scorer(ctx: StageContext):
@@ -136,18 +145,24 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
     prompts = [prompt_of(r) for r in batch]
     model = load_policy(policy, ctx.recipe.trust_remote_code).to(_device())
-    samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
-                       progress=f"{ctx.where} round {round_index} sampling")
+    progress, token_rows_of = f"{ctx.where} round {round_index} sampling", None
+    if cfg.uses_tools:  # multi-turn rollouts; each keeps its token row, tool results masked out of the loss
+        tools = ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where)
+        samples, token_rows_of = sample_trajectories(model, tokenizer, tools, prompts, batch, cfg.sampling, progress)
+    else:
+        samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
+                           progress=progress)
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
     selected, covered = [], 0
     for i, prompt in enumerate(prompts):
-        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j]}
+        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j],
+                  **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {})}
                  for j, s in enumerate(samples[i * cfg.sampling.n:(i + 1) * cfg.sampling.n])]
         kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers))
         covered += bool(kept)
-        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"]}
-                     for c in kept]
+        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"],
+                      **{k: c[k] for k in TRAJECTORY_KEYS if k in c}} for c in kept]
     n = max(len(samples), 1)
     stats = {
         "round": round_index, "prompts": len(prompts), "samples": len(samples), "selected": len(selected),
@@ -158,6 +173,11 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     }
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
+    if token_rows_of:  # what the rollouts did with their tools, per sample
+        records = [r["trajectory"] for r in token_rows_of]
+        stats["tool_call_rate"] = sum(r["tool_calls"] > 0 for r in records) / n
+        stats.update({key: sum(r[key] for r in records) for key in ("tool_calls", "tool_errors", "parse_failures",
+                                                                     "truncated_tool_outputs")})
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
              f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
              f"mean score {stats['mean_score']:.3f})")
@@ -181,7 +201,12 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     where = f"{ctx.where} round {round_index}"
-    rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where)
+    if "input_ids" in selected[0]:  # trajectories with tools: their own ids, tool results masked
+        rows = [{k: r[k] for k in ("input_ids", "completion_mask")} for r in selected]
+        rows = drop_overlong(rows, args.max_length, where, length=lambda r: r["completion_mask"].index(1))
+    else:
+        rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length,
+                             where)
     truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
     policy_model = load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True)
     trainer = make_sft_trainer(ctx, args, policy_model, tokenizer, rows)
@@ -203,6 +228,8 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 def check(ctx: StageContext) -> None:
     sft_args(ctx, ctx.work_dir)
+    if ctx.config.uses_tools:
+        ToolRollouts(ctx.config, ctx.load_tokenizer(), [ctx.recipe.base_dir], ctx.where)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
@@ -234,6 +261,8 @@ def run(ctx: StageContext) -> dict:
         records.append(record)
     if ctx.is_main:
         write_output(ctx, policy, records, load_policy, save_checkpoint, tokenizer)
+        if cfg.uses_tools:  # how the policy calls its tools, beside the checkpoint
+            ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where).save(ctx.out_dir)
     return stage_result(records, rewards)
 
 
@@ -259,7 +288,8 @@ def stage_result(records: list[dict], rewards) -> dict:
         history += record["log_history"]
         history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
-                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated")})
+                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
+                         "tool_call_rate", "tool_errors", "parse_failures")})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)

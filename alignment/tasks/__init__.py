@@ -10,9 +10,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..config.tasks import task_params_model
-from . import arithmetic
+from . import arithmetic, tool_arithmetic
 
-TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic}
+TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic}
 
 
 def get_task(name: str) -> ModuleType:

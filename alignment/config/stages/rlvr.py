@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..data import DataSpec
+from ..tools import ToolUse
 from ..verifier import VerifierSpec
 from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
-class Config(StageConfig):
+class Config(StageConfig, ToolUse):
     kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
                                   "RLOOTrainer; the verifiers' weighted sum is the reward, with a KL penalty to the "
                                   "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
@@ -25,3 +26,10 @@ class Config(StageConfig):
                                                "2024, arXiv:2402.14740)")
     verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers (at least "
                                           "one)")
+
+    @model_validator(mode="after")
+    def _tools_need_grpo(self):
+        if self.uses_tools and self.algorithm != "grpo":
+            raise ValueError("tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func hook, which "
+                             "the multi-turn rollout uses)")
+        return self

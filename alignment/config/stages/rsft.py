@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..sampling import SamplingSpec
+from ..tools import ToolUse
 from ..verifier import VerifierSpec
 from .base import StageConfig
 
@@ -17,7 +18,7 @@ class RsftSampling(SamplingSpec):
     max_new_tokens: int = Field(256, gt=0, description="most tokens sampled per completion; one cut off without an "
                                 "end-of-turn token is never selected")
 
-class Config(StageConfig):
+class Config(StageConfig, ToolUse):
     kind: Literal["rsft"] = Field("rsft", description="rsft: rejection-sampling fine-tuning: sample N completions per "
                                   "prompt, keep the best, SFT on them (trl.SFTTrainer), for several rounds (expert "
                                   "iteration; RAFT, Dong et al. 2023; ReST-EM, Singh et al. 2023)")
@@ -49,6 +50,8 @@ class Config(StageConfig):
             raise ValueError("give exactly one of 'verifiers' (programmatic checks) or 'reward_model' to score samples")
         if self.select == "threshold" and self.threshold is None and self.reward_model is not None:
             raise ValueError("select: threshold with a reward model needs 'threshold' (the minimum score)")
+        if self.uses_tools and self.sampling.backend != "transformers":
+            raise ValueError("tools sample with `sampling: {backend: transformers}` (the multi-turn rollout)")
         if "k" in self.model_fields_set and self.select != "top_k":
             raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
         return self

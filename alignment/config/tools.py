@@ -1,0 +1,64 @@
+"""Tool use in a stage's rollouts: the keys `tools:`, `environment:`, `max_turns`, `tool_format` and the limits on
+tool output and time (torch-free; resolved by alignment/tools/registry.py, run by alignment/tools/rollout.py).
+
+A stage that samples (rlvr) takes these keys through `ToolUse`, a mixin of its `Config`:
+
+    tools: [calculator, {name: python, options: {timeout: 5}}, my_tools:lookup]
+    environment: my_env:Shop          # optional: one instance per rollout, its methods are tools too
+    max_turns: 4                      # assistant turns per rollout (a tool result between two of them)
+    tool_format: hermes               # only for chat templates without tool support (ChatML, the tiny model)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from .base import Strict
+
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
+
+
+class ToolSpec(Strict):
+    """One entry of `tools:`; a bare string is shorthand for `{name: ...}`."""
+
+    name: str = Field(description="built-in tool (calculator, python) or module:function (file next to the recipe)")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments bound to every call, "
+                                    "hidden from the model (the python tool's timeout, memory_mb, output_chars)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        return {"name": value} if isinstance(value, str) else value
+
+
+class ToolUse(Strict):
+    """Multi-turn rollouts with tools. No `tools:` and no `environment:` = single-turn sampling as before."""
+
+    tools: list[ToolSpec] = Field(default_factory=list, description="tools the model may call during a rollout")
+    environment: str | None = Field(None, description="module:Class with reset(row), tool methods and an optional "
+                                    "reward(); one instance per rollout")
+    max_turns: int = Field(4, ge=1, description="assistant turns per rollout; a tool result follows each turn but "
+                           "the last that calls a tool")
+    tool_format: Literal[TOOL_FORMATS] | None = Field(None, description="how tool calls are written, for chat "
+                                                      "templates without tool support (default: the template's own)")
+    describe_tools: bool = Field(True, description="describe the tools in a system message (templates without tool "
+                                 "support); false: the prompts stay as in the data, for a model taught the calls "
+                                 "by demonstrations (a small context)")
+    max_tool_output_tokens: int = Field(256, gt=0, description="a tool result longer than this is cut, with a "
+                                        "marker, and counted (truncated_tool_outputs)")
+    tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take")
+    max_tool_time: float = Field(60.0, gt=0, description="seconds all tool calls of one rollout may take together")
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools or self.environment)
+
+    @model_validator(mode="after")
+    def _tools_named(self):
+        given = self.model_fields_set & {"max_turns", "tool_format", "max_tool_output_tokens", "tool_timeout",
+                                         "max_tool_time", "describe_tools"}
+        if given and not self.uses_tools:
+            raise ValueError(f"{', '.join(sorted(given))} only apply with `tools:` or `environment:`")
+        return self

@@ -1,0 +1,170 @@
+"""Tools in RLVR: multi-turn rollouts (alignment/tools/rollout.py) as TRL's GRPOTrainer `rollout_func`.
+
+Why our own rollout and not TRL 1.16's `tools=` / `environment_factory=`: TRL's tool loop
+(`GRPOTrainer._tool_call_loop`) is token-in token-out and masks tool results (`tool_mask`), but it parses calls
+only through a tokenizer response schema it knows for a few templates (none for ChatML without tools, so not
+SmolLM2's or the tiny model's), needs conversational prompts, bounds neither a tool's time nor its output,
+counts a malformed call as nothing (it is not parsed as a call), and has no sandbox. TRL's `rollout_func`
+hook takes ids back with an `env_mask`, which GRPO multiplies into its loss mask (tool tokens get no gradient,
+no KL term and do not count as completion length) and forwards every other field to the reward functions: our
+rollout plugs in there, with its limits, counts and sandboxed `python` tool. RLOO (TRL 1.16's RLOOTrainer has
+no `rollout_func`) is refused with tools, as are FSDP2 and ZeRO-3 (the rollout samples from the unwrapped
+model on each process without gathering sharded weights) and `use_vllm` (the rollout samples with the
+transformers backend).
+
+The verifiers score the final assistant turn (`answer` of the trajectory), not the tool results; an
+environment's `reward()` is one more reward function with weight 1. Per rollout, the counts (turns, tool
+calls, tool errors, parse failures, cut tool outputs) are logged per step (`tools/...`) and summed in
+stage.json; `tools.json` beside the checkpoint records the tool format and the tools' schemas the policy was
+trained with, so it can be prompted the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from ..config.sampling import SamplingSpec
+from ..errors import UserError
+from ..runtime.dist import PARTITIONED, get_logger, launched_engine
+from ..sampling import Sample
+from ..tools.formats import ToolFormat
+from ..tools.registry import Toolbox, resolve_tools
+from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
+from .rewards import SOURCE_PROMPT
+
+log = get_logger(__name__)
+
+ANSWER = "tool_answer"  # the field holding each trajectory's final answer, forwarded to the reward functions
+EXTRA_FIELDS = (ANSWER, "environment_reward", *(f"tool_{k}" for k in COUNTS))
+
+
+def check_engine(config, where: str) -> None:
+    """Refuse before anything loads what the rollout cannot do."""
+    engine = launched_engine()
+    if engine in PARTITIONED:
+        raise UserError(f"{where}: tool rollouts do not run under {engine}: each process samples from its own "
+                        "unwrapped model and sharded weights are not gathered for it. Launch with DDP "
+                        "(configs/accelerate/ddp.yaml) or a single process.")
+    if getattr(config, "algorithm", "grpo") != "grpo":
+        raise UserError(f"{where}.algorithm: tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func "
+                        "hook, which the multi-turn rollout uses).")
+    if config.train.get("use_vllm"):
+        raise UserError(f"{where}.train.use_vllm: tool rollouts sample with the transformers backend; set "
+                        "use_vllm: false.")
+
+
+class ToolRollouts:
+    """Everything a GRPO stage needs for tools: the toolbox, the format, the rollout_func and the reward wrappers."""
+
+    def __init__(self, config, tokenizer, search_dirs: list[Path], where: str):
+        check_engine(config, where)
+        self.config, self.tokenizer, self.where = config, tokenizer, where
+        self.toolbox: Toolbox = resolve_tools(config.tools, config.environment, search_dirs, where)
+        self.format = ToolFormat.for_tokenizer(tokenizer, config.tool_format, where)
+        self.format.result_text(tokenizer, [("check", "ok")])  # a template that cannot render results fails now
+        self.rows: dict[str, dict] = {}
+        self.totals: Counter = Counter()
+
+    @property
+    def has_environment_reward(self) -> bool:
+        return self.toolbox.environment is not None and callable(getattr(self.toolbox.environment, "reward", None))
+
+    def prepare(self, rows: list[dict]) -> list[dict]:
+        """Rows with `prompt` rendered with the tools described; remembered by that text, which is all TRL
+        hands the rollout. With an environment, rows must differ in their prompt (reset gets the row)."""
+        prepared = []
+        for row in rows:
+            text = self.format.render_prompt(self.tokenizer, row[SOURCE_PROMPT], self.toolbox.schemas,
+                                             self.config.describe_tools)
+            other = self.rows.setdefault(text, row)
+            if other is not row and self.toolbox.environment is not None and other != row:
+                raise UserError(f"{self.where}.data: two rows have the same prompt but different columns; with an "
+                                "`environment:` each prompt must be unique, as the row reaches reset(row) through it.")
+            prepared.append({**row, "prompt": text})
+        return prepared
+
+    def __call__(self, prompts: list[str], trainer) -> dict:
+        """TRL's rollout_func: one trajectory per prompt (TRL repeats each prompt num_generations times)."""
+        args = trainer.args
+        settings = SamplingSpec(max_new_tokens=args.max_completion_length, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k or 0, batch_size=max(len(prompts), 1))
+        rows = [self.rows[p] for p in prompts]
+        trajectories = start(self.tokenizer, self.format, self.toolbox, [r[SOURCE_PROMPT] for r in rows], rows,
+                             self.config.describe_tools)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        rollout(model, self.tokenizer, trajectories, self.format, settings,
+                RolloutLimits.of(self.config, args.max_completion_length))
+        if trainer.model.training:
+            for t in trajectories:
+                self.totals.update({k: t.counts[k] for k in COUNTS}, rollouts=1, with_calls=int(t.counts["tool_calls"] > 0))
+        return {"prompt_ids": [t.prompt_ids for t in trajectories], "completion_ids": [t.ids for t in trajectories],
+                "logprobs": [t.logprobs for t in trajectories], "env_mask": [t.mask for t in trajectories],
+                ANSWER: [t.answer for t in trajectories],
+                "environment_reward": [t.reward for t in trajectories],
+                **{f"tool_{k}": [t.counts[k] for t in trajectories] for k in COUNTS}}
+
+    def rewards(self, verifier_rewards: list) -> list:
+        """TRL reward functions: each verifier on the final answers, plus the environment's reward if any."""
+        wrapped = [AnswerReward(reward) for reward in verifier_rewards]
+        return wrapped + ([environment_reward] if self.has_environment_reward else [])
+
+    def metrics(self) -> dict:
+        """For stage.json: summed counts over training rollouts, and the share of rollouts that called a tool."""
+        total = self.totals["rollouts"]
+        found = {f"tools/{k}": self.totals[k] for k in COUNTS}
+        return {**found, "tools/rollouts": total,
+                "tools/call_rate": self.totals["with_calls"] / total if total else 0.0}
+
+    def save(self, out_dir: Path) -> None:
+        """tools.json beside the checkpoint: how the policy was prompted and how it calls tools."""
+        record = {"tool_format": self.format.style, "native_template": self.format.native,
+                  "tools": self.toolbox.schemas, "max_turns": self.config.max_turns,
+                  "described_in_prompt": self.config.describe_tools}
+        (Path(out_dir) / "tools.json").write_text(json.dumps(record, indent=2))
+
+
+class AnswerReward:
+    """A verifier reward that scores each trajectory's final answer and logs the tool counts of the batch."""
+
+    def __init__(self, inner):
+        self.inner, self.weight, self.__name__ = inner, inner.weight, inner.__name__
+
+    def __call__(self, prompts=None, completions=None, **kwargs):
+        answers = kwargs.pop(ANSWER, None)
+        counts = {k: kwargs.pop(f"tool_{k}", None) for k in COUNTS}
+        kwargs.pop("environment_reward", None)
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric) and counts["turns"]:
+            n = len(counts["turns"])
+            log_metric("tools/call_rate", sum(c > 0 for c in counts["tool_calls"]) / n)
+            for key in ("turns", "tool_calls", "tool_errors", "parse_failures"):
+                log_metric(f"tools/{key}", sum(counts[key]) / n)
+        return self.inner(prompts=prompts, completions=answers if answers is not None else completions, **kwargs)
+
+
+def environment_reward(prompts=None, completions=None, environment_reward=None, **_) -> list[float]:
+    """The environment's reward() of each finished rollout (TRL logs it as rewards/environment_reward)."""
+    if environment_reward is None:  # never a silent 0: the rollout_func's field did not reach the reward call
+        raise RuntimeError("the rollout's environment_reward field did not reach the reward function")
+    return [float(r or 0.0) for r in environment_reward]
+
+
+def sample_trajectories(model, tokenizer, tools: ToolRollouts, prompts: list, rows: list[dict],
+                        settings: SamplingSpec, progress: str | None = None) -> tuple[list[Sample], list[dict]]:
+    """`settings.n` multi-turn rollouts per prompt (rsft): one Sample per rollout holding its final answer
+    (`finished` when it ended with an answer), and per rollout the token row SFT trains on
+    (`input_ids`, `completion_mask` = 1 on the model's own tokens only: tool results are out of the loss) with
+    the trajectory's record. `settings.max_new_tokens` bounds the whole trajectory after the prompt."""
+    n = settings.n
+    repeated = [(i, p, r) for i, (p, r) in enumerate(zip(prompts, rows)) for _ in range(n)]
+    trajectories = start(tokenizer, tools.format, tools.toolbox, [p for _, p, _ in repeated],
+                         [r for _, _, r in repeated], tools.config.describe_tools)
+    rollout(model, tokenizer, trajectories, tools.format, settings,
+            RolloutLimits.of(tools.config, settings.max_new_tokens), progress)
+    samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
+               for (i, _, _), t in zip(repeated, trajectories)]
+    token_rows = [{"input_ids": t.prompt_ids + t.ids, "completion_mask": [0] * len(t.prompt_ids) + t.mask,
+                   "trajectory": t.record()} for t in trajectories]
+    return samples, token_rows
