@@ -13,6 +13,9 @@ teach the model to stop mid-answer) and duplicate completions:
     must parse and score (weighted sum) at least `threshold`. With a reward model, `threshold` (if set)
     is the minimum score.
 
+`gold:` verifiers score every sample of a round as well (`gold/<name>`, the round's mean, in the log
+history and as `round<k>/gold/<name>` in the metrics) and never take part in the selection.
+
 Rounds and LoRA: every round loads the policy the previous round produced (merged weights), trains a
 fresh adapter (with LoRA) or all weights, and saves merged weights. The stage output is the last
 round's policy; its `adapter/` is kept only with one round (with more, the adapter's base is an
@@ -54,7 +57,13 @@ from ..runtime.files import write_atomic
 from ..sampling import generate
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
-from ..training.rewards import build_rewards, combined_scores, resolve_all
+from ..training.rewards import (
+    build_gold,
+    build_rewards,
+    combined_scores,
+    gold_means,
+    resolve_all,
+)
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
 from ..training.trainer import make_sft_trainer, save_model, train
@@ -133,8 +142,9 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
     return [rows[(start + i) % len(rows)] for i in range(per_round)]
 
 
-def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer):
-    """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats)."""
+def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer, gold=()):
+    """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats). The `gold:`
+    verifiers score every sample too (`gold/<name>` in the stats), never the selection."""
 
 
     cfg = ctx.config
@@ -164,6 +174,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     }
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
+    stats.update(gold_means(list(gold), [s.text for s in samples],
+                            [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples]))
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
              f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
              f"mean score {stats['mean_score']:.3f})")
@@ -174,11 +186,11 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
 # Rounds
 
 
-def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple[list[dict], dict]:
+def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer, gold=()) -> tuple[list[dict], dict]:
     """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
     return ctx.computed_once(f"round{round_index}/selected.jsonl",
-                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer))
+                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer, gold))
 
 
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
@@ -212,7 +224,8 @@ def check(ctx: StageContext) -> None:
 
     sft_args(ctx, ctx.work_dir)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
-    rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
+    gold = resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold")
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers, gold)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
         check_model_source(ctx.config.reward_model, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
     tokenizer = ctx.load_tokenizer()
@@ -224,13 +237,14 @@ def run(ctx: StageContext) -> dict:
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)
-    rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards])
+    gold = build_gold(cfg.gold, [ctx.recipe.base_dir], ctx.where)
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards], [g.verifier for g in gold])
     records = finished_rounds(ctx)
     policy = records[-1]["policy"] if records else ctx.start_model
     if records:
         log.info(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
     for k in range(len(records) + 1, cfg.rounds + 1):
-        selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer)
+        selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer, gold)
         history, truncated = [], 0
         if selected:
             policy, history, truncated = train_round(ctx, k, policy, tokenizer, selected)
@@ -266,9 +280,11 @@ def stage_result(records: list[dict], rewards) -> dict:
     for record in records:
         k, stats = record["round"], record["stats"]
         history += record["log_history"]
-        history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
+        history.append({"round": k, **{key if key.startswith("gold/") else f"rsft/{key}": v
+                                       for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
-                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated")})
+                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated")
+                        or key.startswith("gold/")})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)

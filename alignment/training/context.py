@@ -60,12 +60,15 @@ class StageContext:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
-    def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:
+    def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list, gold: list = ()) -> list[dict]:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
-        columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
+        columns the verifiers (and the `gold:` verifiers) need besides the prompt, which these stages hand them;
+        checked before training."""
 
         dataset = self.load_data(spec, key)
-        check_prompt_rows(dataset, verifiers, f"{self.where}.{key}", spec, provided=("prompt",), entry="verifiers")
+        for entry, listed in (("verifiers", verifiers), ("gold", gold)):
+            if listed or entry == "verifiers":
+                check_prompt_rows(dataset, list(listed), f"{self.where}.{key}", spec, provided=("prompt",), entry=entry)
         return [dict(row) for row in dataset]
 
     def resolve_model(self, value: str) -> str:

@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from ..base import Strict
 from ..data import DataSpec
 from ..sampling import SamplingSpec
-from ..verifier import VerifierSpec
+from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
 
 
@@ -60,6 +60,7 @@ class Config(StageConfig):
     policy: str | None = None
     reward_model: str | None = None
     verifiers: list[VerifierSpec] = Field(default_factory=list)
+    gold: list[VerifierSpec] = gold_field()
     data: DataSpec
     kl_coef: float = Field(0.05, ge=0)
     kl_target: float | None = Field(None, gt=0, description="adaptive KL controller target (nats per sequence)")

@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..sampling import SamplingSpec
-from ..verifier import VerifierSpec
+from ..verifier import VerifierSpec, gold_field
 from .base import StageConfig
 
 
@@ -22,6 +22,7 @@ class Config(StageConfig):
     data: DataSpec
     verifiers: list[VerifierSpec] = Field(default_factory=list)
     reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id")
+    gold: list[VerifierSpec] = gold_field()
     rounds: int = Field(1, gt=0)
     prompts_per_round: int | None = Field(None, gt=0, description="default: every prompt, every round")
     sampling: RsftSampling = Field(default_factory=RsftSampling)
