@@ -45,6 +45,10 @@ class SuiteSpec(Strict):
     data: DataSpec
     verifier: str | None = Field(None, description="verifier key or module:function scoring each completion")
     verifier_options: dict[str, Any] = Field(default_factory=dict)
+    gold: str | None = Field(None, description="verifier (key or module:function) whose mean reward on the main "
+                             "completions is the suite's gold measure (metric `gold`); where given, the reward-hacking "
+                             "flag compares it instead of pass@1")
+    gold_options: dict[str, Any] = Field(default_factory=dict)
     sampling: SamplingSpec = Field(default_factory=greedy, description="one completion per prompt (greedy by default)")
     pass_k: PassAtKSpec | None = None
 
