@@ -37,7 +37,10 @@ def test_training_curves_png_is_written_per_stage(tmp_path):
 def test_overoptimisation_plot_from_a_synthetic_log_history(tmp_path):
     """Gold and proxy against KL (Gao et al. 2022), one panel per RL stage: ppo's keys (`kl`, `rm_score`,
     `gold/<name>`) and rlvr's (TRL's `kl`, `rewards/reward_model/mean`); stages without KL are left out."""
-    from alignment.evaluation.report import overoptimisation_series, plot_overoptimisation
+    from alignment.evaluation.report import (
+        overoptimisation_series,
+        plot_overoptimisation,
+    )
 
     # The proxy keeps rising while the gold peaks and falls: the over-optimisation curve.
     ppo = [{**PPO_ENTRY, "update": i, "kl": kl, "rm_score": 0.5 * kl, "gold/arithmetic": gold}

@@ -48,7 +48,7 @@ class SuiteSpec(Strict):
     gold: str | None = Field(None, description="verifier (key or module:function) whose mean reward on the main "
                              "completions is the suite's gold measure (metric `gold`); where given, the reward-hacking "
                              "flag compares it instead of pass@1")
-    gold_options: dict[str, Any] = Field(default_factory=dict)
+    gold_options: dict[str, Any] = Field(default_factory=dict, description="keyword options passed to the gold verifier")
     sampling: SamplingSpec = Field(default_factory=greedy, description="one completion per prompt (greedy by default)")
     pass_k: PassAtKSpec | None = None
 
