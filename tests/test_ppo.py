@@ -286,8 +286,8 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     Held-out greedy accuracy is printed, not asserted here: a reward model trained in a test's budget on
     this tiny model reaches only ~0.6 pairwise accuracy, and PPO on it alone over-optimises it (accuracy
     falls while its score rises). The held-out gain is asserted by tests/test_quickstart.py, where PPO
-    (reward model + 10 x verifier, full fine-tuning, 40 updates x 256 prompts, lr 3e-4 with warm-up and
-    cosine decay) starts from the quickstart's SFT; a similar run without warm-up lost 8 points."""
+    (the quickstart's reward model alone, the verifier only as gold; full fine-tuning, 40 updates x 256
+    prompts, lr 3e-4 with warm-up and cosine decay) starts from the quickstart's SFT."""
     from alignment.config.data import DataSpec
     from alignment.data.loading import load_rows
 
