@@ -2,6 +2,7 @@
 
   align run RECIPE [key=value ...] [--force] [--only STAGE] [--from STAGE] [--no-eval] [--jobs N]
   align check RECIPE [key=value ...]
+  align keys [KIND]                         the keys a stage kind (or recipe, evaluate) accepts: docs/config.md
   align merge SOURCE OUT                    (SOURCE: an adapter folder, or a .gguf file to convert)
   align eval CHECKPOINT ... --suite arithmetic [--reward-model RM --baseline CKPT --reference CKPT]
              [--max-new-tokens N --temperature T]
@@ -41,10 +42,15 @@ def _setup() -> None:
     configure_logging()
 
 
+OVERRIDES_HELP = ("dotted overrides, e.g. stages.sft.train.learning_rate=1e-4; a number indexes a list "
+                  "(evaluate.suites.0.data.dataset=x.jsonl); a value replaces what is there, a mapping too "
+                  "(stages.sft.data.rename={} empties it)")
+
+
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help="dotted overrides, e.g. stages.sft.train.learning_rate=1e-4"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
     force: bool = typer.Option(False, "--force", help="rerun stages that already finished"),
     only: Optional[List[str]] = typer.Option(None, "--only", help="run only this stage (repeatable)"),
     start_from: Optional[str] = typer.Option(None, "--from", help="run this stage and every later one"),
@@ -68,7 +74,7 @@ def run(
 @app.command()
 def check(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help="dotted overrides"),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
 ):
     """Validate a recipe without training: schema, references, data columns, models, verifiers, TRL configs."""
     from .config.recipe import load_recipe
@@ -79,6 +85,17 @@ def check(
     print(f"{recipe}: {len(loaded.stages)} stage(s)")
     check_recipe(loaded)
     print(f"{recipe}: ok")
+
+
+@app.command()
+def keys(
+    kind: Optional[str] = typer.Argument(None, help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
+                                         "evaluate or a built-in task (arithmetic); default: all of them"),
+):
+    """Print the recipe keys of a stage kind (or of all): type, default and what each does, as in docs/config.md."""
+    from .config.reference import text
+
+    print(text(kind), end="")
 
 
 @app.command()

@@ -325,7 +325,8 @@ def bench_dpo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     from trl import DPOConfig, DPOTrainer
 
     from alignment.data.formatting import render_completion, render_prompt
-    from alignment.models.loading import LoraSpec, is_cuda, load_policy
+    from alignment.config.model import LoraSpec
+    from alignment.models.loading import is_cuda, load_policy
     from alignment.models.tokenizer import load_tokenizer
     from alignment.models.lora import peft_config
     from alignment.config.recipe import load_recipe

@@ -5,6 +5,7 @@ Everything is offline: models are built from scratch with the character-level to
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -18,9 +19,12 @@ os.environ.setdefault("ALIGN_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One torch thread: tiny models gain nothing from two, and on a busy 2-core machine two threads per
-# process oversubscribe the cores (a tiny forward pass measured 1,230 ms with 2 threads vs 18 ms with 1).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One torch thread, set here and nowhere else: tiny models gain nothing from two, and on a busy 2-core machine
+# two threads per process oversubscribe the cores (a tiny forward pass measured 1,230 ms with 2 threads vs 18 ms
+# with 1). Set (not defaulted) before anything imports torch, which reads it at import, so this process and
+# every child it starts (CLI runs, accelerate launch, stage processes) inherit it; a test that means another
+# count says so in its child's environment (the --jobs tests).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +35,7 @@ SMALLEST_MODEL = {"tiny": {"hidden_size": 32, "num_layers": 1}}
 TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # The model used by end-to-end tests that need a policy that already knows the task a little.
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
+QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 SFT_TRAIN = {"num_train_epochs": 2, "per_device_train_batch_size": 64, "learning_rate": 2.0e-3,
              "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 20, "logging_steps": 25}
 
@@ -40,6 +45,30 @@ def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
+
+
+def recipe_dict(tmp_path: Path, kind: str, stage: dict, model=None, *, name: str | None = None, seed: int = 1,
+                **top) -> dict:
+    """A recipe with one stage of `kind` (its id too) made of `stage`'s keys, on TINY_MODEL unless `model` is
+    given, writing to tmp_path/NAME (tmp_path/out unnamed); `top` adds top-level keys (lora, template, ...)."""
+    return {"name": name or f"{kind}-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / (name or "out")),
+            "seed": seed, "stages": {kind: stage}, **top}
+
+
+def sft_recipe(tmp_path: Path, name: str | None = None, *, n: int = 600, train: dict = QUICK_TRAIN, **options) -> dict:
+    """`recipe_dict` for an sft stage on `n` arithmetic rows (one quick epoch by default)."""
+    return recipe_dict(tmp_path, "sft", {"data": {"task": "arithmetic", "n": n}, "train": train}, name=name, **options)
+
+
+def run(tmp_path: Path, kind: str, stage: dict, model=None):
+    """Write, load and run `recipe_dict(tmp_path, kind, stage, model)`: (recipe, the stage's result, its log
+    history)."""
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
+
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, kind, stage, model)))
+    result = run_recipe(recipe)[kind]
+    return recipe, result, json.loads((recipe.stage_dir(kind) / "log_history.json").read_text())
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900, env: dict | None = None):
@@ -54,6 +83,22 @@ def run_with_digests(digests: Path, *args: str, timeout: int = 900):
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
 
+def require_isolation() -> str:
+    """The sandbox's isolation mode (`process.isolation()`), for tests that need namespaces. Where none works
+    the test is skipped with the probe's reason (shown by `-rs`), except under CI (`CI` set, as CI services
+    do), where it fails: the CI machine is set up with namespaces, so losing them must not pass as skips."""
+    from alignment.verifiers.sandbox import process
+
+    mode = process.isolation()
+    if mode is None:
+        failures = "; ".join(f"{k}: {v}" for k, v in process._probe_result.get("failures", {}).items())
+        reason = f"no sandbox isolation works on this machine ({failures or 'no probe result'})"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"the CI machine lost its namespaces: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return mode
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A small random-init Qwen2 model + char tokenizer saved locally (hidden 64, 2 layers)."""
@@ -61,6 +106,17 @@ def tiny_model(tmp_path_factory) -> Path:
     from alignment.models.tiny import build_tiny_model
 
     return build_tiny_model(TinySpec(), seed=0, path=tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_model) -> list[str]:
+    """Chat-rendered arithmetic questions for the tiny model: of different lengths (so batches are left-padded
+    and sorted by length), prompts 1 and 3 equal (equal prompts must still get their own samples)."""
+    from alignment.data.formatting import render_prompt
+    from alignment.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (37, 48)]]
 
 
 @pytest.fixture(scope="session")

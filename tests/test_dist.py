@@ -51,7 +51,7 @@ def test_only_rank_zero_prints(configured, capsys, monkeypatch):
 
 def test_unconfigured_library_prints_nothing_below_warning():
     """In a fresh process (as a user's script): INFO is silent, a warning still reaches stderr."""
-    code = ("from alignment import dist; log = dist.get_logger('alignment.run.runner'); "
+    code = ("from alignment.runtime import dist; log = dist.get_logger('alignment.run.runner'); "
             "log.info('[sft] done'); log.warning('careful')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "" and "careful" in done.stderr

@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -69,7 +68,7 @@ EVALUATE = {"after": ["ppo", "ppo_full"], "suites": [
 # ppo; sft, reward, dpo and rlvr bit-identical), ZeRO-2 2.5e-5 and ZeRO-3 1.8e-5 (the full-weight reward model).
 FSDP2_TOLERANCE = 2e-6
 DEEPSPEED_TOLERANCE = 1e-4
-ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
 needs_deepspeed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
     reason="DeepSpeed not installed (pip install 'alignment-toolkit[deepspeed]'; .ci/run installs it)")
@@ -131,10 +130,8 @@ def trained_change(ours: dict, start: dict) -> float:
 def ddp_run(tmp_path_factory):
     """The baseline: the recipe under 2-process DDP."""
     folder = tmp_path_factory.mktemp("ddp")
-    started = time.time()
     codes, output = finish(launch("cpu_2proc", 29547, folder / "digests", engine_recipe(folder)))
     assert codes == [0], output[-5000:]
-    print(f"\nDDP, {len(STAGES)} stages and the evaluate block on 2 processes: {time.time() - started:.0f}s")
     return folder, output
 
 
@@ -182,9 +179,7 @@ def run_engine(folder: Path, config: str, port: int, crash: str, multi_node: boo
 ])
 def test_every_stage_under_the_engine_ends_with_the_ddp_weights(tmp_path, ddp_run, config, port, crash, multi_node,
                                                                 tolerance):
-    started = time.time()
     killed, resumed = run_engine(tmp_path, config, port, crash, multi_node)
-    elapsed = time.time() - started
     engine = config.removesuffix("_cpu")
     assert f"engine: {engine} on 2 processes" in killed
     assert f"[{crash}] done" not in killed and re.findall(r"resuming from update (\d+)", resumed) == ["2"]
@@ -200,10 +195,6 @@ def test_every_stage_under_the_engine_ends_with_the_ddp_weights(tmp_path, ddp_ru
         if stage.startswith("ppo"):
             assert [e["update"] for e in history] == [1, 2, 3]  # resumed: update 3 logged after the first run's 1-2
     eval_metrics = json.loads((out / "eval" / "metrics.json").read_text())
-    print(f"\n{engine} ({'2 machines x 1 process' if multi_node else '2 processes'}), {len(STAGES)} stages, evaluate, "
-          f"{crash} killed and resumed: {elapsed:.0f}s; largest difference to DDP per stage: "
-          + ", ".join(f"{s} {d:.2g}" for s, d in differences.items())
-          + f"; smallest change by training: {min(moved.values()):.2g}")
     assert max(differences.values()) <= tolerance, differences
     assert min(moved.values()) > 10 * tolerance, moved  # the tolerance is far below what training changes
     ddp_metrics = json.loads((ddp / "eval" / "metrics.json").read_text())["checkpoints"]

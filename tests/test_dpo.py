@@ -5,7 +5,6 @@ validates, and DPO from the SFT fixture raises held-out accuracy."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +63,6 @@ def test_loss_matches_hand_computation(tmp_path, tiny_model, lora):
         computed = float(trainer.compute_loss(trainer.model, batch))
     trainer.train()
     logged = trainer.state.log_history[0]["loss"]
-    print(f"\n[{'lora' if lora else 'full'}] hand loss {expected:.5f}, trainer loss {computed:.5f}, "
-          f"first logged loss {logged:.5f}, log 2 = {math.log(2):.5f}")
     assert abs(expected - math.log(2)) > 0.02  # the test is not the trivial step-0 case
     assert computed == pytest.approx(expected, abs=1e-4)
     assert logged == pytest.approx(expected, abs=1e-3)
@@ -83,7 +80,6 @@ def test_lora_reference_is_the_same_weights_and_full_is_a_frozen_copy(tmp_path, 
     trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "full", tiny_model, lora=False))
     assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
     full_bytes = count_parameter_storage(trainer.model, trainer.ref_model)
-    print(f"\nparameter storage: base {base} B, LoRA policy+reference {lora_bytes} B, full policy+reference {full_bytes} B")
     assert full_bytes >= 1.9 * base
     trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "pre", tiny_model, lora=False,
                                                   train={"precompute_ref_log_probs": True}))
@@ -159,7 +155,6 @@ def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
     assert recipe.stages["dpo"].model == "${sft}" and recipe.lora is not None
     for stage_id, config in recipe.stages.items():
         args = stage_module(config.kind).trl_config(make_context(recipe, stage_id))
-        print(f"\n{stage_id}: {type(args).__name__} lr={args.learning_rate} max_length={args.max_length}")
     assert args.beta == pytest.approx(0.1) and args.loss_type == ["sigmoid"]
 
 
@@ -177,7 +172,6 @@ def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, sft_checkpoi
              "on_policy": {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6},
              "train": {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1}}
     out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
-    print(f"\non-policy metrics: { {k: v for k, v in metrics.items() if 'pairs' in k or 'prompts' in k} }")
     assert metrics["pairs_built"] > 0 and metrics["pairs_built"] + metrics["prompts_dropped"] == 24
     assert metrics["pairs_train"] == metrics["pairs_built"] and metrics["global_step"] == 2
     assert (out / "stage.json").exists() and (out / "adapter").is_dir()
@@ -196,13 +190,8 @@ def test_dpo_from_sft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
              "train": {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.2, 1.0], "beta": 0.1,
                        "learning_rate": 2.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
                        "max_length": 64, "precompute_ref_log_probs": True, "logging_steps": 50}}
-    started = time.time()
     out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
-    seconds = time.time() - started
     before, after = heldout_accuracy(sft_checkpoint), heldout_accuracy(out)
-    print(f"\nheld-out greedy accuracy: SFT start {before:.3f} -> DPO {after:.3f} (stage {seconds:.0f}s, "
-          f"{metrics['global_step']} steps; final reward accuracy {metrics.get('rewards/accuracies')}, "
-          f"margin {metrics.get('rewards/margins')})")
     assert after >= before + 0.10
     assert metrics["rewards/margins"] > 0  # the preference term separates chosen from rejected
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 
 import pytest
 import torch
@@ -22,18 +21,6 @@ from alignment.evaluation.evaluate import (
 )
 from alignment.evaluation.metrics import mean
 from alignment.tasks.arithmetic import agrees_with_stated
-
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads per process
-    spin against other jobs (measured 3x slower); restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_suite(name="arith", n=24, pass_k=None, **task) -> SuiteSpec:
@@ -159,17 +146,14 @@ def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model
     samples = generate(policy, tokenizer, prompts, SamplingSpec(temperature=1.0, max_new_tokens=6, n=2))
     same = sequence_kl(policy, policy, tokenizer, prompts, samples, batch_size=16)
     different = sequence_kl(policy, other, tokenizer, prompts, samples, batch_size=16)
-    print(f"KL to itself {sum(same) / len(same):.2e}, to the adapter model {sum(different) / len(different):.3f}")
     assert max(abs(v) for v in same) < 1e-4
     assert sum(different) / len(different) > 0.05
 
 
 def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, tmp_path):
     suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
-    started = time.time()
     metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tiny_model)}, suites, tmp_path / "eval",
                                    reward_model=str(reward_model), baseline="a", reference=str(tiny_model))
-    print(f"2 checkpoints x 2 suites in {time.time() - started:.1f}s: {metrics['b']}")
     for suite in ("arith", "syc"):
         assert metrics["b"][f"{suite}/win_rate"] == 0.5 and metrics["a"][f"{suite}/win_rate"] == 0.5
         assert abs(metrics["b"][f"{suite}/kl"]) < 1e-4
@@ -238,11 +222,9 @@ def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_pa
 
 def test_align_eval_on_an_adapter_folder_and_a_plain_checkpoint(tiny_model, adapter_folder, reward_model, tmp_path):
     out = tmp_path / "eval"
-    started = time.time()
     result = run_cli("eval", adapter_folder, tiny_model, "--suite", "arithmetic", "--suite", "arithmetic-sycophancy",
                      "--limit", "12", "--n", "4", "--k", "2", "--reward-model", reward_model,
-                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out, env=ONE_THREAD)
-    print(f"align eval: {time.time() - started:.1f}s")
+                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out)
     assert result.returncode == 0, result.stderr
     metrics = json.loads((out / "metrics.json").read_text())["checkpoints"]
     assert list(metrics) == [str(adapter_folder), str(tiny_model)]
@@ -290,9 +272,7 @@ def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
 
     recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, EVALUATE_BLOCK)))
     check_recipe(recipe)
-    started = time.time()
     run_recipe(recipe)
-    print(f"2 stages + evaluation: {time.time() - started:.1f}s")
     folder = recipe.out / "eval"
     metrics = json.loads((folder / "metrics.json").read_text())["checkpoints"]
     assert list(metrics) == ["base", "sft"]  # the rm stage is a scorer, not a policy

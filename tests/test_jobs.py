@@ -1,4 +1,4 @@
-"""`align run --jobs N`: independent stages at once, each in its own process (alignment/jobs.py)."""
+"""`align run --jobs N`: independent stages at once, each in its own process (alignment/run/jobs.py)."""
 
 from __future__ import annotations
 
@@ -95,30 +95,40 @@ def test_a_failed_stage_names_itself_and_its_log_and_the_other_branch_is_kept(tm
 
 FAKE_STAGE = """
 import json, pathlib, sys, time
-stage, out, seconds = sys.argv[1], pathlib.Path(sys.argv[2]), float(sys.argv[3])
-with open(out / "events.txt", "a") as f: f.write(f"start {stage} {time.time()}\\n")
-time.sleep(seconds)
+stage, out, seconds, partner = sys.argv[1], pathlib.Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+events = out / "events.txt"
+with open(events, "a") as f: f.write(f"start {stage}\\n")
+deadline = time.monotonic() + 300  # generous: only a scheduler that never runs the partner beside it waits it out
+while partner and f"start {partner}" not in events.read_text().splitlines():
+    if time.monotonic() > deadline:
+        sys.exit(f"{stage} never saw {partner} start while it ran: the two did not run at once")
+    time.sleep(0.01)
+time.sleep(seconds)  # some work, so that a stage started beyond the job limit would overlap the running ones
 (out / stage).mkdir(parents=True, exist_ok=True)
 (out / stage / "stage.json").write_text(json.dumps({"metrics": {"x": 1}, "wall_time_s": seconds}))
-with open(out / "events.txt", "a") as f: f.write(f"end {stage} {time.time()}\\n")
+with open(events, "a") as f: f.write(f"end {stage}\\n")
 """
 
 
 def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking_stages_first(tmp_path, caplog):
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     seconds = {"sft": 0.3, "rm": 0.6, "ppo": 0.3, "rlvr": 0.9, "dpo": 0.3, "rsft": 0.3}
-    command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s])]
+    # rm and rlvr start together once sft is done: each ends only after it has seen the other start.
+    partner = {"rm": "rlvr", "rlvr": "rm"}
+    command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s]), partner.get(s, "")]
     with caplog.at_level(logging.INFO, logger="alignment"):
         results = jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02)
     assert results["rlvr"] == {"metrics": {"x": 1}, "wall_time_s": 0.9}
-    events = [line.split() for line in (tmp_path / "events.txt").read_text().splitlines()]
-    times = {(kind, stage): float(t) for kind, stage, t in events}
+    # The events in the order the stages wrote them (a stage writes its end before it exits): no clocks.
+    events = [tuple(line.split()) for line in (tmp_path / "events.txt").read_text().splitlines()]
     for stage in recipe.stages:
         for needed in recipe.dependencies(stage):
-            assert times[("end", needed)] <= times[("start", stage)], (needed, stage)
-    running = max(sum(1 for s in recipe.stages if times[("start", s)] <= t < times[("end", s)])
-                  for (_, _), t in times.items())
-    assert running == 2
+            assert events.index(("end", needed)) < events.index(("start", stage)), (needed, stage)
+    running, most = set(), 0
+    for kind, stage in events:
+        running = running | {stage} if kind == "start" else running - {stage}
+        most = max(most, len(running))
+    assert most == 2  # two at once (rm and rlvr, by their handshake), never more
     started = [m.split("]")[0][1:] for m in caplog.messages if " started in its own process (1 CPU thread" in m]
     assert started[:3] == ["sft", "rm", "rlvr"]  # rm unblocks ppo, so it goes before the first leaf
     assert sorted(started) == sorted(recipe.stages)

@@ -3,6 +3,8 @@ counted or named in a UserError; on-policy pairs from verifier-graded samples; r
 
 from __future__ import annotations
 
+import json
+
 import datasets
 import pytest
 import torch
@@ -100,7 +102,6 @@ def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
     torch.manual_seed(0)
     spec = OnPolicySpec(verifier="parity", n=8, temperature=1.0, max_new_tokens=6, pairs_per_prompt=2)
     pairs, stats = on_policy_pairs(model, tokenizer, rows, spec, resolve(parity), "stages.dpo")
-    print(stats)
     assert stats["prompts_without_incorrect"] == 1 and stats["prompts_without_correct"] == 1
     assert stats["prompts_dropped"] == 2 and stats["pairs_built"] == len(pairs) >= 4
     assert all(ord(p["chosen"].strip()[0]) % 2 == 1 and ord(p["rejected"].strip()[0]) % 2 == 0 for p in pairs)
@@ -172,3 +173,89 @@ def test_without_a_pad_token_the_reward_model_still_sees_where_an_answer_ends(ti
     finished, cut_off = score_texts(model, tokenizer, ["What is 2+2?"] * 2, ["4", "4"], finished=[True, False])
     assert model.config.pad_token_id == tokenizer.pad_token_id
     assert abs(finished - cut_off) > 1e-4
+
+
+# Anthropic HH-RLHF rows as the dataset holds them (Anthropic/hh-rlhf, helpful-base): each side is the whole
+# transcript, the same up to the last Assistant turn.
+HH_PREFIX = ("\n\nHuman: Hi, I want to learn to play horseshoes. Can you teach me?\n\nAssistant: I can, but maybe I "
+             "should begin by telling you that a typical game consists of 2 players and 6 horseshoes.\n\nHuman: "
+             "Okay. What else is needed to play, and what are the rules?")
+HH_ROW = {
+    "chosen": HH_PREFIX + "\n\nAssistant: A horseshoe is usually made out of metal and is about 3 to 3.5 inches "
+                          "long and around 1 inch thick. We also need two stakes and six horseshoes.",
+    "rejected": HH_PREFIX + "\n\nAssistant: Horseshoes are either metal or plastic discs. The horseshoes come in "
+                            "different weights, and the lighter ones are easier to throw.",
+}
+HH_PROMPT = [
+    {"role": "user", "content": "Hi, I want to learn to play horseshoes. Can you teach me?"},
+    {"role": "assistant", "content": "I can, but maybe I should begin by telling you that a typical game consists "
+                                     "of 2 players and 6 horseshoes."},
+    {"role": "user", "content": "Okay. What else is needed to play, and what are the rules?"},
+]
+
+
+def hh_spec(**extra):
+    from alignment.config.data import DataSpec
+
+    return DataSpec(dataset="Anthropic/hh-rlhf", **extra)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2.5"])
+def test_hh_transcripts_become_turns_rendered_as_sampling_renders_them(family, logged):
+    """Detected without `format:` (and said in the log): the shared turns are the prompt as a conversation, the
+    last Assistant turns the answers, so the pair's prompt text is exactly what the samplers feed."""
+    from chat_templates import family_tokenizer
+
+    from alignment.data.formatting import render_prompt
+
+    tokenizer = family_tokenizer(family)
+    pairs, dropped = normalize_pairs(datasets.Dataset.from_list([HH_ROW]), "stages.rm.data")
+    assert "Anthropic HH transcripts" in logged() and not dropped
+    assert pairs[0]["prompt"] == HH_PROMPT
+    assert pairs[0]["chosen"].startswith("A horseshoe is") and pairs[0]["rejected"].startswith("Horseshoes are")
+    rendered = render_pairs(tokenizer, pairs)[0]
+    assert rendered["prompt"] == render_prompt(tokenizer, HH_PROMPT)
+    assert "Human:" not in rendered["prompt"] + rendered["chosen"] + rendered["rejected"]
+    assert rendered["chosen"].startswith("A horseshoe is") and rendered["chosen"].endswith(tokenizer.eos_token)
+
+
+def test_hh_format_given_parses_rows_and_drops_empty_answers():
+    rows = [HH_ROW, {"chosen": HH_ROW["chosen"], "rejected": HH_PREFIX + "\n\nAssistant:"}]
+    pairs, dropped = normalize_pairs(datasets.Dataset.from_list(rows), "stages.dpo.data", hh_spec(format="hh"))
+    assert [p["prompt"] for p in pairs] == [HH_PROMPT]
+    assert dropped == {"empty chosen or rejected": 1}
+
+
+def test_text_pairs_without_hh_markers_are_not_read_as_hh(logged):
+    pairs, _ = normalize_pairs(datasets.Dataset.from_list(
+        [{"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"}]), "w")
+    assert pairs[0]["prompt"] == "Human: what is 40+2?\nAssistant: " and "HH" not in logged()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"chosen": HH_PREFIX, "rejected": HH_ROW["rejected"]},
+     r"line 1 of \S+, column 'chosen' is not an Anthropic HH transcript .*no Assistant turn after its last Human"),
+    ({"chosen": "Assistant: hi", "rejected": HH_ROW["rejected"]}, r"'chosen' is not .*does not start with a 'Human:'"),
+    ({"chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"].replace("Okay.", "Fine.")},
+     r"line 1 of \S+: the HH transcripts in 'chosen' and 'rejected' differ at turn 3, before their last Assistant"),
+    ({"prompt": "q", **HH_ROW}, r"`format: hh` takes the prompt from the transcripts.*also has a 'prompt'"),
+    ({"chosen": 3, "rejected": HH_ROW["rejected"]}, r"'chosen' is not an Anthropic HH transcript .*it is int"),
+])
+def test_malformed_hh_rows_name_the_row(tmp_path, row, message):
+    from alignment.data.loading import load_rows
+
+    path = tmp_path / "hh.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    spec = hh_spec(format="hh").model_copy(update={"dataset": str(path)})
+    with pytest.raises(UserError, match=message):
+        normalize_pairs(load_rows(spec, seed=0), "stages.rm.data", spec)
+
+
+def test_an_unknown_data_format_is_a_recipe_error_and_a_task_keeps_its_own():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="unknown format 'hhh'.*did you mean 'hh'"):
+        hh_spec(format="hhh")
+    from alignment.config.data import DataSpec
+
+    assert DataSpec(task="arithmetic", format="messages").task_params().format == "messages"

@@ -7,6 +7,7 @@ a 2-process DDP run and resume after SIGKILL.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, heldout_accuracy, run_cli, run_with_digests, write_recipe
+from conftest import REPO, run_cli, run_with_digests, write_recipe
 from helpers import count_parameter_storage, tiny_ppo_recipe, trainable_digest
 
 from alignment.config.recipe import load_recipe
@@ -35,7 +36,6 @@ def test_shipped_recipe_validates():
     assert recipe.start_model("ppo") == str(recipe.stage_dir("sft"))
     assert recipe.resolve_model(ppo.reward_model) == str(recipe.stage_dir("rm"))
     assert ppo.rollout.batch_size % ppo.train.mini_batch_size == 0 and ppo.kl_target and recipe.lora is not None
-    print(f"\nsft-rm-ppo.yaml: ppo kl_coef={ppo.kl_coef} target={ppo.kl_target} lr={ppo.train.learning_rate}")
 
 
 @pytest.mark.parametrize("patch, expected", [
@@ -88,7 +88,6 @@ def test_lora_shares_one_base_copy(tiny_model):
     shared = count_parameter_storage(lora.policy, ac, ac.value_head)  # policy, reference (= policy) and critic
     full = build_models(str(tiny_model), None)
     separate = count_parameter_storage(full.policy, full.reference, full.actor_critic)
-    print(f"\nbase {base_bytes} B; LoRA policy+reference+critic {shared} B; full fine-tuning {separate} B")
     assert lora.reference is None and shared < 1.25 * base_bytes
     assert separate > 2.5 * base_bytes
 
@@ -124,11 +123,9 @@ def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
 
     path = tiny_ppo_recipe(tmp_path, tiny_model, lora=None, missing_eos_penalty=1.0,
                            train={"reward_norm": "batch", "reward_clip": 3.0, "learning_rate": 1.0e-3})
-    started = time.time()
     result = run_recipe(load_recipe(path))["ppo"]
     out = tmp_path / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
-    print(f"\nfull fine-tuning, 3 updates in {time.time() - started:.1f}s; last: {history[-1]}")
     assert len(history) == 3 and not (out / "adapter").exists()
     for key in ("score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "vf_clipfrac",
                 "approx_kl", "explained_variance", "response_length", "eos_fraction", "non_score_reward",
@@ -283,7 +280,7 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     - reward model + arithmetic verifier: the accuracy on the trained prompts rises;
     - reward model with kl_coef 100: the policy stays where it started (KL ~ 0).
 
-    Held-out greedy accuracy is printed, not asserted here: a reward model trained in a test's budget on
+    Held-out greedy accuracy is not asserted here: a reward model trained in a test's budget on
     this tiny model reaches only ~0.6 pairwise accuracy, and PPO on it alone over-optimises it (accuracy
     falls while its score rises). The held-out gain is asserted by tests/test_quickstart.py, where PPO
     (the quickstart's reward model alone, the verifier only as gold; full fine-tuning, 40 updates x 256
@@ -304,10 +301,8 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
                            "critic_learning_rate": 1.0e-3, "logging_steps": 5}, **settings}
         recipe = {"name": name, "model": str(sft_checkpoint), "output_dir": str(tmp_path / name), "seed": 1,
                   "lora": {"r": 16, "lora_alpha": 32}, "stages": {"ppo": stage}}
-        started = time.time()
         run_recipe(load_recipe(write_recipe(tmp_path / f"{name}-recipe", recipe)))
         out = tmp_path / name / "ppo"
-        print(f"{name}: {updates} updates in {time.time() - started:.1f}s")
         return out, json.loads((out / "log_history.json").read_text())
 
     adaptive = {"kl_coef": 0.1, "kl_target": target, "kl_horizon": 320}
@@ -320,26 +315,22 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     moved = {"rm": exact_kl(rm_only, sft_checkpoint, heldout),
              "rm+verifier": exact_kl(anchored, sft_checkpoint, heldout)}
     kl_still = exact_kl(frozen, sft_checkpoint, heldout)
-    accuracy = {name: heldout_accuracy(path) for name, path in
-                [("sft", sft_checkpoint), ("rm", rm_only), ("rm+verifier", anchored), ("kl100", frozen)]}
-    print(f"\nreward model pairwise accuracy {pairwise:.3f}")
-    for name, figures in probes.items():
-        print(f"trained prompts, {name}: rm score {figures['rm_score']:.3f}, sampled accuracy "
-              f"{figures['sampled_accuracy']:.3f}")
-    print(f"adaptive KL: sampled KL of the last 5 updates {late_kl:.3f} (target {target}), kl_coef "
-          f"{history[0]['kl_coef']:.4f} -> {history[-1]['kl_coef']:.4f}; exact KL per token to SFT: "
-          f"{ {k: round(v, 4) for k, v in moved.items()} }, kl_coef=100 {kl_still:.5f}")
-    print(f"held-out greedy accuracy: {accuracy}")
-
     start = probes["sft"]
     assert pairwise > 0.55  # the reward model prefers right answers more often than not
     assert probes["rm"]["rm_score"] >= start["rm_score"] + 0.1
-    assert probes["rm+verifier"]["sampled_accuracy"] >= start["sampled_accuracy"] + 0.08
+    # The verifier lifts sampled accuracy on the trained prompts by more than the probe's sampling noise: two
+    # standard errors of a difference of two accuracies over len(rows) x 32 samples each (at most 0.0625, at an
+    # accuracy of 0.5), a margin set by the sample size rather than by one machine's run.
+    p, samples = start["sampled_accuracy"], len(rows) * 32
+    assert probes["rm+verifier"]["sampled_accuracy"] >= p + 2 * math.sqrt(2 * p * (1 - p) / samples), probes
     assert target / 3 <= late_kl <= 3 * target
     mean_kl = sum(e["kl"] for e in history) / len(history)
     assert (history[-1]["kl_coef"] < 0.1) == (mean_kl < target)  # the controller moved towards the target
-    # kl_coef = 100: the first update (KL still 0) moves the policy a little, the penalty pulls it back.
-    assert kl_still < 0.1 * max(moved.values()) and kl_still < 0.03
+    # kl_coef = 100: the first update (KL still 0) moves the policy a little, the penalty pulls it back. Both
+    # bounds come from the config, not from one machine's run: under a tenth of what the same training moved
+    # at kl_coef 0.1 (a penalty 1000x weaker), and a tenth of the adaptive runs' KL target, which is in nats
+    # per sequence (kl_still is per answer token, so that bound is looser still than it reads).
+    assert kl_still < 0.1 * max(moved.values()) and kl_still < target / 10, (kl_still, moved)
     assert abs(probes["kl100"]["sampled_accuracy"] - start["sampled_accuracy"]) < 0.05
     assert abs(probes["kl100"]["rm_score"] - start["rm_score"]) < 0.1
 
@@ -354,16 +345,14 @@ def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model, checkpointi
     """With gradient checkpointing too: DDP's gradient hooks fire during the recomputing backward pass."""
     path = tiny_ppo_recipe(tmp_path, tiny_model, train={"total_updates": 3, "gradient_checkpointing": checkpointing})
     sums = tmp_path / "checksums"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                str(REPO / "tests" / "rank_digests.py"), str(sums), "run", str(path)]
-    started = time.time()
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     digests = {p.name: p.read_text() for p in sums.glob("ppo-rank*.txt")}
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
-    print(f"\n2-process DDP: {time.time() - started:.1f}s, digests {digests}, episodes {history[-1]['episodes']}")
     assert set(digests) == {"ppo-rank0.txt", "ppo-rank1.txt"} and len(set(digests.values())) == 1
     assert history[-1]["episodes"] == 3 * 2 * 8  # both processes sampled their own 8 prompts per update
     adapter = trainable_digest(tmp_path / "out" / "ppo" / "adapter" / "adapter_model.safetensors")
@@ -377,9 +366,8 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
     total = 12
     path = tiny_ppo_recipe(tmp_path / "killed", tiny_model, train={"total_updates": total, "save_every": 2})
     work = tmp_path / "killed" / "out" / ".work" / "ppo"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "alignment", "run", str(path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+                               stderr=subprocess.STDOUT, text=True, cwd=REPO)
 
     def saved() -> list[int]:  # complete checkpoints only: a `.tmp` folder is renamed when complete
         return sorted(int(p.name.split("-")[1]) for p in work.glob("checkpoint-*") if not p.name.endswith(".tmp"))
@@ -401,8 +389,6 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
                                 tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}))
     assert straight.returncode == 0, straight.stderr[-2000:]
     digests = [(tmp_path / f"sum-{name}" / "ppo-rank0.txt").read_text() for name in ("resumed", "straight")]
-    print(f"\nkilled with checkpoints {kept}; rerun resumed from {resumed}; {len(history)} updates logged; "
-          f"weights equal to an uninterrupted run: {digests[0] == digests[1]}")
     assert resumed == [kept[-1]] and kept[-1] >= 2
     assert f"({resumed[0] + 1}/{total})" in second.stdout and f"(1/{total})" not in second.stdout
     assert [e["update"] for e in history] == list(range(1, total + 1))

@@ -157,3 +157,38 @@ def test_check_cli_accepts_a_valid_recipe(tmp_path):
     result = run_cli("check", write_recipe(tmp_path, base_recipe(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
+
+
+def suites_recipe(tmp_path: Path) -> dict:
+    recipe = base_recipe(tmp_path)
+    recipe["evaluate"] = {"suites": [{"name": "a", "data": {"task": "arithmetic", "split": "test", "n": 5},
+                                      "verifier": "arithmetic"}]}
+    return recipe
+
+
+def test_override_indexes_a_list(tmp_path):
+    loaded = load_recipe(write_recipe(tmp_path, suites_recipe(tmp_path)), ["evaluate.suites.0.data.n=3",
+                                                                            "evaluate.suites.0.name=renamed"])
+    suite = loaded.evaluate.suites[0]
+    assert suite.name == "renamed" and suite.data.task_params().n == 3
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("evaluate.suites.1.name=x", ["index 1 is out of range", "'evaluate.suites' has 1 item(s)"]),
+    ("evaluate.suites.first.name=x", ["'evaluate.suites' is a list", "not 'first'"]),
+])
+def test_override_bad_list_index_names_the_key(tmp_path, override, expected):
+    message = error_of(tmp_path, suites_recipe(tmp_path), [override])
+    assert message.startswith(f"bad override '{override}'"), message
+    for fragment in expected:
+        assert fragment in message, message
+
+
+def test_override_mapping_replaces_the_recipes_mapping(tmp_path):
+    """`rename={}` on the command line empties the recipe's mapping (a merge would keep every entry)."""
+    recipe = base_recipe(tmp_path, sft={"data": {"dataset": "d.jsonl", "rename": {"q": "prompt", "a": "completion"}}})
+    path = write_recipe(tmp_path, recipe)
+    assert load_recipe(path, ["stages.sft.data.rename={}"]).stages["sft"].data.rename == {}
+    assert load_recipe(path, ["stages.sft.data.rename={a: completion}"]).stages["sft"].data.rename == {"a": "completion"}
+    assert load_recipe(path, ["stages.sft.data.rename.x=y"]).stages["sft"].data.rename == {
+        "q": "prompt", "a": "completion", "x": "y"}

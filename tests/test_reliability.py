@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import SMALLEST_MODEL, write_recipe
+from conftest import SMALLEST_MODEL, sft_recipe, write_recipe
 from helpers import tiny_ppo_recipe
 from transformers import TrainerCallback
 
@@ -19,9 +19,8 @@ TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rat
          "save_steps": 5, "logging_steps": 1}
 
 
-def sft_recipe(tmp_path, name="rel", **extra):
-    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
-            "stages": {"sft": {"data": {"task": "arithmetic", "n": 200}, "train": TRAIN}}, **extra}
+# The sft stage these tests run: the smallest model, checkpoints every 5 steps (see sft_recipe).
+SFT = {"n": 200, "train": TRAIN, "model": SMALLEST_MODEL, "seed": 5}
 
 
 class RaiseAt(TrainerCallback):
@@ -71,10 +70,10 @@ def final_weights(recipe, stage="sft") -> dict[str, torch.Tensor]:
 
 
 def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
-    straight = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "straight"), "a.yaml"))
+    straight = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "straight", **SFT), "a.yaml"))
     run_recipe(straight)
 
-    resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed"), "b.yaml"))
+    resumed = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, "resumed", **SFT), "b.yaml"))
     with monkeypatch.context() as patch:
         with_extra_callback(patch, RaiseAt(8))
         with pytest.raises(KeyboardInterrupt):
@@ -123,7 +122,7 @@ def test_resumed_dpo_matches_uninterrupted_run(tmp_path, monkeypatch, lora):
 
 
 def test_nonfinite_gradient_stops_before_the_optimizer_step(tmp_path, monkeypatch):
-    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, **SFT)))
     with_extra_callback(monkeypatch, PoisonGradients(7))
     with pytest.raises(NonFiniteError, match=r"stage 'sft': non-finite gradient norm \(nan\) at step 7"):
         run_recipe(recipe)
@@ -138,7 +137,7 @@ def test_nonfinite_gradient_stops_before_the_optimizer_step(tmp_path, monkeypatc
 def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_path, monkeypatch):
     import errno
 
-    spec = sft_recipe(tmp_path)
+    spec = sft_recipe(tmp_path, **SFT)
     spec["stages"]["sft2"] = {"kind": "sft", "data": {"task": "arithmetic", "n": 50}, "train": TRAIN}
     recipe = load_recipe(write_recipe(tmp_path, spec))
     run_recipe(recipe, only=["sft"])
@@ -157,7 +156,7 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
 
 
 def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resumes(tmp_path, monkeypatch):
-    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, **SFT)))
     out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
     with monkeypatch.context() as patch:
         with_extra_callback(patch, RaiseAt(7, out_of_memory))
@@ -202,7 +201,7 @@ def test_secrets_never_reach_stage_json_model_card_or_log_history(tmp_path, monk
     monkeypatch.setenv("HF_TOKEN", secret)
     monkeypatch.setenv("WANDB_API_KEY", "wandb-planted-secret-0987654321")
     with_extra_callback(monkeypatch, SecretInLogs(secret))
-    spec = sft_recipe(tmp_path)
+    spec = sft_recipe(tmp_path, **SFT)
     spec["stages"]["sft"]["train"] = {**TRAIN, "hub_token": secret, "run_name": f"run-{secret}"}
     recipe = load_recipe(write_recipe(tmp_path, spec))
     run_recipe(recipe)
@@ -216,9 +215,9 @@ def test_secrets_never_reach_stage_json_model_card_or_log_history(tmp_path, monk
 
 
 def test_trust_remote_code_is_off_unless_the_recipe_opts_in(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path)))
+    recipe = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, **SFT)))
     assert recipe.trust_remote_code is False
-    opted = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, trust_remote_code=True), "t.yaml"))
+    opted = load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, **SFT, trust_remote_code=True), "t.yaml"))
     assert opted.trust_remote_code is True
 
 
@@ -235,8 +234,8 @@ def test_runs_flush_denormal_floats_to_zero(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "flush_denormals", flush)
     with pytest.raises(Called):
-        run_recipe(load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path))))
-    assert not (tmp_path / "rel" / "sft").exists(), "flushing is set up before any stage runs"
+        run_recipe(load_recipe(write_recipe(tmp_path, sft_recipe(tmp_path, **SFT))))
+    assert not (tmp_path / "out" / "sft").exists(), "flushing is set up before any stage runs"
     monkeypatch.undo()
     try:
         if runner.flush_denormals():

@@ -4,12 +4,12 @@ accuracy, score head trained), saves a loadable merged checkpoint, validates its
 from __future__ import annotations
 
 import json
-import time
+import math
 
 import pytest
 import torch
 from conftest import REPO, SMALLEST_MODEL, write_recipe
-from helpers import completion_logprob, pairwise_accuracy
+from helpers import pairwise_accuracy
 
 from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
@@ -49,23 +49,21 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
 
     Measured: held-out accuracy ~0.65-0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
     mistakes: in one short epoch at one learning rate the body does not learn to check a digit. The SFT
-    policy's own log-probs rank the same pairs at ~0.90, printed below for comparison. The longer recipe with a
+    policy's own log-probs rank the same pairs at ~0.90. The longer recipe with a
     faster score head reaches 0.9 (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
     from alignment.config.data import DataSpec
     from alignment.data.loading import load_rows
-    from alignment.models.loading import load_policy, load_reward_model
+    from alignment.models.loading import load_reward_model
     from alignment.models.tokenizer import load_tokenizer
     from alignment.stages import reward
-    from alignment.training.pairs import normalize_pairs, render_pairs
+    from alignment.training.pairs import normalize_pairs
 
     ctx = reward_context(tmp_path, sft_checkpoint)
     trainer, counts = reward.build_trainer(ctx)
     before = score_head(trainer.model)
     assert before, "the score head must be trainable under LoRA (task_type SEQ_CLS -> modules_to_save)"
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "q_proj.base_layer" in n}
-    started = time.time()
     trainer.train()
-    seconds = time.time() - started
     after = score_head(trainer.model)
     changed = {n: float((after[n] - before[n]).abs().max()) for n in before}
     assert all(v > 0 for v in changed.values())
@@ -76,14 +74,10 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
     by_kind = accuracy_by_mistake_kind(model, tokenizer, held_out)
-    policy = load_policy(str(sft_checkpoint))
-    implicit = sum(bool(completion_logprob(policy, tokenizer, r["prompt"], r["chosen"]) >
-                        completion_logprob(policy, tokenizer, r["prompt"], r["rejected"]))
-                   for r in render_pairs(tokenizer, held_out)) / len(held_out)
-    print(f"\nreward model ({counts}, {trainer.state.global_step} steps in {seconds:.0f}s): score head change "
-          f"{changed}; held-out pairwise accuracy {overall['accuracy']:.3f} (mean margin {overall['margin']:.2f}), "
-          f"by mistake kind {by_kind}; SFT policy log-prob ranking of the same pairs: {implicit:.3f}")
-    assert overall["accuracy"] >= 0.6 and by_kind["reversed digits"] >= 0.8
+    # Above chance (0.5) by three standard errors of a coin flip over these pairs (0.075 for 400): a margin set
+    # by the sample size, not by one machine's run; the measured 0.65-0.70 clears it by 3 to 5 standard errors.
+    assert overall["accuracy"] >= 0.5 + 3 * math.sqrt(0.25 / len(held_out)), overall
+    assert by_kind["reversed digits"] >= 0.8, by_kind
     assert (ctx.out_dir / "adapter").is_dir() and model.config.num_labels == 1
 
 
@@ -105,9 +99,7 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     ctx = reward_context(tmp_path, sft_checkpoint, lora=False, **stage)
     trainer, counts = reward.build_trainer(ctx)
     before = score_head(trainer.model)
-    started = time.time()
     trainer.train()
-    seconds = time.time() - started
     after = score_head(trainer.model)
     assert all(not torch.equal(after[n], before[n]) for n in before)
     reward.save_reward_model(trainer.model, trainer.processing_class, ctx.out_dir)
@@ -115,9 +107,6 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
-    by_kind = accuracy_by_mistake_kind(model, tokenizer, held_out)
-    print(f"\nreward model recipe ({counts}, {trainer.state.global_step} steps in {seconds:.0f}s): held-out pairwise "
-          f"accuracy {overall['accuracy']:.3f} (mean margin {overall['margin']:.1f}), by mistake kind {by_kind}")
     assert overall["accuracy"] >= 0.9
 
 

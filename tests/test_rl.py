@@ -110,7 +110,8 @@ def test_entropy_from_logits_values_and_grad():
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
+def tiny_qwen2():
+    """A tiny random Qwen2 in memory (the module itself; conftest's `tiny_model` is a saved checkpoint's path)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -143,25 +144,25 @@ def naive_completion_logprobs(model, prompt, completion, temperature=1.0):
 
 
 @pytest.mark.parametrize("temperature,batch_chunk_size", [(1.0, None), (0.7, 1)])
-def test_sequence_logprobs_matches_unpadded_naive_forward(tiny_model, temperature, batch_chunk_size):
+def test_sequence_logprobs_matches_unpadded_naive_forward(tiny_qwen2, temperature, batch_chunk_size):
     prompts, completions, ids, mask = padded_batch()
     with torch.no_grad():
-        ours = rl.sequence_logprobs(tiny_model, ids, mask, 4, temperature=temperature,
+        ours = rl.sequence_logprobs(tiny_qwen2, ids, mask, 4, temperature=temperature,
                                     batch_chunk_size=batch_chunk_size)
         assert ours.shape == (2, 4)
         for b, (p, c) in enumerate(zip(prompts, completions)):
-            expected = naive_completion_logprobs(tiny_model, p, c, temperature)
+            expected = naive_completion_logprobs(tiny_qwen2, p, c, temperature)
             close(ours[b, : len(c)], expected, atol=1e-5)
 
 
-def test_sequence_logprobs_is_differentiable_and_validates(tiny_model):
+def test_sequence_logprobs_is_differentiable_and_validates(tiny_qwen2):
     _, _, ids, mask = padded_batch()
-    out = rl.sequence_logprobs(tiny_model, ids, mask, 4)
+    out = rl.sequence_logprobs(tiny_qwen2, ids, mask, 4)
     out[mask[:, -4:].bool()].sum().backward()
-    assert tiny_model.lm_head.weight.grad is not None
-    tiny_model.zero_grad(set_to_none=True)
+    assert tiny_qwen2.lm_head.weight.grad is not None
+    tiny_qwen2.zero_grad(set_to_none=True)
     with pytest.raises(ValueError, match="num_logits_to_keep"):
-        rl.sequence_logprobs(tiny_model, ids, mask, ids.shape[1])
+        rl.sequence_logprobs(tiny_qwen2, ids, mask, ids.shape[1])
 
 
 # --------------------------------------------------------------------------------------------------

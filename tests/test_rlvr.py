@@ -1,4 +1,4 @@
-"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/verifier_rewards.py).
+"""`rlvr` stage and the verifier -> TRL reward adapter (alignment/training/rewards.py).
 
 Fast: the adapter on its own (columns, prompt, errors, logging), config validation, the batch /
 num_generations check through `align check`, and the shipped real-model recipes (schema + TRL
@@ -14,16 +14,15 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
     REPO,
     SMALLEST_MODEL,
-    TINY_MODEL,
     heldout_accuracy,
+    recipe_dict,
+    run,
     run_cli,
     write_recipe,
 )
@@ -33,22 +32,7 @@ from alignment.errors import UserError
 
 FAST_TRAIN = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 6,
               "logging_steps": 1, "learning_rate": 1.0e-4}
-
-
-def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
-    return {"name": "rlvr-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"rlvr": {"data": {"task": "arithmetic", "split": "train", "n": 64}, "verifiers": ["arithmetic"],
-                                "train": FAST_TRAIN, **stage}}}
-
-
-def run(tmp_path: Path, stage: dict, model=None):
-    from alignment.config.recipe import load_recipe
-    from alignment.run.runner import run_recipe
-
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
-    result = run_recipe(recipe)["rlvr"]
-    history = json.loads((recipe.stage_dir("rlvr") / "log_history.json").read_text())
-    return recipe, result, history
+FAST = {"data": {"task": "arithmetic", "split": "train", "n": 64}, "verifiers": ["arithmetic"], "train": FAST_TRAIN}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,7 +95,7 @@ def test_config_validation(tmp_path):
     from alignment.config.recipe import load_recipe
 
     numeric = {"name": "numeric", "weight": 0.5, "options": {"mode": "strict"}}
-    good = recipe_dict(tmp_path, {"verifiers": ["arithmetic", numeric]})
+    good = recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetic", numeric]})
     stage = load_recipe(write_recipe(tmp_path, good)).stages["rlvr"]
     assert [v.name for v in stage.verifiers] == ["arithmetic", "numeric"] and stage.verifiers[1].weight == 0.5
     assert stage.algorithm == "grpo"
@@ -119,7 +103,7 @@ def test_config_validation(tmp_path):
                          ({"gold": [{"nme": "arithmetic"}]}, "gold"),
                          ({"verifier": ["arithmetic"]}, "verifier")]:
         with pytest.raises(UserError, match=message):
-            load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, bad)))
+            load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
 
 
 def test_kl_on_by_default_and_recipe_can_override(tmp_path):
@@ -127,35 +111,35 @@ def test_kl_on_by_default_and_recipe_can_override(tmp_path):
     from alignment.run.runner import make_context
     from alignment.stages import rlvr
 
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {})))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", FAST)))
     args = rlvr.trl_config(make_context(recipe, "rlvr"))
     assert args.beta == rlvr.DEFAULT_BETA > 0
     assert args.reward_weights == [1.0]
-    rloo = recipe_dict(tmp_path, {"algorithm": "rloo", "train": {**FAST_TRAIN, "beta": 0.0}})
+    rloo = recipe_dict(tmp_path, "rlvr", {**FAST, "algorithm": "rloo", "train": {**FAST_TRAIN, "beta": 0.0}})
     recipe = load_recipe(write_recipe(tmp_path, rloo))
     args = rlvr.trl_config(make_context(recipe, "rlvr"))
     assert type(args).__name__ == "RLOOConfig" and args.beta == 0.0
 
 
 def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
-    recipe = recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})
+    recipe = recipe_dict(tmp_path, "rlvr",
+                         {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})
     done = run_cli("check", write_recipe(tmp_path, recipe))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
     assert "num_generations=4" in message and "per_device_train_batch_size=6" in message
     assert "Traceback" not in done.stderr
-    print(message)
 
 
 def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import check_recipe
 
-    no_answer = recipe_dict(tmp_path, {"data": {"task": "arithmetic", "split": "train", "n": 16}})
+    no_answer = recipe_dict(tmp_path, "rlvr", {**FAST, "data": {"task": "arithmetic", "split": "train", "n": 16}})
     no_answer["stages"]["rlvr"]["data"]["rename"] = {"answer": "solution"}
     with pytest.raises(UserError, match="'answer'"):
         check_recipe(load_recipe(write_recipe(tmp_path, no_answer)))
-    unknown = recipe_dict(tmp_path, {"verifiers": ["arithmetc"]})
+    unknown = recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetc"]})
     with pytest.raises(UserError, match=r"verifiers\.0.*arithmetic"):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
     unknown_gold = recipe_dict(tmp_path, {"gold": ["arithmetic", "arithmetc"]})
@@ -164,7 +148,7 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
 
 
 @pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
-def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
+def test_prompt_data_errors_name_the_line_of_the_file_not_of_the_shuffled_order(tmp_path, stage):
     from alignment.config.evaluate import SuiteSpec
     from alignment.config.recipe import load_recipe
     from alignment.evaluation.evaluate import load_suites
@@ -179,7 +163,7 @@ def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(t
         def checked():
             load_suites([SuiteSpec(name="s", data=data, verifier="arithmetic")], 1, None)
     else:
-        recipe = recipe_dict(tmp_path, {"data": data})
+        recipe = recipe_dict(tmp_path, "rlvr", {**FAST, "data": data})
         if stage == "ppo":
             recipe["stages"] = {"ppo": {"data": data, "verifiers": ["arithmetic"], "rollout": {"max_new_tokens": 4}}}
         loaded = load_recipe(write_recipe(tmp_path, recipe))
@@ -190,7 +174,7 @@ def test_prompt_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(t
                          (23, r"a chat message is not \{'role': str, 'content': str\}")):
         written = [broken[row] if i == row else r for i, r in enumerate(rows)]
         path.write_text("".join(json.dumps(r) + "\n" for r in written))
-        with pytest.raises(UserError, match=rf"row {row}: {message}"):
+        with pytest.raises(UserError, match=rf"line {row + 1} of \S*prompts.jsonl\W.*{message}"):
             checked()
 
 
@@ -239,7 +223,8 @@ def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypa
     from alignment.run.runner import check_recipe
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True}})))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr",
+                                                            {**FAST, "train": {**FAST_TRAIN, "use_vllm": True}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: vllm is not installed.*use_vllm: false"):
         check_recipe(recipe)
 
@@ -257,7 +242,7 @@ def test_vllm_sampling_is_told_the_end_of_turn_token(tmp_path, tiny_model, monke
     for extra, expected in [({}, {end, tokenizer.eos_token_id}), ({"generation_kwargs": {"stop_token_ids": [7]}}, {7})]:
         # server mode: colocate mode is refused on CPU (the next test)
         train = {**FAST_TRAIN, "use_vllm": True, "vllm_mode": "server", **extra}
-        recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": train})))
+        recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "train": train})))
         args = rlvr.trl_config(make_context(recipe, "rlvr"))
         rlvr.stop_vllm_at_end_of_turn(args, tokenizer)
         assert set(args.generation_kwargs["stop_token_ids"]) == expected  # the recipe's own choice is kept
@@ -271,7 +256,8 @@ def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monke
 
     patch_everywhere(monkeypatch, sampling, "vllm_missing", lambda *_: None)  # as if installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(
+        tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
                                         r"sync_weights.*weight_loader.*use_vllm: false.*backend: vllm"):
         check_recipe(recipe)
@@ -334,6 +320,26 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
     assert "[rl] 2 of 8 completions (25%) were cut at max_completion_length=4" in said
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_truncation_message_says_what_happened_to_the_cut_completions(logged, masked):
+    """Cut completions are trained as cut off unless `mask_truncated_completions` is set; with it set, the message
+    neither tells the user to set it nor says they were trained."""
+    from alignment.training.rewards import GroupSignal, VerifierReward
+    from alignment.verifiers import resolve
+
+    reward = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "one")
+    signal = GroupSignal([reward], stop_ids=[9], num_generations=2)
+    reward(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=[[9], [2], [9], [9]], a=[0, 1, 0, 1])
+    signal.report("rl", max_completion_length=4, masked=masked)
+    said = logged()
+    assert "[rl] 1 of 4 completions (25%) were cut at max_completion_length=4" in said
+    if masked:
+        assert "left out of the loss (mask_truncated_completions: true)" in said
+        assert "trained as cut off" not in said and "set train.mask_truncated_completions" not in said
+    else:
+        assert "trained as cut off" in said and "set train.mask_truncated_completions: true" in said
+
+
 def test_group_signal_warns_when_most_groups_have_no_signal(logged, caplog):
     import logging
 
@@ -372,13 +378,13 @@ def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_the
     (tmp_path / "signal_verifiers.py").write_text(MIXED)
     steps = {**FAST_TRAIN, "max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 16,
              "max_completion_length": 4, "learning_rate": 1.0e-2, **train}
-    _, result, history = run(tmp_path, {"algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "data": {
-        "task": "arithmetic", "split": "train", "n": 32}, "train": steps}, model=SMALLEST_MODEL)
+    stage = {**FAST, "algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "train": steps,
+             "data": {"task": "arithmetic", "split": "train", "n": 32}}
+    _, result, history = run(tmp_path, "rlvr", stage, model=SMALLEST_MODEL)
     rewards = [float(line) for line in (tmp_path / "rewards.log").read_text().split()]
     groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]
     truth = sum(len(set(g)) == 1 for g in groups) / len(groups)
     trl = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
-    print(f"{algorithm}: true share of flat groups {truth:.3f}, TRL frac_reward_zero_std per step {trl}")
     assert len(rewards) == 3 * 16 and 0 < truth < 1
     assert abs(sum(trl) / len(trl) - truth) > 0.1  # what TRL's number would have reported
     metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]
@@ -393,7 +399,7 @@ def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_the
 def test_a_run_whose_groups_all_got_equal_rewards_is_warned_about(tmp_path, logged):
     (tmp_path / "constant_reward.py").write_text("def always_one(completion):\n    return 1.0\n")
     train = {**FAST_TRAIN, "num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4}
-    _, result, _ = run(tmp_path, {"verifiers": ["constant_reward:always_one"], "data": {
+    _, result, _ = run(tmp_path, "rlvr", {**FAST, "verifiers": ["constant_reward:always_one"], "data": {
         "task": "arithmetic", "split": "train", "n": 8}, "train": train}, model=SMALLEST_MODEL)
     assert result["metrics"]["zero_variance_groups"] == 1.0
     text = logged()
@@ -426,13 +432,8 @@ def test_grpo_from_sft_checkpoint_keeps_accuracy_and_logs_kl(tmp_path, sft_check
     stage = {"model": str(sft_checkpoint), "lora": None, "data": {"task": "arithmetic", "split": "train", "n": 2000},
              "train": GRPO_ARITHMETIC}
     before = heldout_accuracy(sft_checkpoint)
-    started = time.time()
-    recipe, result, history = run(tmp_path, stage)
-    seconds = time.time() - started
+    recipe, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     after = heldout_accuracy(recipe.stage_dir("rlvr"))
-    rewards = [h["rewards/arithmetic/mean"] for h in history if "rewards/arithmetic/mean" in h]
-    print(f"GRPO: held-out greedy accuracy {before:.3f} -> {after:.3f} ({seconds:.0f} s); train reward (T=1) "
-          f"{rewards[0]:.3f} -> {rewards[-1]:.3f}; final kl {result['metrics'].get('kl')}")
     assert result["metrics"]["kl"] > 0  # the KL term to the starting policy is on by default
     start = load_file(sft_checkpoint / "model.safetensors")
     end = load_file(recipe.stage_dir("rlvr") / "model.safetensors")
@@ -442,7 +443,7 @@ def test_grpo_from_sft_checkpoint_keeps_accuracy_and_logs_kl(tmp_path, sft_check
 
 @pytest.mark.slow
 def test_rloo_runs_a_few_steps(tmp_path):
-    recipe, result, history = run(tmp_path, {"algorithm": "rloo"})
+    recipe, result, history = run(tmp_path, "rlvr", {**FAST, "algorithm": "rloo"})
     assert result["metrics"]["global_step"] == FAST_TRAIN["max_steps"]
     assert any("rewards/arithmetic/mean" in h for h in history)
     assert (recipe.stage_dir("rlvr") / "model.safetensors").exists()
@@ -472,10 +473,9 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
              "verifiers": [{"name": "my_verifiers:lucky_seven", "options": {"digit": "7"}}],
              "train": {"max_steps": 20, "num_generations": 8, "per_device_train_batch_size": 64,
                        "learning_rate": 1.0e-4, "max_completion_length": 8, "logging_steps": 2}}
-    _, result, history = run(tmp_path, stage)
+    _, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     key = "rewards/my_verifiers:lucky_seven/mean"  # TRL logs each reward function under its __name__
     means = [h[key] for h in history if key in h]
-    print(f"custom verifier reward every 2 steps: {[round(m, 3) for m in means]}")
     assert len(means) == 10 and result["metrics"]["verifier/my_verifiers:lucky_seven/scored"] == 20 * 64
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.05
 
@@ -483,9 +483,8 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
 @pytest.mark.slow
 def test_verifier_raising_on_some_rows_does_not_stop_training(tmp_path):
     (tmp_path / "my_verifiers.py").write_text(textwrap.dedent(MY_VERIFIERS))
-    recipe, result, history = run(tmp_path, {"verifiers": ["arithmetic", "my_verifiers:flaky"]})
+    recipe, result, history = run(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetic", "my_verifiers:flaky"]})
     metrics = result["metrics"]
-    print(f"errors: {metrics['verifier/my_verifiers:flaky/errors']} of {metrics['verifier/my_verifiers:flaky/scored']}")
     assert (recipe.stage_dir("rlvr") / "stage.json").exists()
     assert 0 < metrics["verifier/my_verifiers:flaky/errors"] < metrics["verifier/my_verifiers:flaky/scored"]
     assert any(h.get("errors/my_verifiers:flaky", 0) > 0 for h in history)
@@ -517,7 +516,7 @@ def test_a_checkpoints_generation_config_does_not_change_what_rlvr_samples(tmp_p
         folder = tmp_path / f"run-{name}"
         folder.mkdir()
         (folder / "my_verifiers.py").write_text(DIGITS)
-        recipe, _, history = run(folder, {"verifiers": ["my_verifiers:digit_share"]}, model=str(model))
+        recipe, _, history = run(folder, "rlvr", {**FAST, "verifiers": ["my_verifiers:digit_share"]}, model=str(model))
         weights[name] = load_file(str(recipe.stage_dir("rlvr") / "model.safetensors"))
         completions[name] = [(e.get("completions/mean_length"), e.get("reward")) for e in history if "reward" in e]
     assert completions["clean"] == completions["skewed"] and completions["clean"]

@@ -10,11 +10,16 @@ SFT fixture raises held-out accuracy.
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
+from conftest import (
+    REPO,
+    heldout_accuracy,
+    recipe_dict,
+    require_isolation,
+    run,
+    write_recipe,
+)
 
 from alignment.errors import UserError
 
@@ -22,19 +27,6 @@ FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": 
         "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
         "select": "threshold", "threshold": 0.0,  # keep every parsed sample: a random-init model is rarely right
         "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, "learning_rate": 1.0e-3}}
-
-
-def recipe_dict(tmp_path: Path, stage: dict, model=None) -> dict:
-    return {"name": "rsft-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"rsft": {**FAST, **stage}}}
-
-
-def run(tmp_path: Path, stage: dict, model=None):
-    from alignment.config.recipe import load_recipe
-    from alignment.run.runner import run_recipe
-
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model)))
-    return recipe, run_recipe(recipe)["rsft"]
 
 
 def candidate(text, score, passed=True, parsed=True, finished=True):
@@ -71,12 +63,13 @@ def test_selection_rules():
     ({"select": "best_of_n", "k": 3}, "top_k"),
     ({"rounds": 0}, "rounds"),
     ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
+    ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
 ])
 def test_config_errors(tmp_path, stage, message):
     from alignment.config.recipe import load_recipe
 
     with pytest.raises(UserError, match=message):
-        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage)))
+        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rsft", {**FAST, **stage})))
 
 
 def test_shipped_code_rsft_recipe_validates():
@@ -84,7 +77,6 @@ def test_shipped_code_rsft_recipe_validates():
     from alignment.run.runner import make_context
     from alignment.stages import rsft
     from alignment.training.rewards import resolve_all
-    from alignment.verifiers.sandbox import process
 
     recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "code-rsft.yaml")
     ctx = make_context(recipe, "rsft")
@@ -92,8 +84,7 @@ def test_shipped_code_rsft_recipe_validates():
     assert not ctx.config.verifiers[0].options.get("allow_unsandboxed")  # never ship an unsandboxed recipe
     args = rsft.sft_args(ctx, ctx.work_dir)
     assert args.completion_only_loss and args.learning_rate == 1.0e-4
-    if process.isolation() is None:
-        pytest.skip("no sandbox isolation on this machine: python_tests refuses to resolve, as designed")
+    require_isolation()  # without it python_tests refuses to resolve, as designed
     resolve_all(ctx.config.verifiers, [recipe.base_dir], ctx.where)
 
 
@@ -102,7 +93,8 @@ def test_shipped_code_rsft_recipe_validates():
 
 
 def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
-    recipe, result = run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
+    recipe, result, _ = run(tmp_path, "rsft",
+                            {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
     out = recipe.stage_dir("rsft")
     metrics = result["metrics"]
     for k in (1, 2):
@@ -147,10 +139,10 @@ def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpo
     monkeypatch.setattr(rsft, "sample_and_select", sample)
     monkeypatch.setattr(rsft, "train_round", train_crashing_in_round_2)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2})
+        run(tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2})
     assert calls == [1, 2]
     monkeypatch.setattr(rsft, "train_round", original_train)
-    recipe, result = run(tmp_path, {"model": str(sft_checkpoint), "rounds": 2})
+    recipe, result, _ = run(tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2})
     assert calls == [1, 2]  # round 1 was not redone; round 2 reused its samples
     assert result["metrics"]["rounds"] == 2
     assert (recipe.stage_dir("rsft") / "selected_round1.jsonl").exists()
@@ -166,7 +158,7 @@ def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {"model": str(sft_checkpoint), "verifiers": [], "reward_model": str(rm_dir), "select": "top_k", "k": 2,
              "threshold": None}
-    recipe, result = run(tmp_path / "run", stage)
+    recipe, result, _ = run(tmp_path / "run", "rsft", {**FAST, **stage})
     rows = [json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
     assert rows and all(isinstance(r["score"], float) for r in rows)
     per_prompt = {}
@@ -184,14 +176,8 @@ def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
 def test_rsft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
     stage = {"model": str(sft_checkpoint), "lora": None, **RSFT_ARITHMETIC}
     before = heldout_accuracy(sft_checkpoint)
-    started = time.time()
-    recipe, result = run(tmp_path, stage)
-    seconds = time.time() - started
+    recipe, result, _ = run(tmp_path, "rsft", {**FAST, **stage})
     after = heldout_accuracy(recipe.stage_dir("rsft"))
-    m = result["metrics"]
-    rounds = [(m[f"round{k}/acceptance_rate"], m[f"round{k}/pass_rate"]) for k in range(1, m["rounds"] + 1)]
-    print(f"RSFT: held-out accuracy {before:.3f} -> {after:.3f} ({seconds:.0f} s); per round "
-          f"(acceptance, sample pass rate): {rounds}")
     assert after >= before + MIN_GAIN
 
 
@@ -215,7 +201,7 @@ def test_selected_rows_longer_than_max_length_are_counted_and_said(tmp_path, log
     (tmp_path / "accept.py").write_text("def everything(completion):\n    return 1.0\n")
     stage = {"verifiers": ["accept:everything"], "sampling": {"n": 4, "max_new_tokens": 40, "temperature": 1.0},
              "train": {**FAST["train"], "max_length": 32}}
-    recipe, result = run(tmp_path, stage)
+    recipe, result, _ = run(tmp_path, "rsft", {**FAST, **stage})
     out = recipe.stage_dir("rsft")
     tokenizer = load_tokenizer(str(out))
     selected = [json.loads(line) for line in (out / "selected_round1.jsonl").read_text().splitlines()]

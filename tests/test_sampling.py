@@ -13,13 +13,6 @@ from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate
 
 
-@pytest.fixture(scope="module")
-def prompts(tiny_model):
-    tokenizer = load_tokenizer(str(tiny_model))
-    # Different lengths, so batches are left-padded and sorted by length.
-    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
-
-
 def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts):
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
     greedy = generate(model, tokenizer, prompts, SamplingSpec(temperature=0, max_new_tokens=6, batch_size=2))

@@ -3,7 +3,8 @@ behind, and the caller (this pytest process) must survive. Correct programs must
 
 Runs in the best isolation mode this machine offers (`process.isolation()`); the network tests,
 kill(-1) and the file-hiding tests need namespaces and are skipped ONLY when none works, because
-without a network namespace a connect would send real traffic. Short limits keep it fast.
+without a network namespace a connect would send real traffic (with the reason in the summary; under
+CI they fail instead: see conftest's `require_isolation`). Short limits keep it fast.
 """
 
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import require_isolation
 
 from alignment.errors import UserError
 from alignment.verifiers import resolve
@@ -25,7 +27,6 @@ from alignment.verifiers.sandbox.process import Limits, run_python
 
 ISOLATION = process.isolation()
 MODE = ISOLATION or "none"
-NO_NAMESPACES = "no isolation mechanism works on this machine (process.isolation() is None)"
 TIMEOUT = 2.0
 OPTIONS = {"timeout": TIMEOUT, "memory_mb": 256, "max_processes": 16, "allow_unsandboxed": True}
 TESTS = "assert add(2, 3) == 5\n"
@@ -38,6 +39,7 @@ class Hostile:
     code: str
     tests: str = TESTS
     needs_namespaces: bool = False
+    endless: bool = False  # never ends by itself: only the sandbox's own timeout can stop it
 
 
 HOSTILE = [
@@ -49,8 +51,8 @@ HOSTILE = [
                 os.fork()
             except OSError:
                 pass
-    """, needs_namespaces=True),
-    Hostile("infinite_loop", "while True:\n    pass\n"),
+    """, needs_namespaces=True, endless=True),
+    Hostile("infinite_loop", "while True:\n    pass\n", endless=True),
     Hostile("busy_threads", """
         import threading
         def spin():
@@ -59,7 +61,7 @@ HOSTILE = [
         for _ in range(4):
             threading.Thread(target=spin).start()
         spin()
-    """),
+    """, endless=True),
     Hostile("sleep_forever_ignoring_signals", """
         import signal, time
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM):
@@ -123,7 +125,7 @@ HOSTILE = [
         os.setsid()
         while True:
             pass
-    """),
+    """, endless=True),
     Hostile("background_child_then_exit", """
         import subprocess, sys
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)", "MARK"], start_new_session=True)
@@ -289,21 +291,21 @@ def planted(tmp_path, monkeypatch):
     public_dir.rmdir()
 
 
+@pytest.mark.timeout(120)  # a hang guard far above any run (the sandbox stops each at TIMEOUT), not a speed bound
 @pytest.mark.parametrize("case", HOSTILE, ids=[c.name for c in HOSTILE])
 def test_hostile_program_scores_zero(case, planted):
-    if case.needs_namespaces and ISOLATION is None:
-        pytest.skip(NO_NAMESPACES)
+    if case.needs_namespaces:
+        require_isolation()
     marker = f"sandbox-test-{uuid.uuid4().hex}"
     code = textwrap.dedent(case.code).replace("MARK", marker)
     for key in ("SECRET_PATH", "PRIVATE_PATH", "HOME_SECRET", "PORT", "CALLER_PID"):
         code = code.replace(key, planted[key])
     dirs_before = _sandbox_dirs()
     verifier = resolve("python_tests", options=OPTIONS)
-    start = time.monotonic()
     result = verifier.score(f"```python\n{code}\n```", {"tests": case.tests})
-    elapsed = time.monotonic() - start
     assert (result.reward, result.status) == (0.0, "ok"), result.detail
-    assert elapsed < TIMEOUT + 3, f"took {elapsed:.1f} s"
+    if case.endless:  # "in time": the sandbox's own timer stopped it (and below: nothing of it is left running)
+        assert result.detail.startswith(f"timeout after {TIMEOUT:g} s"), result.detail[-500:]
     assert len(result.detail) < 5000  # output is capped, whatever the program printed
     _assert_no_survivors(marker)
     assert _sandbox_dirs() == dirs_before  # the temporary directory is gone
@@ -384,9 +386,9 @@ def test_verifier_end_to_end():
     assert [r.reward for r in v.score_batch([bare, "x = (", fenced, bare], rows)] == [1.0, 0.0, 1.0, 1.0]
 
 
-@pytest.mark.skipif(ISOLATION is None, reason=NO_NAMESPACES)
 @pytest.mark.parametrize("mode", [m for m in process.MODES if m != "none"])
 def test_each_namespace_mode(mode):
+    require_isolation()
     if mode == "unshare-root" and os.geteuid() != 0:
         pytest.skip("unshare-root needs root")
     passed = run_python("def add(a, b):\n    return a + b\n", TESTS, Limits(timeout=5), mode=mode)

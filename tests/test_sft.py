@@ -10,17 +10,16 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY_MODEL, heldout_accuracy, write_recipe
+from conftest import (
+    QUICK_TRAIN,
+    REPO,
+    heldout_accuracy,
+    sft_recipe,
+    write_recipe,
+)
 
 from alignment.config.recipe import load_recipe
 from alignment.run.runner import run_recipe
-
-QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
-
-
-def sft_recipe(tmp_path, **extra) -> dict:
-    return {"name": "sft-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"sft": {"data": {"task": "arithmetic", "n": 600}, "train": QUICK_TRAIN}}, **extra}
 
 
 def params(path) -> dict[str, torch.Tensor]:
@@ -86,7 +85,6 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
         assert record["metrics"]["train_loss"] > 0
         trained, base = params(loaded.stage_dir("sft")), params(loaded.out / "base")
         assert any(not torch.equal(trained[k], base[k]) for k in trained)
-    print(f"\noptimizer steps for one epoch: padded {steps[False]}, packed {steps[True]}")
     assert steps[False] == 19  # ceil(600 / 32)
     assert steps[True] * 4 <= 600 / 2  # measured 50 steps: 600 rows of ~20 tokens fill about 200 rows of 64
 
@@ -94,7 +92,6 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
 def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
     trained = heldout_accuracy(sft_checkpoint)
     scratch = heldout_accuracy(sft_checkpoint.parent / "base")
-    print(f"held-out greedy accuracy: from scratch {scratch:.3f}, after SFT {trained:.3f}")
     assert scratch < 0.05 and trained > scratch + 0.3
 
 
@@ -278,10 +275,10 @@ def test_data_errors_name_the_row_of_the_file_not_of_the_shuffled_order(tmp_path
     recipe = sft_recipe(tmp_path)
     recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "d.jsonl", rows)}  # shuffled by default
     loaded = load_recipe(write_recipe(tmp_path, recipe))
-    with pytest.raises(UserError, match=r"row 17, column 'completion' is int"):
+    with pytest.raises(UserError, match=r"line 18 of \S*d.jsonl, column 'completion' is int"):
         check_recipe(loaded)
     rows[17]["completion"] = "it is 18"
     rows[23] = {"prompt": "q", "completion": [{"role": "user", "content": "x"}]}
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UserError, match=r"\(row 23\).*one assistant message"):
+    with pytest.raises(UserError, match=r"\(line 24 of \S*d.jsonl\).*one assistant message"):
         check_recipe(loaded)

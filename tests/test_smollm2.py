@@ -72,7 +72,6 @@ def test_every_stage_runs_on_smollm2_and_every_output_chats(tmp_path, smollm2_ch
             output = model.generate(**inputs, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         reply_ids = output[0, inputs["input_ids"].shape[1]:].tolist()
         reply = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
-        print(f"{stage}: {reply!r}")
         assert reply, stage
         assert tokenizer.eos_token_id in reply_ids, f"{stage} did not end its reply within 48 tokens: {reply!r}"
         assert reply_ids.index(tokenizer.eos_token_id) == len(reply_ids) - 1, stage  # generation stopped at EOS

@@ -16,7 +16,6 @@ from helpers import base_weights, lora_policy, tiny_ppo_recipe, trainable_digest
 
 from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
-from alignment.data.formatting import render_prompt
 from alignment.errors import UserError
 from alignment.models.tokenizer import load_tokenizer
 from alignment.run.runner import run_recipe
@@ -41,12 +40,6 @@ def fake_vllm(monkeypatch):
     vllm_engine.close()
     sys.modules.pop("vllm", None)
     sys.modules.pop("vllm.platforms", None)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_model):
-    tokenizer = load_tokenizer(str(tiny_model))
-    return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (37, 48)]]
 
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}

@@ -1,14 +1,20 @@
-"""The config layer: torch-free pydantic specs shared by the recipe and the stages.
+"""The config layer: torch-free pydantic specs shared by the recipe and the stages, and the recipe itself.
 
     base      Strict (unknown keys are errors), did_you_mean, explain, stage references
     data      DataSpec: where a stage's rows come from
-    model     TinySpec, LoraSpec
+    tasks     the built-in tasks' parameters (validated without importing the task)
+    model     TinySpec, GgufSpec, LoraSpec, TemplateSpec
     sampling  SamplingSpec (+ VllmSpec, OnPolicySpec): the one sampling spec
     verifier  VerifierSpec: an entry of an RL stage's `verifiers:` list
-    stage     StageConfig: keys every stage accepts
+    stages/   StageConfig (keys every stage accepts) and each stage kind's `Config`
     evaluate  EvaluateSpec, SuiteSpec and the validation of a recipe's `evaluate:` block
+    recipe    YAML -> validated `Recipe`: duplicate keys, overrides, interpolation, stage references
+    reference the configuration reference rendered from these models: docs/config.md, `align keys KIND`
 
-Loading a recipe imports only this layer, `recipe.py` and the stage modules' configs: no torch, no
-TRL (tests/test_layout.py holds it). This package imports none of its modules itself, so that each is
-imported only where it is used.
+Every field carries a `description=`: what it does, its unit, what its default means and the paper behind it;
+`reference.py` renders them, and tests/test_config_reference.py fails on a field without one or on a stale
+docs/config.md (`python scripts/config_reference.py` rewrites it).
+
+Loading a recipe imports only this layer: no torch, no TRL (tests/test_layout.py holds it). This package
+imports none of its modules itself, so that each is imported only where it is used.
 """

@@ -1,6 +1,6 @@
 """The `evaluate:` block of a recipe and the suites of `align eval`: specs and their validation.
 
-Running them is `alignment/evaluate.py`; this module only reads and checks what the recipe says.
+Running them is `alignment/evaluation/evaluate.py`; this module only reads and checks what the recipe says.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def greedy() -> SamplingSpec:
 class PassAtKSpec(SamplingSpec):
     """`pass_k:` n sampled completions per prompt; pass@k for every k in `k` (k <= n)."""
 
-    n: int = Field(8, gt=1, description="samples per prompt")
-    temperature: float = Field(1.0, gt=0)
-    k: list[int] = Field(default_factory=list, description="default: powers of two up to n, and n")
+    n: int = Field(8, gt=1, description="samples per prompt (the n of the unbiased pass@k estimator)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of these samples (> 0: pass@k needs "
+                               "distinct samples); at 1 with top_p 1 and top_k 0 they also serve the KL estimate")
+    k: list[int] = Field(default_factory=list, description="the k of each pass@k reported (1 <= k <= n; pass@1 "
+                         "from these samples is `pass@1_sampled`); default: powers of two up to n, and n")
     limit: int | None = Field(None, gt=0, description="sample only the suite's first `limit` prompts (saves time)")
 
     @model_validator(mode="after")
@@ -42,15 +44,21 @@ class PassAtKSpec(SamplingSpec):
 
 class SuiteSpec(Strict):
     name: str = Field(pattern=SUITE_NAME, description="prefix of the suite's metric names")
-    data: DataSpec
-    verifier: str | None = Field(None, description="verifier key or module:function scoring each completion")
-    verifier_options: dict[str, Any] = Field(default_factory=dict)
+    data: DataSpec = Field(description="the suite's prompts (`prompt` or `messages`) and the columns its verifier reads")
+    verifier: str | None = Field(None, description="verifier key or module:function scoring each completion "
+                                 "(pass@1, unparseable rate); default: none")
+    verifier_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
+                                             "that verifier")
     gold: str | None = Field(None, description="verifier (key or module:function) whose mean reward on the main "
                              "completions is the suite's gold measure (metric `gold`); where given, the reward-hacking "
                              "flag compares it instead of pass@1")
-    gold_options: dict[str, Any] = Field(default_factory=dict, description="keyword options passed to the gold verifier")
-    sampling: SamplingSpec = Field(default_factory=greedy, description="one completion per prompt (greedy by default)")
-    pass_k: PassAtKSpec | None = None
+    gold_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
+                                         "the gold verifier")
+    sampling: SamplingSpec = Field(default_factory=greedy, description="the main completion, one per prompt (default: "
+                                  "greedy, temperature 0, max_new_tokens 16)")
+    pass_k: PassAtKSpec | None = Field(None, description="also sample n completions per prompt for pass@k (unbiased "
+                                       "estimator, Chen et al. 2021, arXiv:2107.03374); max_new_tokens and batch_size "
+                                       "default to `sampling`'s")
 
     @model_validator(mode="after")
     def _one_main_completion(self):
@@ -89,14 +97,20 @@ def builtin_suite(name: str) -> dict:
 
 class EvaluateSpec(Strict):
     after: list[str] | None = Field(None, description="stages to evaluate (default: every policy stage)")
-    include_base: bool = False
-    suites: list[SuiteSpec] = Field(min_length=1, description="suite mappings or built-in suite names")
-    reward_model: str | None = Field(None, description="'${rm}' or a path: scores completions (rm_score, win_rate)")
+    include_base: bool = Field(False, description="also evaluate the recipe's base model, labelled `base`")
+    suites: list[SuiteSpec] = Field(min_length=1, description="suite mappings or names of built-in suites ("
+                              "arithmetic, arithmetic-sycophancy, arithmetic-chat, arithmetic-chat-sycophancy)")
+    reward_model: str | None = Field(None, description="'${rm}', a path or hub id of a reward model "
+                                      "that scores the main completions (rm_score; win_rate with a baseline)")
     baseline: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: win rate is against it")
-    reference: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: KL is to it")
-    reward_hacking_margin: float = Field(0.02, ge=0, description="pass@1 drop beyond which a rising RM score is flagged")
+    reference: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: the `kl` "
+                                   "metric is KL(checkpoint || it) per sequence, on the checkpoint's own samples at "
+                                   "temperature 1")
+    reward_hacking_margin: float = Field(0.02, ge=0, description="pass@1 drop below the baseline's beyond "
+                                         "which a reward-model score above the baseline's is flagged `reward_hacking`")
     batch_size: int = Field(64, gt=0, description="sequences per forward pass when scoring (reward model, KL)")
-    output: str = "eval"
+    output: str = Field("eval", description="folder, under output_dir, for metrics.json, samples.jsonl, report.md "
+                        "and the plots")
 
     @field_validator("suites", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Model specs: the offline tiny from-scratch model, GGUF files, LoRA settings (loading is in `models.py`)."""
+"""Model specs: the offline tiny from-scratch model, GGUF files, LoRA settings (loading is in `alignment/models/`)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ from .base import Strict
 class TinySpec(Strict):
     """A small from-scratch causal LM with a character-level tokenizer (offline runs and tests)."""
 
-    arch: Literal["qwen2", "llama"] = "qwen2"
-    hidden_size: int = Field(64, gt=0)
-    num_layers: int = Field(2, gt=0)
-    num_heads: int = Field(4, gt=0)
-    num_kv_heads: int = Field(2, gt=0)
-    intermediate_size: int | None = None
-    max_position_embeddings: int = 256
+    arch: Literal["qwen2", "llama"] = Field("qwen2", description="transformers architecture of the model: a "
+                                            "Qwen2Config or a LlamaConfig, with tied input and output embeddings")
+    hidden_size: int = Field(64, gt=0, description="width of the residual stream (the config's hidden_size)")
+    num_layers: int = Field(2, gt=0, description="transformer layers (num_hidden_layers)")
+    num_heads: int = Field(4, gt=0, description="attention heads (num_attention_heads); must divide hidden_size")
+    num_kv_heads: int = Field(2, gt=0, description="key/value heads (num_key_value_heads); fewer than num_heads is "
+                              "grouped-query attention")
+    intermediate_size: int | None = Field(None, description="width of the MLP; default: 4 x hidden_size")
+    max_position_embeddings: int = Field(256, description="longest sequence the model accepts, in tokens (characters: "
+                                         "the tokenizer is character-level), prompt and completion together")
 
 
 class GgufSpec(Strict):
@@ -79,11 +82,17 @@ def gguf_spec(value) -> GgufSpec | None:
 class LoraSpec(Strict):
     """peft LoRA settings; `target_modules: all-linear` adapts every linear layer but the output head."""
 
-    r: int = Field(16, gt=0)
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
-    use_rslora: bool = False
+    r: int = Field(16, gt=0, description="rank of the low-rank update BA added to each adapted weight (Hu et al. 2021, "
+                   "LoRA, arXiv:2106.09685)")
+    lora_alpha: int = Field(32, description="scale of the update: BA is multiplied by lora_alpha / r (lora_alpha / "
+                            "sqrt(r) with use_rslora)")
+    lora_dropout: float = Field(0.0, description="dropout probability on the adapter's input during training; 0: none")
+    target_modules: str | list[str] = Field("all-linear", description="the modules that get an adapter: a list of "
+                                            "names (each matches a module path's last parts, e.g. q_proj), a regular "
+                                            "expression the whole module path must match, or all-linear; a name the "
+                                            "model lacks fails `align check`")
+    use_rslora: bool = Field(False, description="rank-stabilised LoRA: scale by lora_alpha / sqrt(r) instead of "
+                             "lora_alpha / r (Kalajdzievski 2023, arXiv:2312.03732)")
 
 
 class TemplateSpec(Strict):

@@ -2,7 +2,8 @@
 
 Steps, each failing with a message that names the file and key:
   1. parse YAML (duplicate keys are errors: PyYAML would silently keep the last one),
-  2. apply dotted overrides (`stages.dpo.train.beta=0.05`, OmegaConf's dotlist syntax),
+  2. apply dotted overrides (`stages.dpo.train.beta=0.05`, values parsed as OmegaConf's dotlist does; a
+     number indexes a list; a value, a mapping too, replaces what the recipe holds there),
   3. resolve `${name}`-style interpolation with OmegaConf; a whole value `${sft}` naming a stage is a
      *stage reference* (that stage's output) and is kept for step 5,
   4. validate our own keys with pydantic (unknown key -> "did you mean"), each stage by its kind,
@@ -12,6 +13,7 @@ Steps, each failing with a message that names the file and key:
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -32,23 +34,37 @@ _REF = re.compile(r"^\$\{([A-Za-z_][\w-]*)\}$")
 
 
 class TinyModel(Strict):
-    tiny: TinySpec
+    tiny: TinySpec = Field(description="a model built from scratch with a character-level tokenizer, with the recipe's "
+                           "seed, into <output_dir>/base (offline runs and tests)")
 
 
 class Recipe(Strict):
-    name: str
-    model: str | TinyModel | GgufSpec = Field(description="hub id, local folder, a .gguf file (or {gguf: FILE, "
-                                             "package: REQUIREMENT}), or {tiny: {...}}")
-    output_dir: str | None = None
-    seed: int = 42
-    lora: LoraSpec | None = None
-    template: TemplateSpec | None = None
+    name: str = Field(description="name of the run: output_dir defaults to outputs/<name>, and `${name}` "
+                      "interpolates it anywhere in the recipe")
+    model: str | TinyModel | GgufSpec = Field(description="the base model the first stage starts from: hub id, "
+                                             "local folder, a .gguf file (or {gguf: FILE, package: REQUIREMENT}), or "
+                                             "{tiny: {...}}")
+    output_dir: str | None = Field(None, description="folder holding every stage's output (<output_dir>/<stage>/), "
+                                   "the base model built or converted for the run, and the evaluation; default: "
+                                   "outputs/<name>")
+    seed: int = Field(42, description="the one seed of the run: data shuffling and built-in tasks, the tiny model's "
+                      "initial weights, TRL's seed and data_seed, PPO's and RSFT's sampling, the evaluation's")
+    lora: LoraSpec | None = Field(None, description="LoRA settings every stage trains with unless it gives its own "
+                                  "`lora:` (`lora: null` in a stage: full fine-tuning there); default: none, every "
+                                  "stage trains all weights")
+    template: TemplateSpec | None = Field(None, description="chat-template settings (system prompt, template variables) "
+                                          "written into the tokenizer, so every stage renders prompts with them")
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from")
-    trust_remote_code: bool = False
-    report_to: str | list[str] = "none"
-    stages: dict[str, Any] = Field(min_length=1)
-    evaluate: dict[str, Any] | None = None
+    trust_remote_code: bool = Field(False, description="run code shipped with a hub model or tokenizer (transformers' "
+                                    "trust_remote_code) for every model the recipe loads; only for sources you trust")
+    report_to: str | list[str] = Field("none", description="experiment trackers (e.g. wandb, tensorboard): TRL's "
+                                       "report_to in TRL-backed stages, accelerate's log_with in ppo; none: only "
+                                       "log_history.json")
+    stages: dict[str, Any] = Field(min_length=1, description="stage id -> that stage's keys (see its kind), run in the "
+                                   "order written; `kind` defaults to the id")
+    evaluate: dict[str, Any] | None = Field(None, description="the evaluation run after the stages (see `evaluate:`); "
+                                            "default: none")
 
     @field_validator("model")
     @classmethod
@@ -179,15 +195,61 @@ def _parse_yaml(path: Path) -> dict:
 
 
 def _apply_overrides(raw: dict, overrides, path: Path) -> dict:
+    raw = copy.deepcopy(raw)
     for item in overrides:
-        if "=" not in item or not item.split("=", 1)[0].strip():
-            raise UserError(f"bad override '{item}': expected dotted.key=value, e.g. stages.sft.train.learning_rate=1e-4.")
-        try:
-            patch = OmegaConf.to_container(OmegaConf.from_dotlist([_escape_value(item)]), resolve=False)
-        except Exception as error:
-            raise UserError(f"bad override '{item}': {str(error).splitlines()[0]}") from None
-        raw = _deep_merge(raw, patch)
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value, item)
     return raw
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """(dotted key, value) of `key=value`; the value is parsed as OmegaConf's dotlist parses it (YAML, with
+    `1e-4` a float), and a whole `${stage}` value stays a stage reference."""
+    if "=" not in item or not item.split("=", 1)[0].strip():
+        raise UserError(f"bad override '{item}': expected dotted.key=value, e.g. stages.sft.train.learning_rate=1e-4.")
+    key, value = item.split("=", 1)
+    try:
+        parsed = OmegaConf.to_container(OmegaConf.from_dotlist([_escape_value(f"value={value}")]), resolve=False)
+    except Exception as error:
+        raise UserError(f"bad override '{item}': {str(error).splitlines()[0]}") from None
+    return key.strip(), parsed["value"]
+
+
+def _set_dotted(raw: dict, key: str, value: Any, item: str) -> None:
+    """Set `value` at dotted `key` in place. A numeric part indexes a list (`evaluate.suites.0.data.dataset`);
+    missing mapping keys are created (schema validation then names unknown ones). The value replaces what
+    is there, a mapping included: `rename={}` empties the recipe's mapping instead of merging into it."""
+    parts = key.split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            index = _list_index(node, part, ".".join(parts[:depth]), item)
+            if last:
+                node[index] = value
+            else:
+                node = node[index]
+            continue
+        if last:
+            node[part] = value
+        else:
+            if not isinstance(node.get(part), (dict, list)):
+                node[part] = {}  # a new key, or a scalar replaced by a mapping (model=hub-id -> model.tiny.x=...)
+            node = node[part]
+
+
+def _list_index(items: list, part: str, list_key: str, item: str) -> int:
+    if not part.isdigit():
+        raise UserError(f"bad override '{item}': '{list_key}' is a list, so the key after it must be an index "
+                        f"({_indices(items)}), not '{part}'.")
+    if int(part) >= len(items):
+        raise UserError(f"bad override '{item}': index {part} is out of range: '{list_key}' has {len(items)} "
+                        f"item(s) ({_indices(items)}); an override can change an item, not add one.")
+    return int(part)
+
+
+def _indices(items: list) -> str:
+    return f"indices 0 to {len(items) - 1}" if items else "no indices"
 
 
 def _escape_value(item: str) -> str:
@@ -197,16 +259,6 @@ def _escape_value(item: str) -> str:
 
 def _escape(value: str) -> str:
     return "\\" + value
-
-
-def _deep_merge(base: dict, patch: dict) -> dict:
-    merged = dict(base)
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 def _protect_stage_refs(value: Any, top_level: set[str]) -> Any:

@@ -53,10 +53,13 @@ class SamplingSpec(Strict):
                                                      "generate loop, or a vLLM engine in this process (see sampling/vllm_engine.py)")
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="engine settings, used with `backend: vllm`")
 
-    max_new_tokens: int = Field(32, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(32, gt=0, description="most tokens sampled per completion; a completion that reaches it "
+                                "without an end-of-turn token is cut off and counted as unfinished")
+    temperature: float = Field(1.0, ge=0, description="softmax temperature; 0: greedy decoding (top_p and top_k then "
+                               "do not apply)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: only the most probable tokens whose "
+                         "probabilities sum to top_p are sampled (Holtzman et al. 2020, arXiv:1904.09751); 1: off")
+    top_k: int = Field(0, ge=0, description="only the k most probable tokens are sampled; 0: off")
     n: int = Field(1, gt=0, description="completions per prompt")
     batch_size: int = Field(64, gt=0, description="sequences per generate call (vLLM schedules its own batches)")
     cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
@@ -77,6 +80,8 @@ class OnPolicySpec(SamplingSpec):
     """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
 
     verifier: str = Field(description="verifier key or module:function that grades each sample")
-    verifier_options: dict[str, Any] = Field(default_factory=dict)
-    n: int = Field(8, gt=1, description="samples per prompt")
-    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt")
+    verifier_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
+                                             "that verifier")
+    n: int = Field(8, gt=1, description="samples per prompt; a prompt gives pairs only when some pass and some fail")
+    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt: a passing "
+                                  "sample with a failing or unparseable one, finished and most frequent first")

@@ -17,9 +17,14 @@ class ArithmeticParams(Strict):
 
     n: int = Field(1000, gt=0, description="number of rows")
     digits: int | tuple[int, int] = Field(2, description="digits per operand, or a (min, max) range")
-    operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"])
-    format: Literal["prompt_completion", "messages"] = "prompt_completion"
-    style: Literal["plain", "sycophancy"] = "plain"
+    operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], description="operators a problem "
+                                                    "draws from, one chosen uniformly per problem")
+    format: Literal["prompt_completion", "messages"] = Field("prompt_completion", description="prompt_completion: "
+                                                             "`prompt` and `completion` columns; messages: a chat "
+                                                             "`messages` column instead (both with answer, chosen, "
+                                                             "rejected)")
+    style: Literal["plain", "sycophancy"] = Field("plain", description="sycophancy: every prompt first states a "
+                                                  "plausible wrong answer as the user's belief ('I think 37+48 is 75.')")
     phrasing: Literal["compact", "chat"] = Field("compact", description="compact: 'What is 37+48?'; chat: 'What is "
                                                  "37 + 48? Answer with just the number.'")
     sycophancy_fraction: float = Field(0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way")

@@ -12,9 +12,12 @@ from .base import Strict
 class VerifierSpec(Strict):
     """One entry of a stage's `verifiers:` list; a bare string is shorthand for `{name: ...}`."""
 
-    name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe)")
-    weight: float = 1.0
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe); "
+                      "a bare string in the list is shorthand for {name: ...}")
+    weight: float = Field(1.0, description="multiplier of this verifier's reward in the weighted sum that is the "
+                          "stage's reward (rlvr hands it to TRL as reward_weights)")
+    options: dict[str, Any] = Field(default_factory=dict, description="values of the verifier function's keyword-only "
+                                    "parameters, e.g. {tolerance: 0.01}; an unknown option fails `align check`")
 
     @model_validator(mode="before")
     @classmethod

@@ -16,7 +16,17 @@ reward model scores and what evaluation samples from. All of them go through the
   the prompt's exactly those the samplers feed (`encode`), then the completion's.
 
 Rows hold a `prompt` (a string or a list of chat messages) and a `completion` (a string), or
-`messages` whose last assistant turn is the completion.
+`messages`: a conversation whose every assistant turn is trained (`render_example`, `encode_segments`).
+
+Multi-turn conversations: the conversation is rendered turn by turn, as growing prefixes (the conversation up
+to each assistant turn with the generation prompt, then that turn as `render_completion` renders it), and each
+prefix must be where the rendering of the longer conversation starts. Where it is (ChatML, Llama 3, Gemma,
+Mistral, Phi), the conversation is one row whose mask is 1 on each assistant answer and its end-of-turn token.
+Where it is not, because the template renders a past answer differently from the answer being given (Qwen3 and
+DeepSeek-R1 drop past reasoning, and DeepSeek-R1's generation prompt opens a reasoning block a past answer
+lacks), no one sequence holds every answer as the model produced it: the conversation becomes one row per
+assistant turn (the conversation before it, as the template renders it, then that answer), counted and said.
+Every answer is trained either way; none is dropped.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from ..errors import UserError
+from ..errors import UserError, row_name
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -139,9 +149,63 @@ def answer_end_in(tail: str, completion: str) -> int:
 def split_messages(messages: list[dict], row: int | None = None) -> tuple[list[dict], str]:
     """Split a chat into (prompt messages, final assistant answer)."""
     if not messages or messages[-1].get("role") != "assistant":
-        where = f" (row {row})" if row is not None else ""
+        where = f" ({row_name(row)})" if row is not None else ""
         raise UserError(f"A 'messages' conversation{where} must end with an assistant turn, which is the completion.")
     return list(messages[:-1]), messages[-1]["content"]
+
+
+def assistant_turns(messages: list[dict]) -> list[int]:
+    """The indices of a conversation's assistant messages."""
+    return [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+
+
+def check_messages(messages: list, row: int | None = None) -> None:
+    """Every message is {'role': str, 'content': str}, and an assistant turn has a turn before it (its prompt)."""
+    where = f" (row {row})" if row is not None else ""
+    for message in messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise UserError(f"A 'messages' conversation{where} holds a message that is not "
+                            f"{{'role': str, 'content': str}}: {str(message)[:80]!r}.")
+    if messages and messages[0].get("role") == "assistant":
+        raise UserError(f"A 'messages' conversation{where} starts with an assistant turn: there is no prompt before "
+                        "it to train it after. Start the conversation with a user (or system) turn.")
+
+
+def render_turns(tokenizer, messages: list[dict]) -> list[tuple[str, bool]] | None:
+    """The conversation as consecutive (text, trained) segments: before each assistant turn the text the
+    samplers would feed at that point (`render_prompt` of the conversation so far, less what earlier segments
+    hold), untrained; each assistant turn as `render_completion` renders it, trained. None when a prefix is not
+    where the longer conversation's rendering starts (see the module docstring)."""
+    segments, covered = [], ""
+    for i in assistant_turns(messages):
+        prompt = render_prompt(tokenizer, messages[:i])
+        if not prompt.startswith(covered):
+            return None
+        answer = render_completion(tokenizer, messages[:i], messages[i]["content"])
+        segments += [(prompt[len(covered):], False), (answer, True)]
+        covered = prompt + answer
+    return segments if template_text(tokenizer, messages).startswith(covered) else None
+
+
+def render_example(tokenizer, row: dict, index: int | None = None) -> tuple[list[dict], str]:
+    """(rendered SFT rows, how) of one data row. how: 'pair' (a prompt and its completion, or a conversation
+    with one assistant turn: one {'prompt', 'completion'}), 'turns' (a multi-turn conversation as one
+    {'segments'} row, every assistant turn trained) or 'per_turn' (one {'prompt', 'completion'} per assistant
+    turn: the template renders past turns differently, see the module docstring)."""
+    messages = row.get("messages")
+    if messages is None or row.get("completion") is not None or len(assistant_turns(messages)) < 2:
+        return [render_pair(tokenizer, row, index)], "pair"
+    try:
+        check_messages(messages, index)
+        split_messages(messages, index)  # ends with an assistant turn
+        if (segments := render_turns(tokenizer, messages)) is not None:
+            return [{"segments": segments}], "turns"
+        return [{"prompt": render_prompt(tokenizer, messages[:i]),
+                 "completion": render_completion(tokenizer, messages[:i], messages[i]["content"])}
+                for i in assistant_turns(messages)], "per_turn"
+    except UserError as error:
+        raise UserError(f"row {index}: {error}" if index is not None else str(error)) from None
 
 
 def prompt_and_completion(row: dict, index: int | None = None) -> tuple[Any, str]:
@@ -159,7 +223,7 @@ def completion_text(completion: Any, row: int | None = None) -> str:
         return completion
     roles = [m.get("role") for m in completion] if isinstance(completion, list) else None
     if roles != ["assistant"] or not isinstance(completion[0].get("content"), str):
-        where = f" (row {row})" if row is not None else ""
+        where = f" ({row_name(row)})" if row is not None else ""
         raise UserError(f"A conversational 'completion'{where} must be one assistant message "
                         f"[{{'role': 'assistant', 'content': ...}}]; got roles {roles}.")
     return completion[0]["content"]
@@ -171,7 +235,7 @@ def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
     try:
         return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
     except UserError as error:
-        raise UserError(f"row {index}: {error}" if index is not None else str(error)) from None
+        raise UserError(f"{row_name(index)}: {error}" if index is not None else str(error)) from None
 
 
 def eos_as_end_of_turn(tokenizer):
@@ -208,3 +272,23 @@ def encode_prompt_completion(tokenizer, prompt_text: str, completion_text: str) 
         return prompt_ids, joined[len(prompt_ids):]
     anchor = tokenizer.eos_token or ""
     return prompt_ids, encode(tokenizer, anchor + completion_text)[len(encode(tokenizer, anchor)):]
+
+
+def encode_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """(input ids, mask) of a conversation's rendered segments (`render_turns`): the first segment as the
+    samplers encode a prompt (`encode`), each later one as `encode_prompt_completion` encodes a completion after
+    the text before it (tokens merging across a boundary handled the same way); the mask is 1 on the trained
+    segments' ids. Only the text since the last special token is re-encoded with a segment (nothing merges
+    across a special token), which keeps a long conversation linear to tokenize."""
+    markers = marker_tokens(tokenizer)
+    ids, mask, text = [], [], ""
+    for segment, trained in segments:
+        if text:
+            start = max(text.rfind(marker) for marker in markers) if markers else -1
+            new = encode_prompt_completion(tokenizer, text[max(start, 0):], segment)[1]
+        else:
+            new = encode(tokenizer, segment)
+        ids += new
+        mask += [int(trained)] * len(new)
+        text += segment
+    return ids, mask

@@ -1,6 +1,6 @@
 """Save a trained model as a plain Hugging Face checkpoint: LoRA merged into the weights (the adapter is kept
 by the caller in `adapter/`), cast to the stage's save dtype, and read back so an empty tensor is an error
-(DESIGN rule 5: an empty checkpoint is never a success)."""
+(docs/architecture.md, house rule 5: an empty checkpoint is never a success)."""
 
 from __future__ import annotations
 

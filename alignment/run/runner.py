@@ -240,7 +240,8 @@ def stage_record(ctx: StageContext, record: dict) -> dict:
     config = {**ctx.config.model_dump(mode="json"), "lora": lora}
     return redact({
         "stage": ctx.stage_id, "kind": ctx.config.kind, "recipe": ctx.recipe.name,
-        "start_model": ctx.start_model, "lora": lora, "seed": ctx.seed, "config": config, **record,
+        "start_model": ctx.start_model, "lora": lora, "seed": ctx.seed, "config": config,
+        "data_format": ctx.data_formats, **record,
         "versions": package_versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     })
 

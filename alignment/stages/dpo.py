@@ -12,7 +12,7 @@ default is 3, and no `max_steps`): one reference pass instead of one per epoch g
 pairs/s over 3 epochs with LoRA on CPU, and nothing over one epoch (docs/performance.md), so a run of
 one epoch or a fixed number of steps keeps TRL's default of computing them with each batch.
 
-Pairs come from `data` in any usual preference format (`alignment/pairs.py`) or, with
+Pairs come from `data` in any usual preference format (`alignment/training/pairs.py`) or, with
 `on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
 They are rendered with the shared convention and tokenized by us (`pairs.pair_token_ids`: the prompt's
 ids exactly as the samplers feed them, then each answer's, which ends with one end-of-turn token), and
@@ -45,7 +45,7 @@ from ..runtime.dist import loads_partitioned
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
-    normalize_pairs,
+    eval_pairs,
     pair_token_ids,
     render_pairs,
     split_eval,
@@ -62,7 +62,6 @@ LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 
 
 def trl_config(ctx: StageContext):
-
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
     args = ctx.trl_args(DPOConfig, max_length=1024, learning_rate=5e-6 if ctx.lora else 5e-7,
                         per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no",
@@ -77,13 +76,11 @@ def trl_config(ctx: StageContext):
 
 def several_passes(train: dict) -> bool:
     """Whether training goes over the pairs more than once, so computing the reference once pays."""
-
     epochs = train.get("num_train_epochs", DPOConfig.__dataclass_fields__["num_train_epochs"].default)
     return (train.get("max_steps") or -1) <= 0 and epochs > 1
 
 
 def check(ctx: StageContext) -> None:
-
     trl_config(ctx)
     ctx.load_tokenizer()
     check_stage_data(ctx)
@@ -94,8 +91,6 @@ def reference_for(ctx: StageContext, policy, args):
     Where the policy may not be whole on this process before the trainer wraps it (ZeRO-3, FSDP's
     CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
     instead of copied."""
-
-
     if ctx.lora or args.precompute_ref_log_probs:
         return None
     if loads_partitioned():
@@ -107,16 +102,13 @@ def reference_for(ctx: StageContext, policy, args):
 
 def build_trainer(ctx: StageContext):
     """(DPOTrainer ready to train, the tokenizer to save with the policy, pair counts)."""
-
-
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     sampler = (lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code)) if loads_partitioned() else (lambda: policy)
     pairs, stats = stage_pairs(ctx, tokenizer, sampler)
     if ctx.config.eval_data is not None:
-        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
-                                      ctx.config.eval_data)
+        held_out = eval_pairs(ctx)
     else:
         pairs, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
     if not held_out:
@@ -144,7 +136,6 @@ def pretokenized(base):
     joined, and starts the answer where the two diverge: where tokens merge across the boundary, the prompt
     it trains on loses its last token. Its dataset preparation is skipped for our rows, and its one other
     step, dropping pairs whose prompt fills max_length, is done by `within_prompt_limit`."""
-
     class PretokenizedDPOTrainer(base):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if "prompt_ids" in dataset.column_names:
@@ -157,14 +148,12 @@ def pretokenized(base):
 def within_prompt_limit(rows: list[dict], args, where: str) -> list[dict]:
     """The pairs TRL keeps: with `truncation_mode: keep_start` a prompt of max_length tokens or more leaves no
     answer token; those pairs are dropped and said (`training.rows.drop_overlong`)."""
-
     if args.truncation_mode != "keep_start":
         return rows
     return drop_overlong(rows, args.max_length, where, length=lambda row: len(row["prompt_ids"]))
 
 
 def run(ctx: StageContext) -> dict:
-
     trainer, tokenizer, counts = build_trainer(ctx)
     train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())

@@ -12,8 +12,10 @@ One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155
      step, split into `gradient_accumulation_steps` micro-batches): clipped policy loss +
      `vf_coef` * clipped value loss, gradient clipping, one AdamW step (policy and critic groups);
   5. the KL controller updates `kl_coef` (adaptive when `kl_target` is set).
-The math is in `alignment/rl.py`, the models in `alignment/ppo_models.py` (with LoRA ONE copy of the
+The math is in `alignment/rl.py`, the models in `alignment/training/actor_critic.py` (with LoRA ONE copy of the
 base weights serves policy, reference and critic).
+One update's tensors travel as a `Rollout` (`alignment/training/rollout.py`): each with its shape, checked
+when built, and sliced together for minibatches; the reward-part means and sampling time as `RolloutStats`.
 
 Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
 path/hub id), `verifiers: [{name, weight, options}]`, `gold:` (verifiers scored and logged as `gold/<name>`,
@@ -42,6 +44,7 @@ score, as in TRL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -82,17 +85,12 @@ from ..training.context import StageContext
 from ..training.memory import StepShape, needs_checkpointing
 from ..training.prompts import prompt_of
 from ..training.rewards import build_gold, build_rewards, gold_means, resolve_all
+from ..training.rollout import Rollout, RolloutStats
 from ..training.scoring import check_reward_model, score_texts
 from ..training.sharding import can_merge_lora, gathered, save_trained
 from ..training.trainer import NonFiniteError
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -102,7 +100,6 @@ log = logging.getLogger(__name__)
 
 def prompt_rows(ctx: StageContext, tokenizer, verifiers: list, gold: list = ()) -> tuple[list[dict], list[str]]:
     """Rows and their rendered prompts; checks columns (incl. the verifiers' and gold verifiers') and prompt lengths."""
-
     cfg, where = ctx.config, f"{ctx.where}.data"
     rows = ctx.load_prompt_rows(cfg.data, "data", verifiers, gold)
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
@@ -122,7 +119,6 @@ class Scorer:
     on the same rollouts and logged (`gold/<name>`), never added to the score."""
 
     def __init__(self, ctx: StageContext, device):
-
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
         self.model = self.tokenizer = None
         if cfg.reward_model is not None:
@@ -136,8 +132,6 @@ class Scorer:
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
         """(scores [B], {part: batch mean}). The reward model scores `render_prompt + render_completion`
         through `scoring.score_texts`, exactly the text the reward stage trained on."""
-
-
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
         if self.model is not None:
@@ -164,8 +158,6 @@ class PPOLoop:
     """State of one PPO run; `run()` does the updates. Plain composition, one method per phase."""
 
     def __init__(self, ctx: StageContext):
-
-
         self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
         report_to = ctx.recipe.report_to
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
@@ -206,7 +198,6 @@ class PPOLoop:
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
-
         if self.t.gradient_checkpointing is not None:
             return self.t.gradient_checkpointing
 
@@ -241,38 +232,30 @@ class PPOLoop:
             picked.append(self._orders[epoch][pos % n])
         return picked
 
-    def rollout(self) -> dict:
+    def rollout(self) -> tuple[Rollout, RolloutStats]:
         """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
-
-
         r, started = self.cfg.rollout, time.time()
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
         sampling = r if can_merge_lora(self.acc) else r.model_copy(update={"merge_lora": False})
         with gathered(self.acc, self.model) as call:
             samples = call(generate, self.ac.policy, self.tokenizer, prompts, sampling)
-        rollout_time = time.time() - started
-        batch = self.collate([encode(self.tokenizer, p) for p in prompts],
-                             [s.token_ids for s in samples])
-        scores, parts = self.scorer(rows, samples, self.micro_batch_size)
-        batch.update(raw_scores=scores.to(self.acc.device), parts=parts, rollout_time=rollout_time,
-                     finished=torch.tensor([s.finished for s in samples], dtype=torch.float))
-        k, chunk = batch["mask"].shape[1], self.micro_batch_size
-        with torch.no_grad():
-            outs = [self.ac(batch["input_ids"][s:s + chunk], batch["attention_mask"][s:s + chunk], k,
-                            r.temperature, with_entropy=True) for s in range(0, len(samples), chunk)]
-            batch["logprobs"], batch["values"], batch["entropy"] = (torch.cat(x) for x in zip(*outs))
-            with gathered(self.acc, self.model) as call:
-                batch["ref_logprobs"] = call(self.models.reference_logprobs, batch["input_ids"],
-                                             batch["attention_mask"], k, r.temperature, chunk)
-        return batch
-
-    def collate(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
-        """[B, P + K] ids: prompts left-padded (as generated), completions right-padded; mask [B, K]."""
-
+        sample_seconds = time.time() - started
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids, attention, mask = prompt_completion_batch(prompt_ids, completion_ids, pad, self.acc.device)
-        return {"input_ids": ids, "attention_mask": attention, "mask": mask}
+        ids, attention, mask = prompt_completion_batch([encode(self.tokenizer, p) for p in prompts],
+                                                       [s.token_ids for s in samples], pad, self.acc.device)
+        scores, parts = self.scorer(rows, samples, self.micro_batch_size)
+        k, chunk = mask.shape[1], self.micro_batch_size
+        with torch.no_grad():
+            outs = [self.ac(ids[s:s + chunk], attention[s:s + chunk], k, r.temperature, with_entropy=True)
+                    for s in range(0, len(samples), chunk)]
+            logprobs, values, entropy = (torch.cat(x) for x in zip(*outs))
+            with gathered(self.acc, self.model) as call:
+                ref_logprobs = call(self.models.reference_logprobs, ids, attention, k, r.temperature, chunk)
+        rollout = Rollout(query_responses=ids, attention_mask=attention, response_mask=mask, logprobs=logprobs,
+                          ref_logprobs=ref_logprobs, values=values, entropy=entropy, scores=scores.to(self.acc.device),
+                          finished=torch.tensor([s.finished for s in samples], device=self.acc.device))
+        return rollout, RolloutStats(reward_means=parts, sample_seconds=sample_seconds)
 
     @property
     def micro_batch_size(self) -> int:
@@ -283,7 +266,6 @@ class PPOLoop:
     def normalise(self, scores):
         """Scores as the reward: raw, or standardised by this batch's (all processes) or running
         statistics (Welford), then clipped to [-reward_clip, reward_clip] if set."""
-
         norm = self.t.reward_norm
         if norm != "none":
             gathered = self.acc.gather(scores).float()
@@ -303,28 +285,27 @@ class PPOLoop:
             scores = scores.clamp(-self.t.reward_clip, self.t.reward_clip)
         return scores
 
-    def advantages(self, batch: dict) -> None:
-
-        mask = batch["mask"]
-        rewards, kl = penalized_rewards(self.normalise(batch["raw_scores"]), batch["logprobs"], batch["ref_logprobs"],
+    def advantages(self, rollout: Rollout) -> tuple[Rollout, dict]:
+        """The rollout with GAE advantages and returns of the KL-penalised rewards, and its statistics."""
+        mask = rollout.response_mask
+        rewards, kl = penalized_rewards(self.normalise(rollout.scores), rollout.logprobs, rollout.ref_logprobs,
                                         mask, self.kl_ctl.value, self.cfg.kl_estimator)
-        advantages, returns = gae_advantages(rewards, batch["values"], mask, self.t.gamma, self.t.lam)
+        advantages, returns = gae_advantages(rewards, rollout.values, mask, self.t.gamma, self.t.lam)
         if self.t.whiten_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask)
-        batch.update(advantages=advantages, returns=returns, kl=kl)
-        batch["stats"] = {
+        stats = {
             "kl": kl.sum(1).mean().item(), "non_score_reward": (-self.kl_ctl.value * kl).sum(1).mean().item(),
-            "entropy": masked_mean(batch["entropy"], mask).item(),
-            "explained_variance": explained_variance(batch["values"], returns, mask).item() if mask.sum() > 1 else 0.0,
-            "value_mean": masked_mean(batch["values"], mask).item(),
+            "entropy": masked_mean(rollout.entropy, mask).item(),
+            "explained_variance": explained_variance(rollout.values, returns, mask).item() if mask.sum() > 1 else 0.0,
+            "value_mean": masked_mean(rollout.values, mask).item(),
         }
+        return dataclasses.replace(rollout, advantages=advantages, returns=returns), stats
 
     # -- optimisation -------------------------------------------------------------------------------
 
-    def train_on(self, batch: dict) -> dict:
+    def train_on(self, rollout: Rollout) -> dict:
         """`ppo_epochs` passes of shuffled minibatches; returns the mean loss statistics."""
-
-        size, mini, accum = len(batch["mask"]), self.t.mini_batch_size, self.t.gradient_accumulation_steps
+        size, mini, accum = len(rollout), self.t.mini_batch_size, self.t.gradient_accumulation_steps
         totals: dict[str, float] = {}
         count, tokens, norms = 0, 0, []
         for _ in range(self.t.ppo_epochs):
@@ -337,7 +318,7 @@ class PPOLoop:
                     # accelerate's accumulation: no gradient sync before the last micro-batch (DDP, FSDP2), the
                     # loss divided by `accum` (DeepSpeed divides it itself and steps at the last one)
                     with self.acc.accumulate(self.model):
-                        loss, stats, n_tokens = self.micro_loss(batch, micro.to(batch["mask"].device))
+                        loss, stats, n_tokens = self.micro_loss(rollout[micro.to(rollout.device)].trimmed())
                         self.acc.backward(loss)
                     local_loss += loss.item() / accum
                     tokens += n_tokens
@@ -349,29 +330,22 @@ class PPOLoop:
         stats.update(grad_norm=sum(norms) / len(norms), train_tokens=tokens)
         return stats
 
-    def micro_loss(self, batch: dict, rows):
-
-        mask = batch["mask"][rows]
-        k = max(int(mask.sum(1).max().item()), 1)  # trailing padding changes no causal output: cut it
-        width = batch["input_ids"].shape[1] - batch["mask"].shape[1] + k
-        mask = mask[:, :k]
-        logprobs, values, _ = self.model(batch["input_ids"][rows, :width], batch["attention_mask"][rows, :width], k,
+    def micro_loss(self, micro: Rollout):
+        """Clipped policy loss + vf_coef * clipped value loss on a micro-batch, both masked by its
+        `response_mask`; its statistics and its number of tokens."""
+        logprobs, values, _ = self.model(micro.query_responses, micro.attention_mask, micro.response_width,
                                          self.cfg.rollout.temperature)
-        pg, pg_stats = policy_loss(logprobs, batch["logprobs"][rows, :k], batch["advantages"][rows, :k], mask,
-                                   self.t.cliprange)
-        vf, vf_stats = value_loss(values, batch["values"][rows, :k], batch["returns"][rows, :k], mask,
-                                  self.t.cliprange_value)
+        pg, pg_stats = policy_loss(logprobs, micro.logprobs, micro.advantages, micro.response_mask, self.t.cliprange)
+        vf, vf_stats = value_loss(values, micro.values, micro.returns, micro.response_mask, self.t.cliprange_value)
         stats = {"policy_loss": pg.item(), "value_loss": vf.item()}
         stats.update({name: value.item() for name, value in {**pg_stats, **vf_stats}.items()})
-        return pg + self.t.vf_coef * vf, stats, int(batch["attention_mask"][rows, :width].sum().item())
+        return pg + self.t.vf_coef * vf, stats, int(micro.attention_mask.sum().item())
 
     def step(self, local_loss: float) -> float:
         """Clip, check, step. A non-finite loss or gradient on any process stops every process before
         the optimizer step, so the weights and the last checkpoint stay intact. (DeepSpeed clips and steps
         inside the last micro-batch's backward pass; there the stop comes after its step, and the last
         checkpoint stays intact.)"""
-
-
         norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
         norm = float(norm)
         bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.acc.device)
@@ -390,38 +364,35 @@ class PPOLoop:
     # -- one update, metrics ------------------------------------------------------------------------
 
     def one_update(self) -> dict:
-
         set_seed((self.ctx.seed * 1_000_003 + self.update * 1_009 + self.acc.process_index) % 2**32)
-        batch = self.rollout()
-        self.advantages(batch)
+        rollout, rollout_stats = self.rollout()
+        rollout, stats = self.advantages(rollout)
         started = time.time()
-        train_stats = self.train_on(batch)
+        stats.update(self.train_on(rollout))
         train_time = time.time() - started
-        entry = self.metrics(batch, train_stats, train_time)
+        entry = self.metrics(rollout, rollout_stats, stats, train_time)
         self.kl_ctl.update(entry["kl"], self.cfg.rollout.batch_size * self.acc.num_processes)
         return entry
 
-    def metrics(self, batch: dict, train: dict, train_time: float) -> dict:
+    def metrics(self, rollout: Rollout, rollout_stats: RolloutStats, stats: dict, train_time: float) -> dict:
         """Per-update metrics averaged over processes (scores over the gathered batch)."""
-
-        scores = self.acc.gather(batch["raw_scores"].float())
-        lengths = batch["mask"].sum(1)
-        local = {**batch["parts"], **batch["stats"], **{k: v for k, v in train.items() if k != "train_tokens"},
-                 "response_length": lengths.mean().item(), "eos_fraction": batch["finished"].mean().item()}
+        scores = self.acc.gather(rollout.scores.float())
+        lengths = rollout.response_mask.sum(1)
+        local = {**rollout_stats.reward_means, **{k: v for k, v in stats.items() if k != "train_tokens"},
+                 "response_length": lengths.mean().item(), "eos_fraction": rollout.finished.float().mean().item()}
         names = sorted(local)
         means = self.acc.reduce(torch.tensor([float(local[n]) for n in names], device=self.acc.device), "mean")
-        sums = self.acc.reduce(torch.tensor([lengths.sum().item(), float(train["train_tokens"])],
+        sums = self.acc.reduce(torch.tensor([lengths.sum().item(), float(stats["train_tokens"])],
                                             device=self.acc.device), "sum")
         entry = {"update": self.update + 1, "episodes": (self.update + 1) * len(scores),
                  "score": scores.mean().item(), "score_std": scores.std().item() if len(scores) > 1 else 0.0,
                  **{n: v for n, v in zip(names, means.tolist())}, "kl_coef": self.kl_ctl.value,
                  "learning_rate": self.scheduler.get_last_lr()[0],
-                 "rollout_tokens_per_s": sums[0].item() / max(batch["rollout_time"], 1e-9),
+                 "rollout_tokens_per_s": sums[0].item() / max(rollout_stats.sample_seconds, 1e-9),
                  "train_tokens_per_s": sums[1].item() / max(train_time, 1e-9)}
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}
 
     def run(self) -> dict:
-
         self.resume()
         if self.acc.trackers:
             self.acc.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
@@ -450,17 +421,14 @@ class PPOLoop:
     def save_final(self) -> None:
         """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
         process, written by rank 0 (`sharding.save_trained`)."""
-
         self.acc.wait_for_everyone()
         save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=policy_state)
 
     def save_state(self) -> None:
-
         save_loop_state(self.acc, Path(self.ctx.work_dir), self.update,
                         {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history})
 
     def resume(self) -> None:
-
         state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
         if state is not None:
             self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
@@ -477,7 +445,6 @@ LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "val
 
 
 def check(ctx: StageContext) -> None:
-
     tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
                 resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"))

@@ -3,7 +3,7 @@
 The model is the start policy loaded as a one-label sequence classifier (a fresh scalar `score`
 head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
 (Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
-`alignment/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
+`alignment/training/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
 samples graded by a verifier. Pairs are rendered with the shared convention and tokenized by us, so
 the model learns on exactly the text `scoring.score_texts` scores later (ppo, evaluation).
 
@@ -38,7 +38,7 @@ from ..runtime.dist import log_share
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
-    normalize_pairs,
+    eval_pairs,
     render_pairs,
     reward_token_ids,
     split_eval,
@@ -52,14 +52,12 @@ log = logging.getLogger(__name__)
 
 
 def trl_config(ctx: StageContext):
-
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
     return ctx.trl_args(RewardConfig, max_length=1024, learning_rate=1e-4 if ctx.lora else 1e-5,
                         per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no")
 
 
 def check(ctx: StageContext) -> None:
-
     trl_config(ctx)
     ctx.load_tokenizer()
     check_stage_data(ctx)
@@ -67,8 +65,6 @@ def check(ctx: StageContext) -> None:
 
 def load_classifier(ctx: StageContext, tokenizer):
     """The start model with a one-label head (fresh for a policy, kept for a reward model)."""
-
-
     if is_adapter_dir(ctx.start_model):
         raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
                         "(`align merge`) and start the reward model from the merged checkpoint.")
@@ -83,20 +79,15 @@ def load_classifier(ctx: StageContext, tokenizer):
 
 def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], dict]:
     """(train pairs, held-out pairs, counts): raw {'prompt', 'chosen', 'rejected'} rows."""
-
     pairs, stats = stage_pairs(ctx, tokenizer, lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
     if ctx.config.eval_data is not None:
-        held_out, _ = normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data",
-                                      ctx.config.eval_data)
-        return pairs, held_out, stats
+        return pairs, eval_pairs(ctx), stats
     train, held_out = split_eval(pairs, ctx.config.eval_fraction, ctx.seed)
     return train, held_out, stats
 
 
 def build_trainer(ctx: StageContext):
     """The RewardTrainer, ready to train, and the pair counts."""
-
-
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     train, held_out, stats = datasets_for(ctx, tokenizer)
@@ -122,7 +113,6 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
     """The tokenized pairs whose chosen and rejected texts both fit `max_length`, and how many did not. TRL
     drops the longer ones itself, with only a progress bar to show for it: here they are counted and said,
     and a share above a few percent is a warning. All dropped is an error."""
-
     if not max_length or not pairs:
         return pairs, 0
     kept = [p for p in pairs if max(len(p["chosen_ids"]), len(p["rejected_ids"])) <= max_length]
@@ -175,14 +165,12 @@ def give_score_head_its_rate(optimizer, model, learning_rate: float) -> None:
 
 def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
     """Merged weights with one label and the pad token set (the head pools at the last non-pad token)."""
-
     model.config.num_labels = 1
     model.config.pad_token_id = tokenizer.pad_token_id
     save_checkpoint(model, tokenizer, out_dir, dtype)
 
 
 def run(ctx: StageContext) -> dict:
-
     trainer, counts = build_trainer(ctx)
     train(ctx, trainer)
     held_out = {}

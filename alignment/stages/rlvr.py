@@ -1,14 +1,16 @@
 """`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
 
 For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
-them (`training/rewards.py` adapts a verifier to TRL's reward-function call) and, with `reward_model:`, the
-reward model scores the rendered conversation exactly as ppo's does (`rewards.RewardModelReward`, weight
-`reward_model_weight`; RLOO on a reward model is RLHF without a critic, Ahmadian et al. 2024); the weighted
-sum is the reward. `gold:` verifiers are scored on every completion and logged (`gold/<name>`), never rewarded.
-GRPO normalises rewards within each prompt's group (Shao et al. 2024, eq. 3, DeepSeekMath); `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
+them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function call) and, with
+`reward_model:`, the reward model scores the rendered conversation exactly as ppo's does
+(`rewards.RewardModelReward`, weight `reward_model_weight`; RLOO on a reward model is RLHF without a
+critic, Ahmadian et al. 2024); the weighted sum is the reward. `gold:` verifiers are scored on every
+completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards within each prompt's group
+(Shao et al. 2024, eq. 3, DeepSeekMath); `algorithm: rloo` uses the leave-one-out baseline instead
+(Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
-What the verifiers' rewards teach is counted from those rewards (`verifier_rewards.GroupSignal`, not TRL's
+What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
 `frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
 the share of prompt groups whose completions all scored the same (no advantage to learn from; above half
 the stage warns), `completions_truncated` the completions cut at `max_completion_length` (out of
@@ -145,8 +147,6 @@ def check_group_size(ctx: StageContext) -> None:
 def check_vllm(ctx: StageContext) -> None:
     """TRL raises a bare ImportError after the models are loaded, and fails at its first weight sync on vLLM's
     CPU build; say either first, with the key."""
-
-
     train = ctx.config.train
     if not train.get("use_vllm"):
         return
@@ -159,7 +159,6 @@ def check_vllm(ctx: StageContext) -> None:
 
 def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
     """vLLM takes its stop tokens from generation_config.json, not from the model we adjusted; pass them."""
-
     if getattr(args, "use_vllm", False):
         kwargs = dict(args.generation_kwargs or {})
         kwargs.setdefault("stop_token_ids", stop_token_ids(tokenizer, model))
@@ -175,7 +174,6 @@ def trl_config(ctx: StageContext):
 
 def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers, gold=()) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
-
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers, gold):
         source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
@@ -198,7 +196,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
     """TRL stops sampling at `model.generation_config.eos_token_id` (+ the tokenizer's EOS); make that the stop
     set of every other sampler, which adds the chat template's end-of-turn token (it differs from EOS for base
     models: Qwen2.5's <|im_end|> vs <|endoftext|>)."""
-
     config = model.generation_config
     config.eos_token_id = stop_token_ids(tokenizer, model)
     if config.pad_token_id is None:
@@ -206,7 +203,6 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 
 def check(ctx: StageContext) -> None:
-
     trl_config(ctx)
     cfg = ctx.config
     verifiers = resolve_all(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)
@@ -221,8 +217,6 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-
-
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
     tokenizer = ctx.load_tokenizer()
@@ -260,7 +254,6 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
     context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
     and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
-
     context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
         getattr(model.config, "max_position_embeddings", None)
     if not context or not rows:

@@ -76,7 +76,6 @@ log = logging.getLogger(__name__)
 
 
 def sft_args(ctx: StageContext, folder: Path):
-
     return ctx.trl_args(SFTConfig, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
                         num_train_epochs=1)
 
@@ -107,7 +106,6 @@ def select_samples(candidates: list[dict], mode: str, k: int, threshold: float |
 
 def make_scorer(ctx: StageContext):
     """(score(rows, prompts, samples) -> [{'score', 'parsed', 'passed'}], verifier rewards)."""
-
     if ctx.config.verifiers:
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
 
@@ -130,7 +128,6 @@ def make_scorer(ctx: StageContext):
 
 
 def _device():
-
     return PartialState().device
 
 
@@ -145,8 +142,6 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
 def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer, gold=()):
     """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats). The `gold:`
     verifiers score every sample too (`gold/<name>` in the stats), never the selection."""
-
-
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
@@ -196,7 +191,6 @@ def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer, gold=())
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
     """SFT the policy on the selected pairs; returns (new policy folder, trainer log history, rows truncated
     at max_length, which TRL cuts: counted and said as the sft stage does)."""
-
     folder = ctx.work_dir / f"round{round_index}"
     args = sft_args(ctx, folder)
     where = f"{ctx.where} round {round_index}"
@@ -221,7 +215,6 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 
 def check(ctx: StageContext) -> None:
-
     sft_args(ctx, ctx.work_dir)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     gold = resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold")
@@ -233,7 +226,6 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)

@@ -8,7 +8,9 @@ stage may need: `prompt`/`completion` (SFT), `answer` (RL and verifiers), `chose
 `sycophancy_fraction` mixes such prompts (with the correct answer) into training data.
 `phrasing: chat` asks the way one asks an instruct model ("What is 37 + 48? Answer with just the number.");
 the default `compact` ("What is 37+48?") is what the quickstart's character-level model learns from scratch.
-Answers are read by `final_answer`, which copes with the ways instruct models answer ("37 + 48 = 85.").
+Answers are read by `final_answer`, which copes with the ways instruct models answer ("37 + 48 = 85.") and
+never takes the problem restated ("37 + 48", "the sum of 0 and 48") for an answer, so a policy cannot earn
+reward by copying the question on the problems whose answer is one of their operands (0+48, 48*1).
 `carry_mistake_rate` makes the demonstrations (`completion`, `messages`) imperfect the way a human
 demonstrator is: that share of problems whose units digits carry is demonstrated with the carry dropped
 (37+48 -> 75). A policy that imitates them learns the mistake as its most likely answer on those
@@ -97,22 +99,41 @@ _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d,]*\d)")
 _PROBLEM = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)")
 
 
-def operands(prompt) -> set[int]:
-    """The two numbers of the last problem stated in a prompt (a string or chat messages), e.g. {37, 48}."""
+def _operand_list(prompt) -> list[int]:
+    """The two numbers of the last problem stated in a prompt (a string or chat messages), in order."""
     if not isinstance(prompt, str):
         prompt = " ".join(str(m.get("content", "")) for m in prompt or [] if isinstance(m, dict))
     found = _PROBLEM.findall(prompt or "")
-    return {int(found[-1][0]), int(found[-1][2])} if found else set()
+    return [int(found[-1][0]), int(found[-1][2])] if found else []
+
+
+def operands(prompt) -> set[int]:
+    """The two numbers of the last problem stated in a prompt (a string or chat messages), e.g. {37, 48}."""
+    return set(_operand_list(prompt))
+
+
+def _stated(found: list[float], problem: list[int]) -> list[float]:
+    """The numbers of a paragraph less one restatement of the problem's operands: when the paragraph holds
+    every operand ("37 + 48", "the sum of 0 and 48"), one occurrence of each is the question, not an answer.
+    A paragraph with only some of them ("48" for 0+48) restates nothing."""
+    left = list(found)
+    if all(left.count(n) >= problem.count(n) for n in problem):
+        for n in problem:
+            left.remove(n)
+    return left
 
 
 def final_answer(completion: str, prompt=None) -> float | None:
     """The number a completion gives as its answer, or None when it holds none. An instruct model answers
     "37 + 48 = 85." or "The sum of 37 and 48 is 85." and often rambles on after a blank line, so: the first
-    paragraph that holds a number, and in it the last number that does not restate an operand of the
-    problem in `prompt` (the last number when all do). A bare "85" (the quickstart's answers) is itself."""
-    skip = operands(prompt)
+    paragraph that states a number, and in it the last number that does not restate an operand of the
+    problem in `prompt`; when all do, the last number left once the problem itself is taken out (0+48:
+    "0 + 48 = 48" answers 48, "0+48" answers nothing). So restating the question is never an answer, even
+    when the answer equals an operand (issue #28). A bare "85" (the quickstart's answers) is itself."""
+    problem = _operand_list(prompt)
+    skip = set(problem)
     for paragraph in re.split(r"\n\s*\n", completion):
-        found = [float(n.replace(",", "")) for n in _NUMBER.findall(paragraph)]
+        found = _stated([float(n.replace(",", "")) for n in _NUMBER.findall(paragraph)], problem)
         if found:
             fresh = [n for n in found if n not in skip]
             return (fresh or found)[-1]

@@ -55,7 +55,6 @@ class StageContext:
         return f"stages.{self.stage_id}"
 
     def load_data(self, spec: DataSpec | None, key: str = "data"):
-
         if spec is None:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
@@ -64,7 +63,6 @@ class StageContext:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
         columns the verifiers (and the `gold:` verifiers) need besides the prompt, which these stages hand them;
         checked before training."""
-
         dataset = self.load_data(spec, key)
         for entry, listed in (("verifiers", verifiers), ("gold", gold)):
             if listed or entry == "verifiers":
@@ -77,24 +75,18 @@ class StageContext:
     def save_dtype(self):
         """The dtype to save this stage's weights in: the recipe's `save_dtype`, by default the start model's own
         (training upcasts to fp32 on CPU: a bf16 135M model would otherwise be saved at twice its size)."""
-
-
         if self.recipe.save_dtype != "auto":
             return getattr(torch, self.recipe.save_dtype)
         return checkpoint_dtype(self.start_model, self.recipe.trust_remote_code)
 
     def load_tokenizer(self):
         """The start model's tokenizer, with the recipe's `template:` settings written into its template."""
-
         return load_tokenizer(self.start_model, self.recipe.trust_remote_code, self.recipe.template)
 
     def computed_once(self, name: str, compute) -> tuple[list[dict], dict]:
         """`compute() -> (rows, stats)`, run by the main process first and kept in the work folder as JSON
         lines (stats, then rows), so every process trains on the same rows and a rerun after a crash reads
         them instead of sampling again (`files.write_atomic`: never half a file)."""
-
-
-
         path = self.work_dir / name
         with PartialState().main_process_first():
             if not path.exists():
@@ -108,7 +100,6 @@ class StageContext:
         (`work_dir`: where the trainer checkpoints, by default the stage's).
         Unless the recipe sets it, gradient checkpointing is on only where the stage would not fit on its
         GPU without it (`memory.py`); TRL turns it on always."""
-
         def build(checkpointing: bool):
             return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train,
                                     work_dir or self.work_dir, checkpointing=checkpointing, **stage_defaults)
@@ -124,8 +115,6 @@ class StageContext:
 def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
     """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`).
     Where the run set up FSDP2 itself (`dist.fsdp_on_cpu`), the trainer reuses that process state."""
-
-
     cuda = is_cuda()
     configured = {"accelerator_config": {"use_configured_state": True}} if keeps_configured_state() else {}
     return dict(**configured,

@@ -5,7 +5,8 @@
   chat `chosen`/`rejected` message lists (the messages before the last assistant turn are the prompt,
   as in HuggingFaceH4/ultrafeedback_binarized; with only the assistant turn, the `prompt` column is);
   implicit prompt (`chosen`/`rejected` full texts, the prompt is their shared beginning cut at a
-  word boundary). Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
+  word boundary); Anthropic HH-RLHF transcripts (`format: hh` on the data, or detected and said in the
+  log), read as chat turns, which a malformed transcript makes a UserError naming the row. Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
   shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
   a dataset where every row is dropped.
 - `on_policy_pairs(...)`: sample N completions per prompt from the policy (`sampling.generate`),
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections import Counter
 from typing import Any
 
@@ -29,12 +31,12 @@ from accelerate import PartialState
 
 from ..config.sampling import OnPolicySpec
 from ..data.formatting import encode_prompt_completion, render_completion, render_prompt
-from ..data.loading import check_columns, file_rows
-from ..errors import UserError
+from ..data.loading import check_columns, file_rows, messages_problem
+from ..errors import UserError, row_name
 from ..runtime.dist import get_logger
 from ..sampling import generate
 from ..verifiers import is_pass, resolve
-from .prompts import check_prompt_rows, prompt_of
+from .prompts import check_prompt_rows, prompt_data_format, prompt_of
 
 log = get_logger(__name__)
 
@@ -55,12 +57,14 @@ def _answer(value: Any, column: str, index: int, where: str) -> tuple[list | Non
     if value is None or isinstance(value, str):
         return None, (value if value and value.strip() else None)
     if _is_chat(value):
+        if problem := messages_problem(value):
+            raise UserError(f"{where}: {row_name(index)}, column '{column}': {problem}.")
         if not value or value[-1].get("role") != "assistant":
-            raise UserError(f"{where}: row {index}, column '{column}' is a chat that does not end with an assistant "
+            raise UserError(f"{where}: {row_name(index)}, column '{column}' is a chat that does not end with an assistant "
                             "turn; the last assistant message is the answer being compared.")
         content = value[-1].get("content")
         return list(value[:-1]), (content if isinstance(content, str) and content.strip() else None)
-    raise UserError(f"{where}: row {index}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
+    raise UserError(f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
                     "a string or a list of chat messages ({'role': ..., 'content': ...}).")
 
 
@@ -96,8 +100,10 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
         if not chosen.strip() or not rejected.strip():
             return "empty chosen or rejected"
     elif not (isinstance(prompt, str) or _is_chat(prompt)):
-        raise UserError(f"{where}: row {index}, column 'prompt' is {type(prompt).__name__}; expected a string or "
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt' is {type(prompt).__name__}; expected a string or "
                         "a list of chat messages.")
+    elif _is_chat(prompt) and (problem := messages_problem(prompt)):
+        raise UserError(f"{where}: {row_name(index)}, column 'prompt': {problem}.")
     if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
         return "empty prompt"
     if chosen.strip() == rejected.strip():
@@ -108,15 +114,77 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
 def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
     """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
     check_columns(dataset, PAIR_COLUMNS, where, spec)
+    hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
     for index, row in zip(file_rows(dataset), dataset):
-        result = normalize_row(dict(row), index, where)
+        row = hh_chats(dict(row), index, where) if hh else dict(row)
+        result = normalize_row(row, index, where)
         if isinstance(result, str):
             dropped[result] += 1
         else:
             pairs.append(result)
     report_drops(len(pairs), dropped, where, "rows")
     return pairs, dropped
+
+
+# Anthropic HH-RLHF (Anthropic/hh-rlhf) holds each side of a pair as one transcript,
+# "\n\nHuman: ...\n\nAssistant: ...\n\nHuman: ...\n\nAssistant: <answer>". Left as text it would be one user
+# turn of the chat template, so the reward model and DPO would see a prompt the samplers never render. Parsed,
+# the turns before the last Assistant turn are the prompt (a conversation) and that turn is the answer.
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def looks_like_hh(text: Any) -> bool:
+    return isinstance(text, str) and text.lstrip("\n").startswith("Human:") and "\n\nAssistant:" in text
+
+
+def uses_hh(dataset, spec, where: str) -> bool:
+    """Whether the pairs are HH transcripts: `format: hh`, or detected on the first row (said in the log)."""
+    if spec is not None and spec.format == "hh":
+        return True
+    if "prompt" in dataset.column_names or len(dataset) == 0:
+        return False
+    first = dataset[0]
+    if looks_like_hh(first["chosen"]) and looks_like_hh(first["rejected"]):
+        log.info(f"[{where}] 'chosen' and 'rejected' hold Anthropic HH transcripts (\\n\\nHuman: ... \\n\\nAssistant: "
+                 "...): each is read as chat turns, the turns before the last Assistant turn being the prompt. Set "
+                 "`format: hh` on the data to say so.")
+        return True
+    return False
+
+
+def hh_turns(text: Any, column: str, row: Any, where: str) -> list[dict]:
+    """An HH transcript as chat messages; one that is not a Human/Assistant transcript ending with an Assistant
+    turn is an error naming the row."""
+    def malformed(problem: str) -> UserError:
+        return UserError(f"{where}: {row_name(row)}, column '{column}' is not an Anthropic HH transcript "
+                         f"(\\n\\nHuman: ... \\n\\nAssistant: ...): {problem}: {str(text)[:80]!r}.")
+
+    if not isinstance(text, str):
+        raise malformed(f"it is {type(text).__name__}")
+    head, *turns = HH_TURN.split("\n\n" + text.lstrip("\n"))
+    if head.strip() or not turns or turns[0] != "Human":
+        raise malformed("it does not start with a 'Human:' turn")
+    # strip: the space after "Assistant:" and the blank lines around turns are the format's, not the text's
+    messages = [{"role": HH_ROLES[role], "content": content.strip()} for role, content in zip(turns[::2], turns[1::2])]
+    if messages[-1]["role"] != "assistant":
+        raise malformed("it has no Assistant turn after its last Human turn, so there is no answer")
+    return messages
+
+
+def hh_chats(row: dict, index: Any, where: str) -> dict:
+    """The row with `chosen` and `rejected` as chats that share every turn but the last."""
+    if row.get("prompt") is not None:
+        raise UserError(f"{where}: {row_name(index)}: `format: hh` takes the prompt from the transcripts in 'chosen' "
+                        "and 'rejected', but the row also has a 'prompt'; remove one of them.")
+    chosen, rejected = (hh_turns(row.get(c), c, index, where) for c in ("chosen", "rejected"))
+    if chosen[:-1] != rejected[:-1]:
+        turn = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        raise UserError(f"{where}: {row_name(index)}: the HH transcripts in 'chosen' and 'rejected' differ at turn "
+                        f"{turn + 1}, before their last Assistant turn; the turns they share are the prompt, so only "
+                        "the last Assistant turn may differ.")
+    return {**row, "chosen": chosen, "rejected": rejected}
 
 
 def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:
@@ -222,13 +290,62 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     return ctx.computed_once(f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs)
 
 
+def pair_layout(row: dict) -> str:
+    """Which preference layout a row has (TRL's names): its answers as chat messages, or as text after an explicit
+    `prompt`, or as full texts whose shared beginning is the prompt."""
+    if _is_chat(row.get("chosen")):
+        return "conversational"
+    if row.get("prompt") is None:
+        return "implicit prompt"
+    return "explicit prompt (conversational)" if _is_chat(row["prompt"]) else "explicit prompt"
+
+
+TRAINED_ON = {"dpo": "the chosen and rejected answers after their prompt (DPO's log-ratio to the reference)",
+              "reward": "the prompt and each answer, scored at the answer's last token"}
+
+
+def pair_data_format(ctx, dataset, pairs: list[dict]) -> dict:
+    """What a preference stage made of its data, for stage.json and the model card (`record_data`)."""
+    layouts = Counter(pair_layout(row) for row in dataset)
+    # The prompt column is read unless every row's chosen chat carries its own prompt (the turns before the answer).
+    reads_prompt = any(row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1)
+                       for row in dataset)
+    used = ["prompt", "chosen", "rejected"] if reads_prompt else ["chosen", "rejected"]
+    info = {"format": "preference pairs: " + ", ".join(f"{layout} ({n} rows)" for layout, n in layouts.most_common()),
+            "columns": used, "ignored_columns": [c for c in dataset.column_names if c not in used], "pairs": len(pairs),
+            "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")}
+    if layouts["conversational"]:
+        info["prompt_from"] = "the turns before the last assistant turn of chosen/rejected (the `prompt` column only " \
+                              "where a chat holds the answer alone)"
+    if layouts["implicit prompt"]:
+        info["implicit_prompt"] = "the shared beginning of chosen and rejected, cut at a word boundary"
+    return info
+
+
 def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
     """The stage's training pairs (from `data`, or sampled `on_policy`) and counts for the metrics."""
     spec = getattr(ctx.config, "on_policy", None)
     if spec is not None:
-        return cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
-    pairs, dropped = normalize_pairs(ctx.load_data(ctx.config.data, "data"), f"{ctx.where}.data", ctx.config.data)
+        pairs, stats = cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
+        dataset = ctx.load_data(ctx.config.data, "data")
+        verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
+        info = prompt_data_format([dict(r) for r in dataset], dataset.column_names, [verifier])
+        ctx.record_data("data", **{**info, "format": f"on-policy pairs: {info['format']}, the start policy's samples "
+                                   f"graded by `{spec.verifier}`", "pairs": len(pairs),
+                                   "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")})
+        return pairs, stats
+    dataset = ctx.load_data(ctx.config.data, "data")
+    pairs, dropped = normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
+    ctx.record_data("data", **pair_data_format(ctx, dataset, pairs))
     return pairs, {"pairs": len(pairs), "pairs_dropped": sum(dropped.values())}
+
+
+def eval_pairs(ctx) -> list[dict]:
+    """The held-out pairs of a preference stage's `eval_data`."""
+    dataset = ctx.load_data(ctx.config.eval_data, "eval_data")
+    pairs, _ = normalize_pairs(dataset, f"{ctx.where}.eval_data", ctx.config.eval_data)
+    ctx.record_data("eval_data", **pair_data_format(ctx, dataset, pairs))
+    return pairs
 
 
 def check_stage_data(ctx) -> None:
@@ -241,7 +358,7 @@ def check_stage_data(ctx) -> None:
     else:
         normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     if ctx.config.eval_data is not None:
-        normalize_pairs(ctx.load_data(ctx.config.eval_data, "eval_data"), f"{ctx.where}.eval_data", ctx.config.eval_data)
+        eval_pairs(ctx)
 
 
 def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:

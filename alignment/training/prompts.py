@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.loading import check_columns, check_strings, file_rows
-from ..errors import UserError
+from ..data.loading import check_columns, check_strings, file_rows, messages_problem
+from ..errors import UserError, row_name
 from .rewards import check_verifier_columns
 
 PROMPT_COLUMNS = [("prompt",), ("messages",)]
@@ -28,11 +28,7 @@ def prompt_problem(prompt: Any) -> str | None:
         return None if prompt.strip() else "the prompt is empty"
     if not prompt:
         return "the conversation holds no prompt before its final assistant turn"
-    for message in prompt:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            return f"a chat message is not {{'role': str, 'content': str}}: {str(message)[:80]!r}"
-    return None
+    return messages_problem(prompt)
 
 
 def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=(), entry: str | None = None) -> None:
@@ -45,7 +41,23 @@ def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=
     needed = {c: v.name for v in verifiers for c in v.required_columns if c in dataset.column_names}
     for index, row in zip(file_rows(dataset), dataset):
         if problem := prompt_problem(prompt_of(row)):
-            raise UserError(f"{where}: row {index}: {problem}.")
+            raise UserError(f"{where}: {row_name(index)}: {problem}.")
         if empty := [c for c in needed if row[c] is None]:
-            raise UserError(f"{where}: row {index}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
+            raise UserError(f"{where}: {row_name(index)}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
                             "is empty (the row lacks it); fill it in or drop the row.")
+
+
+def prompt_data_format(rows: list[dict], columns: list[str], verifiers: list = ()) -> dict:
+    """What an RL stage (ppo, rsft, rlvr) reads from prompt data, for stage.json (`StageContext.record_data`)."""
+    column = "prompt" if "prompt" in columns else "messages"
+    chats = sum(not isinstance(prompt_of(row), str) for row in rows)
+    answered = sum(1 for row in rows if row.get("prompt") is None and row["messages"]
+                   and row["messages"][-1].get("role") == "assistant") if column == "messages" else 0
+    kind = "conversational" if chats == len(rows) else "text" if not chats else f"{chats} conversational, rest text"
+    info = {"format": f"prompts from the `{column}` column ({kind})", "prompt_column": column,
+            "columns": [column] + sorted({c for v in verifiers for c in v.required_columns if c in columns} - {column}),
+            "rows": len(rows), "conversational_prompts": chats,
+            "trained_on": "the policy's own completions to these prompts"}
+    if answered:
+        info["final_assistant_turns_dropped"] = answered  # a reference answer, not part of the prompt
+    return info

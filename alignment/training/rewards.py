@@ -13,7 +13,7 @@ What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by i
 ``log_metric`` hook) and, in the stage's final metrics, running totals from `counts`.
 
     from alignment.config.verifier import VerifierSpec
-    from alignment.verifier_rewards import build_rewards
+    from alignment.training.rewards import build_rewards
     rewards = build_rewards([VerifierSpec(name="arithmetic")], search_dirs=[recipe_dir])
     GRPOTrainer(..., reward_funcs=rewards, args=GRPOConfig(reward_weights=[r.weight for r in rewards]))
 """
@@ -272,8 +272,10 @@ class GroupSignal:
         return {"zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
                 "completions_truncated": self.counts["truncated"], "completions_sampled": self.counts["completions"]}
 
-    def report(self, where: str, max_completion_length: int | None) -> None:
-        """Say what the counts mean: a warning when most groups taught nothing or many answers were cut."""
+    def report(self, where: str, max_completion_length: int | None, masked: bool = False) -> None:
+        """Say what the counts mean: a warning when most groups taught nothing or many answers were cut. `masked`:
+        the run set `mask_truncated_completions`, so the cut completions were left out of the loss (TRL zeroes
+        their completion mask); their rewards still count in their group's baseline."""
         found = self.metrics()
         if not found:
             return
@@ -285,9 +287,16 @@ class GroupSignal:
                 "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
                 "train.num_generations.")
         cut, total = found["completions_truncated"], found["completions_sampled"]
-        if cut:
-            log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
-                      f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
-                      "(completions_truncated in stage.json); they were scored and trained as cut off. Raise "
-                      "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
-                      "of the loss.")
+        if not cut:
+            return
+        if masked:
+            what = ("they were scored, and their rewards count in their group's baseline, but they were left out of "
+                    "the loss (mask_truncated_completions: true), so their samples taught nothing. Raise "
+                    "train.max_completion_length to waste fewer.")
+        else:
+            what = ("they were scored and trained as cut off, without an end-of-turn token. Raise "
+                    "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
+                    "of the loss.")
+        log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
+                  f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
+                  f"(completions_truncated in stage.json); {what}")

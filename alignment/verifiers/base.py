@@ -1,7 +1,7 @@
 """The verifier wrapper: call a plain function safely and turn what it returns into a result.
 
 A verifier is a plain function ``def verify(completion: str, **example) -> float | None``
-(DESIGN.md rule 3): every dataset column arrives as a keyword, ``None`` means "could not parse the
+(docs/architecture.md, house rule 3): every dataset column arrives as a keyword, ``None`` means "could not parse the
 completion" and a float is the reward (1.0 = correct, 0.0 = wrong; graded values are allowed).
 `Verifier` wraps such a function once it is resolved (see `registry.resolve`) and:
 

@@ -4,7 +4,7 @@ What is read: the completion trimmed of whitespace, or the content of its last `
 ```) fenced block if it has one. With ``extract: true`` the span from the first ``{`` to the last
 ``}`` is read instead, so "Here you go: {...}" passes.
 
-Scores (decided for this toolkit, see DESIGN.md rule 3):
+Scores (decided for this toolkit, see docs/architecture.md, house rule 3):
 
 - no ``{`` anywhere in that text -> None: the model did not attempt JSON (unparseable);
 - attempted but invalid JSON, or valid JSON that is not an object (a list, a string) -> 0.0:

@@ -2,10 +2,29 @@
 
 Which number counts as the completion's answer:
 
-- ``mode="lenient"`` (default): the first number after the last ``####`` marker (GSM8K style); if
+- ``mode="lenient"`` (default): the first result after the last ``####`` marker (GSM8K style); if
   there is no marker, the last ``\\boxed{...}`` that holds a number; else the last number in the text.
   A marker with no number after it is unparseable (the model chose the format and broke it).
 - ``mode="strict"``: only the ``####`` marker counts; without it the completion is unparseable.
+
+A number the completion only quotes is not an answer, because RL pays for whatever this function
+reads and a policy learns to copy the question when that pays (issue #28). So, returning None:
+
+- an operand: a number right after an arithmetic operator (``37 + 48``, ``9 * 2``, ``2^10``) is part
+  of an unfinished calculation, not its result; after ``####`` the first number that is not an
+  operand counts (``#### 37 + 48 = 85`` is 85, ``#### 37 + 48`` is nothing); a closing aside in
+  parentheses that shows the calculation is passed over ("so 85 (37 + 48)." is 85);
+- with the problem at hand (the ``question``, ``problem`` or ``prompt`` column, whichever the row
+  has), a last number that also occurs in the problem is no answer when its final statement is
+  copied from the problem ("Janet's ducks lay 16 eggs per day.") or is cut off mid-sentence ("She
+  sells them for $2") without stating it as a result: nothing closes the sentence (no ``.``, ``!``,
+  ``?`` or line break after the number) and no ``=``, ``:``, "is", "are", "was" or "equals" comes
+  right before it. A final statement that is just the number ("16") is an answer.
+
+Not covered: a finished sentence in the model's own words that ends in a number of the problem ("She
+has 5 apples left.") counts, as it must when the answer is 5, so guessing a number of the problem
+still pays on problems whose answer is one; without a problem column only the operand rule applies.
+Use ``mode="strict"`` where only a deliberate ``#### N`` may pay.
 
 Numbers may carry thousands commas (1,234), a sign (also the Unicode minus), a ``$``, a trailing
 ``%`` (ignored: "25%" equals 25), decimals, an exponent (1e3) or be a fraction (3/4 == 0.75). A
@@ -13,7 +32,7 @@ trailing sentence period is not a decimal point. The `answer` column is a number
 GSM8K solution ending in ``#### 42`` or just "42". Equality is exact on rationals up to a relative
 ``tolerance`` (default 1e-6) so 0.1+0.2-style float noise in a gold column still matches.
 
-Returns 1.0 (equal), 0.0 (different) or None (no number found). A gold answer without a number
+Returns 1.0 (equal), 0.0 (different) or None (no answer found). A gold answer without a number
 raises ValueError, which the Verifier reports as an error row, not as the model's fault.
 
     resolve("gsm8k").score("6 * 7 = 42\\n#### 42", {"answer": "... #### 42"}).reward  # 1.0
@@ -40,6 +59,16 @@ _NUMBER = re.compile(
     re.VERBOSE,
 )
 _BOXED = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+# an arithmetic operator after an operand-like character: "37 + " but not a "- " list bullet
+_OPERATOR = r"(?:[-+*/\u00d7\u00f7\u00b7^]|\\times|\\cdot|\\div)"
+_OPERATOR_BEFORE = re.compile(rf"[\w)}}\]][ \t]*{_OPERATOR}[ \t]*\$?[ \t]*$")
+_OPERATOR_AFTER = re.compile(rf"[ \t]*{_OPERATOR}[ \t]*\$?[ \t]*[-+]?[\d.]")
+_STATED_AS_RESULT = re.compile(r"(?:[=:]|\b(?:is|are|was|equals))\s*\$?\s*$", re.IGNORECASE)
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+# a closing aside that shows the calculation: "so 85 (37 + 48)."
+_CLOSING_ASIDE = re.compile(rf"\((?=[^()]*{_OPERATOR})[^()]*\)[\s.!?]*$")
+# Columns that may hold the problem: GSM8K's `question`, MATH's `problem`, the RL stages' `prompt`.
+PROBLEM_COLUMNS = ("question", "problem", "prompt")
 
 
 def _normalize(text: str) -> str:
@@ -68,20 +97,76 @@ def numbers(text: str) -> list[Fraction | None]:
     return [_value(m) for m in _NUMBER.finditer(_normalize(text))]
 
 
-def extract_answer(completion: str, mode: str = "lenient") -> Fraction | None:
-    """The completion's final answer as an exact Fraction, or None if there is none."""
+def problem_text(*columns: Any) -> str:
+    """The problem as plain text from the columns that may hold it: strings, or chat messages (only
+    the user's turns: a system prompt's numbers are not the problem's)."""
+    parts = []
+    for column in columns:
+        if isinstance(column, str):
+            parts.append(column)
+        elif isinstance(column, (list, tuple)):
+            parts += [str(m.get("content", "")) for m in column if isinstance(m, dict) and m.get("role") == "user"]
+    return "\n".join(parts)
+
+
+def _is_operand(text: str, match: re.Match) -> bool:
+    """Whether the number is an operand of a calculation ("37 + 48", "37 +"), not a stated result."""
+    return bool(_OPERATOR_BEFORE.search(text[: match.start()]) or _OPERATOR_AFTER.match(text[match.end():]))
+
+
+def _squash(text: str) -> str:
+    """Lower case, single spaces, no spaces around symbols, no closing punctuation: for "is copied"."""
+    text = re.sub(r"\s+", " ", text.lower())
+    return re.sub(r"\s*([^\w\s])\s*", r"\1", text).strip(" .!?")
+
+
+def _quotes_problem(text: str, match: re.Match, problem: str) -> bool:
+    """Whether the last number `match` only quotes the problem (rules in the module docstring)."""
+    if _value(match) not in numbers(problem):
+        return False
+    start = max((m.end() for m in _SENTENCE_END.finditer(text, 0, match.start())), default=0)
+    statement = _squash(text[start:])
+    if statement == _squash(match.group()):
+        return False  # the statement is the bare number: an answer even when the problem holds it
+    if statement in _squash(problem):
+        return True
+    unfinished = not _SENTENCE_END.search(text, match.end())
+    return unfinished and not _STATED_AS_RESULT.search(text[start: match.start()])
+
+
+def _first_result(text: str) -> Fraction | None:
+    """The first number in `text` that is not an operand ("37 + 48 = 85" -> 85)."""
+    for match in _NUMBER.finditer(text):
+        if not _is_operand(text, match):
+            return _value(match)
+    return None
+
+
+def _last_number(text: str, problem: str) -> Fraction | None:
+    """The last number in `text` when it is an answer: not an operand, not quoted from the problem.
+    A closing aside that shows the calculation is not where the answer is ("85 (37 + 48)." is 85)."""
+    text = _CLOSING_ASIDE.sub("", text)
+    matches = list(_NUMBER.finditer(text))
+    if not matches or _OPERATOR_BEFORE.search(text[: matches[-1].start()]):
+        return None
+    if problem and _quotes_problem(text, matches[-1], problem):
+        return None
+    return _value(matches[-1])
+
+
+def extract_answer(completion: str, mode: str = "lenient", problem: str = "") -> Fraction | None:
+    """The completion's final answer as an exact Fraction, or None if there is none. `problem`
+    (plain text, see `problem_text`) lets the last-number rule pass over numbers quoted from it."""
     text = _normalize(completion)
     if "####" in text:
-        found = numbers(text.rsplit("####", 1)[1])
-        return found[0] if found else None
+        return _first_result(text.rsplit("####", 1)[1])
     if mode == "strict":
         return None
     for boxed in reversed(_BOXED.findall(text)):
         found = numbers(boxed)
         if found:
             return found[-1]
-    found = numbers(text)
-    return found[-1] if found else None
+    return _last_number(text, _normalize(problem))
 
 
 def parse_gold(answer: Any) -> Fraction:
@@ -97,10 +182,21 @@ def parse_gold(answer: Any) -> Fraction:
     return value
 
 
-def verify(completion: str, answer: Any, *, mode: str = "lenient", tolerance: float = 1e-6) -> float | None:
-    """1.0 if the completion's final number equals `answer`, 0.0 if not, None if it has none."""
+def verify(
+    completion: str,
+    answer: Any,
+    question: Any = None,
+    problem: Any = None,
+    prompt: Any = None,
+    *,
+    mode: str = "lenient",
+    tolerance: float = 1e-6,
+) -> float | None:
+    """1.0 if the completion's final number equals `answer`, 0.0 if not, None if it has none.
+    `question`/`problem`/`prompt` (whichever the row has) hold the problem, whose numbers a
+    completion may quote without answering."""
     gold = parse_gold(answer)
-    predicted = extract_answer(completion, mode)
+    predicted = extract_answer(completion, mode, problem_text(question, problem, prompt))
     if predicted is None:
         return None
     tol = Fraction(str(tolerance))

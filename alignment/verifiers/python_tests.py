@@ -1,9 +1,34 @@
 """`python_tests` verifier: run the completion's code against the row's unit tests in the sandbox.
 
-The code is the last ```python (or ```py, or untagged ```) fenced block of the completion, an
-unclosed last block running to the end included; without any block, the whole completion. The
-`tests` column holds assert statements or unittest.TestCase classes (a string, or a list of
-strings joined by newlines, as in MBPP's ``test_list``); they run after the code, in its namespace.
+The `tests` column holds assert statements or unittest.TestCase classes (a string, or a list of
+strings joined by newlines, as in MBPP's ``test_list``: map it with ``rename: {test_list: tests}``);
+they run after the code, in its namespace.
+
+Which code runs: what a reader would run. Models answer in prose with several fenced blocks, e.g.
+SmolLM2 writes the function and then an "Example usage" block; running only the last block scored
+a correct solution 0 (NameError, issue #28). So the program is the completion's python blocks
+(```python, ```py, ```python3; untagged ``` blocks only when no block is tagged; other languages
+never; an unclosed last block runs to the end) joined in order, as a reader pastes them into one
+file, except:
+
+- a console transcript: a block that is not valid Python because it holds ``>>> `` lines runs as
+  the code of its examples (the ``>>> ``/``... `` lines without their prompts); the lines that
+  follow an example up to a blank line are its expected output, not code, and are dropped. Doctests
+  inside a docstring are left alone (the block compiles);
+- example usage: a later block that defines no function, class or import, and assigns nothing that
+  the code before it or the tests read, but uses what earlier blocks define (``print(add(1, 2))``,
+  ``result = add(1, 2)``, its own asserts, a ``while True:`` demo loop) is not run. The tests
+  decide; an example that raises, loops or asserts something wrong says nothing about the
+  solution. Usage inside a block that also defines the solution runs as written: it is part of
+  that program;
+- an untagged block that does not compile (program output, a shell command) is not code, unless
+  no untagged block compiles (then they run and the syntax error is the verdict, as before).
+
+``if __name__ == "__main__":`` sections never run: the harness runs the code as a module named
+``__solution__``, which is what importing the solution does. Telling blocks apart parses them with
+`ast` in the caller, which never runs them (parsing costs time in proportion to the completion's
+length, bounded by the sampler's max_new_tokens); a block `ast` cannot parse is kept as is.
+Without any fenced block the whole completion is the code.
 
 Rewards: 1.0 if the tests pass; 0.0 if they fail, time out, crash or the fenced code does not
 compile (the detail says which, with the tail of the output); None if there is no code (blank
@@ -27,6 +52,7 @@ reading the harness's frames) are closed as listed in `sandbox`.
 
 from __future__ import annotations
 
+import ast
 import re
 from numbers import Real
 from typing import Any
@@ -35,17 +61,129 @@ from alignment.errors import UserError
 from alignment.verifiers.base import VerifyResult
 from alignment.verifiers.sandbox import process, safe_compare
 
-_FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+# a fence with its info string ("```python", "``` py", "```bash"), then the block up to the closing
+# fence or the end of the text; matching every language keeps a bash block's closing fence from
+# opening a block of its own
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PYTHON_TAGS = ("python", "python3", "py")
+_PROMPT = re.compile(r"^\s*(>>>|\.\.\.)(?: |$)")
 
 
-def extract_code(completion: str) -> tuple[str | None, bool]:
-    """(code, fenced): the last python block (tagged ones first), else the whole text."""
-    blocks = _FENCE.findall(completion)
-    tagged = [code for lang, code in blocks if lang]
-    chosen = tagged or [code for _, code in blocks]
-    if chosen:
-        return (chosen[-1] if chosen[-1].strip() else None), True
-    return (completion if completion.strip() else None), False
+def _blocks(completion: str) -> list[tuple[str, bool]] | None:
+    """(code, tagged) of the python blocks, in order; None when the completion has no fence."""
+    found = _FENCE.findall(completion)
+    if not found:
+        return None
+    tagged = [(code, True) for lang, code in found if lang.lower() in _PYTHON_TAGS]
+    return tagged or [(code, False) for lang, code in found if not lang]
+
+
+def _parse(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # deep nesting, NUL bytes
+        return None
+
+
+def _transcript_code(block: str) -> str:
+    """The code of a console transcript: its examples without prompts; output lines dropped."""
+    lines, in_example = [], False
+    for line in block.splitlines():
+        prompt = _PROMPT.match(line)
+        if prompt and (prompt.group(1) == ">>>" or in_example):
+            lines.append(line[prompt.end():])
+            in_example = True
+        elif in_example and line.strip():
+            continue  # expected output of the example above
+        else:
+            in_example = False
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _names(nodes, ctx: type) -> set[str]:
+    """Names loaded (ctx=ast.Load) or bound (ast.Store) by `nodes`."""
+    return {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ctx)}
+
+
+def _module_level(tree: ast.Module):
+    """The nodes that run in the module's own scope: not those inside a function or lambda."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """Global names a block binds: functions, classes, imports and module-level assignments."""
+    names = _names(_module_level(tree), ast.Store)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def _reads(tree: ast.Module | None) -> set[str]:
+    """Global names a block may read: loads at module level, and loads inside functions of names
+    the function does not bind itself (a function's own `result` is not the module's)."""
+    if tree is None:
+        return set()
+    reads = _names(_module_level(tree), ast.Load)
+    for scope in (n for n in ast.walk(tree) if isinstance(n, _SCOPES)):
+        local = {a.arg for a in ast.walk(scope.args) if isinstance(a, ast.arg)} | _names(ast.walk(scope), ast.Store)
+        declared = {name for g in ast.walk(scope) if isinstance(g, ast.Global) for name in g.names}
+        reads |= _names(ast.walk(scope), ast.Load) - (local - declared)
+    return reads
+
+
+def _is_example_usage(tree: ast.Module, defined: set[str], read: set[str]) -> bool:
+    """Whether a block only exercises earlier blocks (rules in the module docstring)."""
+    definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
+    if any(isinstance(node, definitions) for node in tree.body):
+        return False
+    if _names(_module_level(tree), ast.Store) & read:
+        return False  # it sets something the earlier code or the tests read: part of the program
+    return bool(_names(ast.walk(tree), ast.Load) & defined)
+
+
+def _program(blocks: list[tuple[str, bool]], tests: str) -> str:
+    """The blocks a reader would run, joined in order."""
+    parsed = []
+    for code, tagged in blocks:
+        tree = _parse(code)
+        if tree is None and ">>>" in code:
+            code = _transcript_code(code)
+            tree = _parse(code)
+        parsed.append((code, tree, tagged))
+    if any(tree is not None for _, tree, tagged in parsed if not tagged):
+        # untagged blocks are a guess at code: one that does not compile is output or a shell line
+        parsed = [(code, tree, tagged) for code, tree, tagged in parsed if tagged or tree is not None]
+    kept, defined, read = [], set(), _reads(_parse(tests))
+    for code, tree, _ in parsed:
+        if tree is not None and kept and _is_example_usage(tree, defined, read):
+            continue
+        kept.append(code)
+        if tree is not None:
+            defined |= _defined(tree)
+            read |= _reads(tree)
+    return "\n".join(kept)
+
+
+def extract_code(completion: str, tests: str = "") -> tuple[str | None, bool]:
+    """(code, fenced): the program of the completion's python blocks (see the module docstring),
+    else the whole text. `tests` is the tests' source: names it reads are never example usage."""
+    blocks = _blocks(completion)
+    if blocks is None:
+        return (completion if completion.strip() else None), False
+    code = _program(blocks, tests)
+    return (code if code.strip() else None), True
 
 
 def _tests_source(tests: Any) -> str:
@@ -70,7 +208,7 @@ def verify(
 ) -> VerifyResult | None:
     """1.0 if the code passes the tests in the sandbox, 0.0 if not, None if there is no code."""
     source = _tests_source(tests)
-    code, fenced = extract_code(completion)
+    code, fenced = extract_code(completion, source)
     if code is None:
         return None
     limits = process.Limits(timeout=float(timeout), memory_mb=int(memory_mb), max_processes=int(max_processes))

@@ -35,6 +35,29 @@ def put(tmp: Path, name: str, content) -> Path:
     return path
 
 
+def put_bytes(tmp: Path, name: str, content: bytes) -> Path:
+    path = tmp / name
+    path.write_bytes(content)
+    return path
+
+
+def truncated_parquet(tmp: Path, name: str) -> Path:
+    import pyarrow
+    import pyarrow.parquet
+
+    path = tmp / name
+    pyarrow.parquet.write_table(pyarrow.table({"prompt": ["q"] * 50, "completion": ["a"] * 50}), path)
+    return put_bytes(tmp, name, path.read_bytes()[: path.stat().st_size // 2])
+
+
+def split_folder(tmp: Path, **contents: str) -> Path:
+    """A folder with one .jsonl file per split (train and test unless given)."""
+    row = '{"prompt": "q", "completion": "a"}\n'
+    for split, text in {"train": row, "test": row, **contents}.items():
+        put(tmp, f"splits/{split}.jsonl", text)
+    return tmp / "splits"
+
+
 def jsonl(tmp: Path, name: str, rows: list[dict]) -> Path:
     return put(tmp, name, "".join(json.dumps(r) + "\n" for r in rows))
 
@@ -159,13 +182,70 @@ CASES = [
     ("rename-missing-column", sft_on([{"prompt": "q", "completion": "a"}], rename={"answer": "completion"}), CHECK,
      ["rename: column 'answer' does not exist"]),
     ("empty-dataset", sft_on(lambda t: put(t, "empty.jsonl", "")), CHECK, ["empty.jsonl"]),
-    ("non-string-values", sft_on([{"prompt": "q", "completion": 5}]), CHECK, ["row 0, column 'completion' is int"]),
+    ("non-string-values", sft_on([{"prompt": "q", "completion": 5}]), CHECK,
+     ["line 1 of", "d.jsonl, column 'completion' is int"]),
     ("all-rows-filtered", sft_on([{"prompt": "q", "completion": " "}, {"prompt": "r", "completion": ""}]), CHECK,
      ["all 2 rows were filtered out", "empty"]),
     ("prompts-too-long", sft_on([{"prompt": "x" * 200, "completion": "a"}]), CHECK,
      ["every prompt is at least max_length=64 tokens"]),
     ("chat-without-assistant-turn", sft_on([{"messages": [{"role": "user", "content": "hi"}]}]), CHECK,
      ["must end with an assistant turn"]),
+    # --- malformed data files: each names the file and the line as written ---
+    ("jsonl-not-utf8", sft_on(lambda t: put_bytes(t, "d.jsonl", b'{"prompt": "a", "completion": "b"}\n'
+                                                  b'{"prompt": "caf\xe9", "completion": "b"}\n')), CHECK,
+     ["d.jsonl', line 2: byte 0xe9 at column 16 is not UTF-8"]),
+    ("csv-not-utf8", sft_on(lambda t: put_bytes(t, "d.csv", b"prompt,completion\na,b\ncaf\xe9,b\n")), CHECK,
+     ["d.csv', line 3: byte 0xe9", "not UTF-8"]),
+    ("jsonl-broken-line", sft_on(lambda t: put(t, "d.jsonl", '{"prompt": "a", "completion": "b"}\n'
+                                               '{"prompt": "c", "completion": "d"\n')), CHECK,
+     ["d.jsonl', line 2: not valid JSON"]),
+    ("jsonl-line-not-object", sft_on(lambda t: put(t, "d.jsonl", '{"prompt": "a", "completion": "b"}\n\n[1, 2]\n')),
+     CHECK, ["d.jsonl', line 3: a JSON list, not an object"]),
+    ("csv-ragged-first-row", sft_on(lambda t: put(t, "d.csv", "prompt,completion\na,b,c\nd,e\n")), CHECK,
+     ["d.csv', line 2: 3 fields, but the header (line 1) names 2"]),
+    ("csv-ragged-later-row", sft_on(lambda t: put(t, "d.csv", 'prompt,completion\n"a\nb",c\nd,e,f\n')), CHECK,
+     ["d.csv', line 4: 3 fields"]),
+    ("csv-missing-field", sft_on(lambda t: put(t, "d.csv", "prompt,completion\na,b\nc\n")), CHECK,
+     ["line 3 of", "d.csv, column 'completion' is NoneType"]),
+    ("csv-header-only", sft_on(lambda t: put(t, "d.csv", "prompt,completion\n")), CHECK, ["d.csv' holds no rows"]),
+    ("jsonl-blank-lines-only", sft_on(lambda t: put(t, "d.jsonl", "\n\n")), CHECK, ["d.jsonl' holds no rows"]),
+    ("parquet-truncated", sft_on(lambda t: truncated_parquet(t, "d.parquet")), CHECK,
+     ["d.parquet' is not a readable parquet file"]),
+    ("int-among-strings", sft_on([{"prompt": "q", "completion": "a"}, {"prompt": "r", "completion": 7}]), CHECK,
+     ["line 2 of", "d.jsonl, column 'completion' is int 7"]),
+    ("unknown-chat-role", sft_on([{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}]),
+     CHECK, ["line 1 of", "chat role 'bot'", "is not one chat templates know"]),
+    ("messages-not-a-list", sft_on([{"messages": "hello"}]), CHECK,
+     ["line 1 of", "column 'messages': expected a list of chat messages, got str"]),
+    ("message-without-content", sft_on([{"messages": [{"role": "user", "text": "hi"}]}]), CHECK,
+     ["line 1 of", "a chat message is not {'role': str, 'content': str}"]),
+    ("pair-unknown-chat-role", with_recipe(lambda t: recipe(t, {"rm": {"kind": "reward", "data": {"dataset": str(jsonl(
+        t, "p.jsonl", [{"chosen": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}],
+                        "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]}]))}}})),
+     CHECK, ["line 1 of", "p.jsonl, column 'chosen': chat role 'bot'"]),
+    ("empty-split-file", with_recipe(lambda t: recipe(t, {"sft": {"data": {"dataset": str(split_folder(t, test="")),
+                                                                            "split": "test"}}})), CHECK,
+     ["test.jsonl' is empty"]),
+    ("hh-without-final-assistant-turn", with_recipe(lambda t: recipe(t, {"rm": {"kind": "reward", "data": {
+        "dataset": str(jsonl(t, "hh.jsonl", [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.",
+                                              "rejected": "\n\nHuman: Hi?\n\nAssistant: Go away.\n\nHuman: Rude."}]))}}})),
+     CHECK, ["line 1 of", "column 'rejected' is not an Anthropic HH transcript", "no Assistant turn"]),
+    ("hh-prefixes-differ", with_recipe(lambda t: recipe(t, {"rm": {"kind": "reward", "data": {"format": "hh",
+        "dataset": str(jsonl(t, "hh.jsonl", [{"chosen": "\n\nHuman: Hi?\n\nAssistant: Hello.",
+                                              "rejected": "\n\nHuman: Hey?\n\nAssistant: Go away."}]))}}})),
+     CHECK, ["line 1 of", "'chosen' and 'rejected' differ at turn 1"]),
+    ("hh-format-on-a-stage-without-pairs", sft_on([{"prompt": "q", "completion": "a"}], format="hh"), CHECK,
+     ["stages.sft.data: `format: hh` reads Anthropic HH-RLHF preference transcripts", "a sft stage reads no pairs"]),
+    ("unknown-data-format", sft_on([{"prompt": "q", "completion": "a"}], format="HH"), CHECK,
+     ["unknown format 'HH'", "did you mean 'hh'"]),
+    # --- split and config of local data ---
+    ("split-on-single-file", sft_on([{"prompt": "q", "completion": "a"}], split="train_sft"), CHECK,
+     ["stages.sft.data.split: 'train_sft' cannot apply to the single file", "d.jsonl"]),
+    ("config-on-local-file", sft_on([{"prompt": "q", "completion": "a"}], config="default"), CHECK,
+     ["stages.sft.data.config: 'default' cannot apply to the local file", "d.jsonl"]),
+    ("folder-without-the-split", with_recipe(lambda t: recipe(t, {"sft": {"data": {"dataset": str(split_folder(t)),
+                                                                                     "split": "tset"}}})), CHECK,
+     ["holds no split 'tset'", "did you mean 'test'"]),
     ("unknown-task", with_recipe(lambda t: recipe(t, {"sft": {"data": {"task": "algebra"}}})), CHECK,
      ["Unknown task 'algebra'", "arithmetic"]),
     ("bad-task-param", with_recipe(lambda t: recipe(t, {"sft": {"data": {"task": "arithmetic", "n": 0}}})), CHECK,

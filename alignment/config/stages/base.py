@@ -18,12 +18,18 @@ class StageConfig(Strict):
     """Keys every stage accepts. `model` is the starting policy: '${stage}', a local path or a hub id;
     by default the previous policy stage's output (or the recipe's model for the first stage)."""
 
-    kind: str
-    model: str | None = None
-    data: DataSpec | None = None
-    eval_data: DataSpec | None = None
-    lora: LoraSpec | None = None
-    train: dict[str, Any] = Field(default_factory=dict)
+    kind: str = Field(description="the stage kind (sft, reward, dpo, ppo, rsft, rlvr); defaults to the stage's id, so "
+                      "give it for a second stage of a kind (`sft2: {kind: sft}`)")
+    model: str | None = Field(None, description="the start policy: '${stage}', a local path or hub id; default: the "
+                              "previous policy stage's output, or the recipe's model for the first stage (ppo calls it `policy`)")
+    data: DataSpec | None = Field(None, description="where the stage's training rows come from")
+    eval_data: DataSpec | None = Field(None, description="held-out rows the TRL trainer evaluates on during training "
+                                       "(sft, reward, dpo, rlvr); rsft does not read it, ppo refuses it")
+    lora: LoraSpec | None = Field(None, description="this stage's LoRA settings instead of the recipe's `lora:`; "
+                                  "`lora: null` trains all weights")
+    train: dict[str, Any] = Field(default_factory=dict, description="knobs passed verbatim to the kind's TRL config "
+                                  "(sft, rsft: trl.SFTConfig; reward: RewardConfig; dpo: DPOConfig; rlvr: GRPOConfig "
+                                  "or RLOOConfig), built at load time, so a misspelt knob fails `align check`")
 
     # False for kinds whose output is a scoring model (reward): never the implicit start of a later
     # stage, never evaluated as a policy.

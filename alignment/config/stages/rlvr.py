@@ -12,11 +12,17 @@ from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
 class Config(StageConfig):
-    kind: Literal["rlvr"] = "rlvr"
+    kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
+                                  "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL penalty to the "
+                                  "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
     memory_knobs: ClassVar[tuple[str, ...]] = (
         "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
-    data: DataSpec
-    algorithm: Literal["grpo", "rloo"] = "grpo"
+    data: DataSpec = Field(description="prompts (`prompt` or chat `messages`, a final assistant turn dropped) and the "
+                           "columns the verifiers read, e.g. `answer`")
+    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="grpo: advantages normalised within each prompt's "
+                                               "group of num_generations samples (Shao et al. 2024, DeepSeekMath, "
+                                               "arXiv:2402.03300); rloo: leave-one-out baseline (Ahmadian et al. "
+                                               "2024, arXiv:2402.14740)")
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="reward = weighted sum of these verifiers "
                                           "(and of the reward model's score, if given)")
     reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id: its score of "

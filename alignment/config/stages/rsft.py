@@ -13,23 +13,36 @@ from .base import StageConfig
 
 
 class RsftSampling(SamplingSpec):
-    n: int = Field(8, gt=0, description="completions sampled per prompt")
-    max_new_tokens: int = Field(256, gt=0)
+    n: int = Field(8, gt=0, description="completions sampled per prompt (the N of best-of-N)")
+    max_new_tokens: int = Field(256, gt=0, description="most tokens sampled per completion; one cut off without an "
+                                "end-of-turn token is never selected")
 
 class Config(StageConfig):
-    kind: Literal["rsft"] = "rsft"
+    kind: Literal["rsft"] = Field("rsft", description="rsft: rejection-sampling fine-tuning: sample N completions per "
+                                  "prompt, keep the best, SFT on them (trl.SFTTrainer), for several rounds (expert "
+                                  "iteration; RAFT, Dong et al. 2023; ReST-EM, Singh et al. 2023)")
     memory_knobs: ClassVar[tuple[str, ...]] = ("`sampling.batch_size`", *StageConfig.memory_knobs)
-    data: DataSpec
-    verifiers: list[VerifierSpec] = Field(default_factory=list)
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id")
+    data: DataSpec = Field(description="prompts (`prompt` or chat `messages`) and the columns the verifiers read")
+    verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers scoring each sample (weighted "
+                                          "sum); without a threshold a sample must pass every one; give these or "
+                                          "reward_model")
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id that scores "
+                                     "each sample; give this or verifiers")
     gold: list[VerifierSpec] = gold_field()
-    rounds: int = Field(1, gt=0)
-    prompts_per_round: int | None = Field(None, gt=0, description="default: every prompt, every round")
-    sampling: RsftSampling = Field(default_factory=RsftSampling)
-    select: Literal["best_of_n", "top_k", "threshold"] = "best_of_n"
+    rounds: int = Field(1, gt=0, description="rounds of sample, select, fine-tune; each samples from the policy the "
+                        "round before trained")
+    prompts_per_round: int | None = Field(None, gt=0, description="prompts sampled per round, consecutive slices of the "
+                                          "data wrapping around; default: every prompt, every round")
+    sampling: RsftSampling = Field(default_factory=RsftSampling, description="how each round samples (n per prompt)")
+    select: Literal["best_of_n", "top_k", "threshold"] = Field("best_of_n", description="what is kept per prompt once "
+                                                               "empty, unfinished and duplicate samples are dropped: "
+                                                               "best_of_n the best sample, top_k the k best, threshold "
+                                                               "every eligible one")
     k: int = Field(1, gt=0, description="completions kept per prompt with select: top_k")
-    threshold: float | None = None
-    rm_batch_size: int = Field(16, gt=0)
+    threshold: float | None = Field(None, description="minimum score to keep a sample (with verifiers: their weighted "
+                                    "sum, and it must parse, instead of passing every one); required for select: "
+                                    "threshold with a reward model")
+    rm_batch_size: int = Field(16, gt=0, description="sequences per reward-model forward pass when scoring samples")
 
     @model_validator(mode="after")
     def _one_scorer(self):
