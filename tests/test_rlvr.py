@@ -142,7 +142,7 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
     unknown = recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetc"]})
     with pytest.raises(UserError, match=r"verifiers\.0.*arithmetic"):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
-    unknown_gold = recipe_dict(tmp_path, {"gold": ["arithmetic", "arithmetc"]})
+    unknown_gold = recipe_dict(tmp_path, "rlvr", {**FAST, "gold": ["arithmetic", "arithmetc"]})
     with pytest.raises(UserError, match=r"stages\.rlvr\.gold\.1.*arithmetic"):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown_gold)))
 
@@ -536,7 +536,7 @@ def test_gold_verifiers_are_logged_and_never_train(tmp_path):
 
     runs = {}
     for name, stage in [("plain", {}), ("gold", {"gold": [{"name": "arithmetic", "weight": 1.0e6}]})]:
-        recipe, _, history = run(tmp_path / name, stage)
+        recipe, _, history = run(tmp_path / name, "rlvr", {**FAST, **stage})
         runs[name] = (history, load_file(str(recipe.stage_dir("rlvr") / "model.safetensors")))
     (plain, weights), (logged, gold_weights) = runs["plain"], runs["gold"]
     assert weights.keys() == gold_weights.keys() and all(torch.equal(weights[k], gold_weights[k]) for k in weights)
@@ -573,11 +573,11 @@ def test_reward_model_reward_scores_the_rendered_conversation_as_ppo_does(tiny_m
 def test_reward_model_config(tmp_path):
     from alignment.config.recipe import load_recipe
 
-    alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, {"verifiers": [], "reward_model": "rm"})))
+    alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": [], "reward_model": "rm"})))
     assert alone.stages["rlvr"].reward_model == "rm" and alone.stages["rlvr"].verifiers == []
     for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight")]:
         with pytest.raises(UserError, match=message):
-            load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, bad)))
+            load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
 
 
 def test_reward_model_with_verifiers_drives_a_run(tmp_path, tiny_model):
@@ -595,9 +595,9 @@ def test_reward_model_with_verifiers_drives_a_run(tmp_path, tiny_model):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {"reward_model": str(rm_dir), "reward_model_weight": 0.5, "gold": ["arithmetic"]}
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, stage, model=str(tiny_model))))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))))
     assert rlvr.trl_config(make_context(recipe, "rlvr")).reward_weights == [1.0, 0.5, 0.0]
-    _, result, history = run(tmp_path, stage, model=str(tiny_model))
+    _, result, history = run(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))
     steps = [h for h in history if "reward" in h]
     assert all(k in steps[-1] for k in ("rewards/reward_model/mean", "rewards/arithmetic/mean", "gold/arithmetic"))
     assert result["metrics"]["global_step"] == FAST_TRAIN["max_steps"]

@@ -112,7 +112,7 @@ def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):
     metrics) and takes no part in the selection: with a gold verifier of weight 1e6 the same rows are kept."""
     kept = {}
     for name, stage in [("plain", {}), ("gold", {"gold": [{"name": "numeric", "weight": 1.0e6}, "arithmetic"]})]:
-        recipe, result = run(tmp_path / name, stage)
+        recipe, result, _ = run(tmp_path / name, "rsft", {**FAST, **stage})
         kept[name] = (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text()
         history = json.loads((recipe.stage_dir("rsft") / "log_history.json").read_text())
     rounds = [h for h in history if "rsft/acceptance_rate" in h]

@@ -245,7 +245,7 @@ def run(ctx: StageContext) -> dict:
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in verifier_rewards + gold for k, v in r.totals().items()}
-    signal.report(ctx.stage_id, args.max_completion_length)
+    signal.report(ctx.stage_id, args.max_completion_length, masked=args.mask_truncated_completions)
     return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
 
 

@@ -46,7 +46,6 @@ from pathlib import Path
 
 from accelerate import PartialState
 from transformers import set_seed
-from trl import SFTConfig
 
 from ..config.base import stage_ref
 from ..data.formatting import render_pair, render_prompt
@@ -66,7 +65,7 @@ from ..training.rewards import (
 )
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
-from ..training.trainer import make_sft_trainer, save_model, train
+from ..training.trainer import make_sft_trainer, save_model, sft_config, train
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,8 @@ log = logging.getLogger(__name__)
 
 
 def sft_args(ctx: StageContext, folder: Path):
-    return ctx.trl_args(SFTConfig, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
-                        num_train_epochs=1)
+    return sft_config(ctx, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
+                      num_train_epochs=1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,10 +28,15 @@ from ..models.tokenizer import load_tokenizer
 from ..runtime.dist import keeps_configured_state
 from ..runtime.files import write_atomic
 from .memory import needs_gradient_checkpointing
-from .prompts import check_prompt_rows
+from .prompts import check_prompt_rows, prompt_data_format
 
 if TYPE_CHECKING:
     from ..config.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+PAIR_KINDS = ("reward", "dpo")  # the stages that read preference pairs (training/pairs.py)
 
 
 @dataclass
@@ -45,6 +51,9 @@ class StageContext:
     work_dir: Path  # survives crashes: trainer checkpoints for resume
     lora: LoraSpec | None
     is_main: bool = True
+    # What the stage made of each data key: the format detected, the columns read and what was trained on;
+    # written into stage.json and the model card (`record_data`).
+    data_formats: dict[str, dict] = field(default_factory=dict)
 
     @property
     def seed(self) -> int:
@@ -57,6 +66,10 @@ class StageContext:
     def load_data(self, spec: DataSpec | None, key: str = "data"):
         if spec is None:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
+        if spec.format == "hh" and spec.task is None and self.config.kind not in PAIR_KINDS:
+            raise UserError(f"{self.where}.{key}: `format: hh` reads Anthropic HH-RLHF preference transcripts "
+                            f"(chosen/rejected), which only {' and '.join(PAIR_KINDS)} stages train on; a "
+                            f"{self.config.kind} stage reads no pairs, so drop the key.")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
     def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list, gold: list = ()) -> list[dict]:
@@ -67,7 +80,17 @@ class StageContext:
         for entry, listed in (("verifiers", verifiers), ("gold", gold)):
             if listed or entry == "verifiers":
                 check_prompt_rows(dataset, list(listed), f"{self.where}.{key}", spec, provided=("prompt",), entry=entry)
-        return [dict(row) for row in dataset]
+        rows = [dict(row) for row in dataset]
+        self.record_data(key, **prompt_data_format(rows, dataset.column_names, [*verifiers, *gold]))
+        return rows
+
+    def record_data(self, key: str, **info) -> None:
+        """Say what the stage made of data key `key` (format, columns, what is trained on) in stage.json and the
+        model card; logged once."""
+        if self.data_formats.get(key) != info:
+            self.data_formats[key] = info
+            log.info(f"[{self.where}.{key}] {info['format']}; columns used: {', '.join(info['columns'])}; trained on: "
+                     f"{info['trained_on']}")
 
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)

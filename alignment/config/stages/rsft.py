@@ -53,3 +53,9 @@ class Config(StageConfig):
         if "k" in self.model_fields_set and self.select != "top_k":
             raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
         return self
+
+    @model_validator(mode="after")
+    def _no_eval_data(self):
+        if self.eval_data is not None:  # each round trains on its own selected samples; nothing would read it
+            raise ValueError("'eval_data' is not used by rsft; evaluate the result with the recipe's evaluate block")
+        return self
