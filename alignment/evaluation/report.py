@@ -225,6 +225,7 @@ def plot_overoptimisation(folders: dict[str, Path], path: Path) -> Path | None:
     if not series:
         return None
     figure, axes = _figure(len(series), width=4.2, height=3.2, hspace=0.6)
+    figure.subplots_adjust(left=0.14, right=0.86, wspace=0.6)  # room for the labels of both axes
     for axis, (name, found) in zip(axes, series.items()):
         gold_axis = axis.twinx() if found["proxy"] and found["gold"] else axis
         lines = []
@@ -234,6 +235,9 @@ def plot_overoptimisation(folders: dict[str, Path], path: Path) -> Path | None:
                 lines += axis_.plot([p[0] for p in points], [p[1] for p in points], marker=".", color=color,
                                     label=key if group is found["gold"] else f"proxy: {key}")
         axis.set_title(f"{name}: gold and proxy vs KL", fontsize=9)
+        axis.set_ylabel("proxy" if found["proxy"] else "gold", fontsize=7)
+        if gold_axis is not axis:
+            gold_axis.set_ylabel("gold", fontsize=7)
         axis.set_xlabel("KL to the reference (as the stage logs it)", fontsize=7)
         axis.tick_params(labelsize=7)
         gold_axis.tick_params(labelsize=7)
