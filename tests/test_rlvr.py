@@ -573,7 +573,8 @@ def test_reward_model_reward_scores_the_rendered_conversation_as_ppo_does(tiny_m
 def test_reward_model_config(tmp_path):
     from alignment.config.recipe import load_recipe
 
-    alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": [], "reward_model": "rm"})))
+    stage = {**FAST, "verifiers": [], "reward_model": "rm"}
+    alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
     assert alone.stages["rlvr"].reward_model == "rm" and alone.stages["rlvr"].verifiers == []
     for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight")]:
         with pytest.raises(UserError, match=message):
@@ -595,7 +596,8 @@ def test_reward_model_with_verifiers_drives_a_run(tmp_path, tiny_model):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {"reward_model": str(rm_dir), "reward_model_weight": 0.5, "gold": ["arithmetic"]}
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))))
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage},
+                                                            model=str(tiny_model))))
     assert rlvr.trl_config(make_context(recipe, "rlvr")).reward_weights == [1.0, 0.5, 0.0]
     _, result, history = run(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))
     steps = [h for h in history if "reward" in h]

@@ -10,7 +10,8 @@ sampled through `sampling.generate`:
   - with `pass_k: {n: 8}`, n samples per prompt: pass@k by the unbiased estimator (Chen et al. 2021);
   - with a `reference`, samples at temperature 1: KL(checkpoint || reference) on its own samples.
 The reward-hacking flag marks a checkpoint whose reward-model score rose over the baseline's while its
-gold measure fell: the suite's `gold:` verifier's mean reward where given, else its verifier's pass@1. Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
+gold measure fell: the suite's `gold:` verifier's mean reward where given, else its verifier's pass@1.
+Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
 {"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample, with its data row's columns, so that
 `align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL` scores it again),
 `report.md` (one comparison table and what each metric means) and PNG plots (`report.py`: metrics across

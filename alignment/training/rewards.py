@@ -200,7 +200,8 @@ class RewardModelReward:
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
         sources = kwargs.get(SOURCE_PROMPT) or prompts
         completions = list(completions or [])
-        finished = None if completion_ids is None else [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids]
+        finished = (None if completion_ids is None
+                    else [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids])
         rewards = score_texts(self.model, self.tokenizer, list(sources), completions, self.batch_size, finished)
         if self.signal is not None:
             self.signal.record(self, rewards, completion_ids, kwargs.get("log_metric"))

@@ -13,7 +13,8 @@ from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 class Config(StageConfig):
     kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
-                                  "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL penalty to the "
+                                  "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
+                                  "penalty to the "
                                   "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
     memory_knobs: ClassVar[tuple[str, ...]] = (
         "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
