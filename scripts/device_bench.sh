@@ -2,8 +2,11 @@
 # On a lent GPU machine (the device tool, `.whl` carried: see scripts/device_wheels.sh): install the
 # missing wheels, then run the benchmark at the given size (default 0.5b) into $OUT (default ./bench-out).
 #   run: bash scripts/device_bench.sh 0.5b      carry: [".whl"]      timeout_s: 590
+# A second argument replaces the list of SECTION:SECONDS jobs, e.g. the samplers side by side in a call of
+# their own: bash scripts/device_bench.sh 0.5b decode:540
 set -uo pipefail
 size="${1:-0.5b}"
+jobs="${2:-rollout:150 static:150 sft:90 dpo,ppo:150}"
 out="${OUT:-bench-out}"
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -16,7 +19,7 @@ python3 -c "import torch, transformers, trl, peft; print('torch', torch.__versio
 # Sections in separate processes, so one failing (or running out of its time) leaves the others' figures;
 # dpo and ppo share one, where the bench adds PPO's peak GPU memory over DPO-LoRA's. The limits add up
 # to 540 s, within one device call (600 s).
-for job in rollout:150 static:150 sft:90 dpo,ppo:150; do
+for job in $jobs; do
   section="${job%%:*}" limit="${job##*:}"
   name="bench-$size-${section//,/-}"  # plain file names: the device tool may not bring back others
   timeout "$limit" python3 scripts/bench.py --size "$size" --sections "$section" --json "$out/$name.json" \

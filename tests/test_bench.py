@@ -5,17 +5,40 @@ import importlib.util
 from conftest import REPO
 
 
-def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
+    bench = load_bench()
     out = tmp_path / "bench.json"
     results = bench.main(["--size", "micro", "--json", str(out), "--static-cache"])
     assert any(r["variant"].startswith("ours: static cache") for r in results)
     assert {"ours: LoRA adapter unmerged", "ours: LoRA merged for sampling"} <= {r["variant"] for r in results}
     pairs = {(r["section"], r["variant"].split(":")[0]) for r in results}
-    assert pairs == ({(s, v) for s in ("rollout", "sft", "dpo") for v in ("ours", "plain")}
-                     | {("static", "ours"), ("ppo", "ours")})  # static: ours against ours; TRL has no PPO
+    assert pairs == ({(s, v) for s in ("rollout", "sft", "dpo", "decode") for v in ("ours", "plain")}
+                     | {("static", "ours"), ("ppo", "ours"), ("decode", "roofline")})  # static: ours vs ours; no TRL PPO
     assert next(r for r in results if r["section"] == "ppo")["unit"] == "episodes/s"
     assert all(r["rate"] > 0 and r["peak_mib"] > 0 for r in results)
     assert out.exists() and "rollout" in capsys.readouterr().out
+
+
+def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(capsys):
+    """The decode section at micro size: for every recipe shape, the roofline row and each sampler's useful
+    tokens/s, GFLOP/s and share of the roofline. No speed is asserted (the machine may be loaded)."""
+    bench = load_bench()
+    results = bench.main(["--size", "micro", "--sections", "decode"])
+    shapes = {name for name, *_ in bench.SIZES["micro"]["decode"]}
+    for name in shapes:
+        rows = {r["variant"].split(",")[0]: r for r in results if f", {name}:" in r["variant"]}
+        samplers = {"ours: engine loop", "ours: engine generate (default)", "plain: model.generate"}
+        assert samplers <= set(rows)
+        for r in rows.values():
+            assert r["unit"] == "tokens/s" and r["rate"] > 0 and r["gflops"] > 0 and 0 < r["of_roofline"]
+    roofs = [r for r in results if r["variant"].startswith("roofline")]
+    assert len(roofs) == len(shapes) and all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 for r in roofs)
+    header = capsys.readouterr().out
+    assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s"))

@@ -10,7 +10,7 @@ from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
 from alignment.models.loading import load_policy
 from alignment.models.tokenizer import load_tokenizer
-from alignment.sampling import generate
+from alignment.sampling import generate, stop_token_ids
 
 
 def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts):
@@ -134,3 +134,138 @@ def test_the_stop_set_is_the_union_of_eos_end_of_turn_and_the_checkpoints_eos_id
         assert 10 not in sample.token_ids[:-1]
         assert sample.finished == (sample.token_ids[-1] in stop_token_ids(tokenizer, two_eos))
     assert any(s.token_ids[-1] == 10 for s in samples)  # the random policy does sample it
+
+
+# `engine: loop` (sampling/decode.py) against `engine: generate` (one model.generate call per batch), the
+# sampler it replaced: same ids, same stops, same random draws. The tiny model's weights are shaken so that its
+# rows stop at different steps (the random-init model repeats one token), which exercises the compaction.
+LOOP_CASES = [{"temperature": 0}, {"temperature": 0, "n": 3, "batch_size": 7}, {"temperature": 1.0, "n": 3},
+              {"temperature": 0.7, "top_p": 0.9, "n": 4, "batch_size": 7}, {"temperature": 1.0, "top_k": 5, "n": 2}]
+
+
+@pytest.fixture(scope="module")
+def varied_prompts(tiny_model, prompts):
+    """The shared prompts (one of them twice) and two more, after which the shaken model stops early greedily."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    return prompts + [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(99, 9), (12, 345)]]
+
+
+@pytest.fixture(scope="module")
+def varied_model(tiny_model):
+    model = load_policy(str(tiny_model))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    return model
+
+
+def both_engines(model, tokenizer, prompts, **spec):
+    runs = {}
+    for engine in ("generate", "loop"):
+        torch.manual_seed(0)
+        runs[engine] = generate(model, tokenizer, prompts, SamplingSpec(max_new_tokens=24, engine=engine, **spec))
+    return runs["generate"], runs["loop"]
+
+
+@pytest.mark.parametrize("spec", LOOP_CASES, ids=["greedy", "greedy-n3-split", "sampled", "top-p-split", "top-k"])
+def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varied_model, varied_prompts, spec):
+    tokenizer = load_tokenizer(str(tiny_model))
+    reference, looped = both_engines(varied_model, tokenizer, varied_prompts, **spec)
+    assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
+    assert [s.finished for s in looped] == [s.finished for s in reference]
+    assert [s.text for s in looped] == [s.text for s in reference]
+    assert len({len(s.token_ids) for s in looped}) > 1 and any(s.finished for s in looped)  # rows left the batch
+
+
+@pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled"])
+def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec):
+    """The reference is model.generate's own per-step logits (output_logits) for the same left-padded batch."""
+    from alignment.sampling.hf import left_padded
+    from alignment.sampling.samples import checkpoint_sampling_defaults_off
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    torch.manual_seed(0)
+    looped = generate(varied_model, tokenizer, varied_prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
+    stops = stop_token_ids(tokenizer, varied_model)
+    order = sorted(range(len(looped)), key=lambda k: -len(tokenizer(varied_prompts[k // spec.get("n", 1)],
+                                                                        add_special_tokens=False)["input_ids"]))
+    rows = [tokenizer(varied_prompts[k // spec.get("n", 1)], add_special_tokens=False)["input_ids"] for k in order]
+    input_ids, attention = left_padded(rows, tokenizer.pad_token_id, "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad(), checkpoint_sampling_defaults_off(varied_model):
+        out = varied_model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=24,
+                                    do_sample=spec["temperature"] > 0, eos_token_id=stops,
+                                    pad_token_id=tokenizer.pad_token_id, output_logits=True,
+                                    return_dict_in_generate=True)
+    steps = [logits.log_softmax(-1) for logits in out.logits]  # per step [batch, vocab], as the loop computes them
+    for row, k in enumerate(order):
+        sample = looped[k]
+        expected = [steps[t][row, token].item() for t, token in enumerate(sample.token_ids)]
+        assert out.sequences[row, input_ids.shape[1]:][: len(sample.token_ids)].tolist() == sample.token_ids
+        assert sample.logprobs == expected  # bit for bit
+
+
+def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, varied_prompts,
+                                                                           monkeypatch):
+    tokenizer = load_tokenizer(str(tiny_model))
+    batches = []
+    forward = varied_model.forward
+
+    def counting(*args, **kwargs):
+        batches.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(varied_model, "forward", counting)
+    torch.manual_seed(0)
+    spec = SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop")
+    samples = generate(varied_model, tokenizer, varied_prompts, spec)
+    assert batches[0][0] == len(set(varied_prompts)) and batches[0][1] > 1  # the prefill: one row per distinct prompt
+    decode = [b for b, width in batches[1:]]
+    assert decode[0] == 4 * len(varied_prompts) and decode[-1] < decode[0]  # the batch shrinks as rows finish
+    assert sum(decode) < len(decode) * decode[0]
+    assert len(batches) == max(len(s.token_ids) for s in samples)  # no step after the last row's stop
+
+
+def test_the_decode_loop_is_reproducible_and_samples_like_merged_and_unmerged_lora(tiny_model, prompts):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    runs = []
+    for merge in (True, True, False):
+        torch.manual_seed(7)
+        spec = SamplingSpec(temperature=1.0, n=3, max_new_tokens=12, engine="loop", merge_lora=merge)
+        runs.append([s.token_ids for s in generate(model, tokenizer, prompts, spec)])
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_decode_loop_draws_from_the_models_distribution(tiny_model, varied_model, varied_prompts):
+    """3000 one-token samples of one prompt: their frequencies match softmax(logits) (total variation < 0.05)."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    torch.manual_seed(0)
+    spec = SamplingSpec(temperature=1.0, n=3000, max_new_tokens=1, batch_size=500, engine="loop")
+    samples = generate(varied_model, tokenizer, varied_prompts[:1], spec)
+    ids = torch.tensor([tokenizer(varied_prompts[0], add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        probs = varied_model(input_ids=ids).logits[0, -1].float().softmax(-1)
+    counts = torch.bincount(torch.tensor([s.token_ids[0] for s in samples]), minlength=probs.numel()).float()
+    assert 0.5 * (counts / counts.sum() - probs).abs().sum() < 0.05
+
+
+def test_compile_needs_the_static_cache():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="cache: static"):
+        SamplingSpec(compile=True)
+    assert SamplingSpec(compile=True, cache="static").compile
+
+
+@pytest.mark.slow
+def test_the_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_checkpoint):
+    """The real model (byte-level BPE, ChatML, answers that stop at different lengths): greedy and n=4 sampled
+    (a batch of 6 splits a prompt's samples) give the same ids and stops through both engines."""
+    tokenizer, model = load_tokenizer(str(smollm2_checkpoint)), load_policy(str(smollm2_checkpoint))
+    prompts = [render_prompt(tokenizer, f"What is {a} + {b}? Answer briefly.") for a, b in [(2, 3), (37, 48), (120, 7)]]
+    for spec in ({"temperature": 0}, {"temperature": 1.0, "n": 4, "batch_size": 6}):
+        reference, looped = both_engines(model, tokenizer, prompts, **spec)
+        assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
+        assert [s.finished for s in looped] == [s.finished for s in reference]
+        assert any(s.finished for s in looped)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import Strict
 
@@ -64,9 +64,22 @@ class SamplingSpec(Strict):
     batch_size: int = Field(64, gt=0, description="sequences per generate call (vLLM schedules its own batches)")
     cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
                                                 "decoding on GPU (see sampling/hf.py)")
+    engine: Literal["loop", "generate"] = Field("generate", description="transformers backend: `generate` (one "
+                                                    "`model.generate` call per batch) or `loop` (our decode loop: a "
+                                                    "prompt's n samples prefilled once, finished rows leave the "
+                                                    "batch; same ids, see sampling/decode.py; the default once a "
+                                                    "quiet benchmark shows it faster)")
+    compile: bool = Field(False, description="with `cache: static`: compile the decode step (torch.compile) on "
+                          "CPU too, where transformers compiles only on accelerators (docs/performance.md)")
     merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
                              "(faster decoding, one temporary copy of the adapted weights); vLLM always "
                              "receives merged weights")
+
+    @model_validator(mode="after")
+    def _compile_needs_static(self):
+        if self.compile and self.cache != "static":
+            raise ValueError("`compile: true` compiles the decode step of the static cache: set `cache: static` too")
+        return self
 
     @field_validator("backend")
     @classmethod

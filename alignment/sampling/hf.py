@@ -6,11 +6,20 @@ left-pads (decoder-only models continue from the right edge), samples `n` comple
 stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
 so RL code can score the exact tokens that were sampled.
 
+`engine` chooses who runs each batch's decoding: `loop` (`decode.py`, opt-in) prefills each distinct
+prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
+handling and random draws as `generate` (one `model.generate` call per batch, the default until a quiet
+benchmark measures the loop, and the reference: tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test
+models), plus each sampled token's raw log-prob. A sharded (FSDP2) model and `cache: static` always go
+through `generate`, which keeps every process in step and the shapes fixed.
+
 `cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
 multiples of 64, so every decode step has the same shapes; on a GPU, transformers then compiles the
 decode step (torch.compile, CUDA graphs), which removes the per-token Python/launch overhead that
-bounds eager decoding (see docs/performance.md). On CPU nothing is compiled and the static cache only
-costs memory, so the default `dynamic` is kept there; `static` is opt-in until it is measured on a GPU.
+bounds eager decoding (see docs/performance.md). On CPU nothing is compiled unless `compile: true` asks
+for it (transformers' own flag to compile on any device; the first call compiles, which takes long), and
+the static cache alone only costs memory, so the default `dynamic` is kept there; `static` and `compile`
+are opt-in until they are measured (docs/performance.md, the `static` section of scripts/bench.py).
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
 (`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
@@ -26,10 +35,12 @@ from contextlib import nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
+from transformers import CompileConfig
 
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
 from ..runtime.progress import track
+from .decode import decode_batch
 from .samples import (
     Sample,
     checkpoint_sampling_defaults_off,
@@ -55,26 +66,61 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     device = next(model.parameters()).device
     synced = is_sharded(model)
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
+    looped = settings.engine == "loop" and settings.cache == "dynamic" and not synced
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
         for batch in track(batches, description=progress or "generating", disable=progress is None):
-            rows = [encoded[i] for i, _ in batch]
-            width = max(len(r) for r in rows)
-            if settings.cache == "static":
-                width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
-            input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
-            attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-            output = model.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
-                do_sample=settings.temperature > 0, temperature=settings.temperature or None,
-                top_p=settings.top_p if settings.temperature > 0 else None,
-                top_k=settings.top_k if settings.temperature > 0 else None,
-                eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced,
-                **({"cache_implementation": "static"} if settings.cache == "static" else {}),
-            )
-            for (i, j), ids in zip(batch, output[:, width:].tolist()):
-                results[(i, j)] = to_sample(i, ids, stops, tokenizer)
+            if looped:
+                rows, logprobs = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+            else:
+                rows, logprobs = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
+                                                device, synced), [None] * len(batch)
+            for (i, j), ids, logprob in zip(batch, rows, logprobs):
+                results[(i, j)] = to_sample(i, ids, stops, tokenizer, logprob)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(prompts)) for j in range(settings.n)]
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` left-padded to one width (static cache: rounded up to STATIC_WIDTH_STEP), and the attention mask."""
+    width = max(len(r) for r in rows)
+    if static:
+        width = -(-width // STATIC_WIDTH_STEP) * STATIC_WIDTH_STEP
+    input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return input_ids, attention
+
+
+def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
+                   synced: bool) -> list[list[int]]:
+    """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a stop)."""
+    input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
+    static = {"cache_implementation": "static"} if settings.cache == "static" else {}
+    if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told
+        static["compile_config"] = compile_everywhere(device)
+    output = model.generate(
+        input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.temperature > 0, temperature=settings.temperature or None,
+        top_p=settings.top_p if settings.temperature > 0 else None,
+        top_k=settings.top_k if settings.temperature > 0 else None,
+        eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced, **static,
+    )
+    return output[:, input_ids.shape[1]:].tolist()
+
+
+def compile_everywhere(device) -> CompileConfig:
+    """transformers' compile settings for the decode step, flagged to compile on any device (its own flag for
+    CPU runs); off CUDA in torch.compile's default mode, as CUDA graphs ("reduce-overhead") need a GPU."""
+    config = CompileConfig() if torch.device(device).type == "cuda" else CompileConfig(mode="default")
+    config._compile_all_devices = True
+    return config
+
+
+def via_loop(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
+    """`engine: loop`: each distinct prompt of the batch prefilled once, then `decode.decode_batch`."""
+    distinct: dict[tuple[int, ...], int] = {}
+    sources = [distinct.setdefault(tuple(r), len(distinct)) for r in rows]
+    input_ids, attention = left_padded([list(r) for r in distinct], pad_id, device)
+    return decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)
 
 
 def is_sharded(model) -> bool:

@@ -20,6 +20,9 @@ class Sample:
     text: str  # completion text without special tokens
     token_ids: list[int] = field(default_factory=list)  # sampled ids, through the stop token if one was sampled
     finished: bool = False  # ended with the end-of-turn / EOS token
+    # log p(token) of each of `token_ids` under the raw model (fp32, before temperature and truncation), where the
+    # sampler computes them on the way (`engine: loop`); None where it does not
+    logprobs: list[float] | None = None
 
 
 # What a plain generation config keeps of a checkpoint's generation_config.json: its token ids, nothing that
@@ -92,8 +95,10 @@ def lora_merged(model):
             layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
 
 
-def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer) -> Sample:
+def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,
+              logprobs: list[float] | None = None) -> Sample:
     end = next((k for k, t in enumerate(ids) if t in stops), None)
     kept = ids if end is None else ids[: end + 1]
     text = tokenizer.decode(kept, skip_special_tokens=True)
-    return Sample(prompt_index=prompt_index, text=text, token_ids=kept, finished=end is not None)
+    return Sample(prompt_index=prompt_index, text=text, token_ids=kept, finished=end is not None,
+                  logprobs=None if logprobs is None else logprobs[: len(kept)])

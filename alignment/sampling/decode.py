@@ -1,0 +1,157 @@
+"""Our own decode loop for one batch (`engine: loop`, see sampling/hf.py): the steps `model.generate` wastes, left out.
+
+`decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)` returns the generated ids of every row, as
+`model.generate` would for the same left-padded batch, minus two kinds of work:
+
+- a prompt shared by several rows (`n` samples of one prompt) is prefilled once; its KV cache and its last
+  logits are then copied to each of its rows (`DynamicCache.batch_select_indices` with repeated indices);
+- a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
+  keep only the rows still running (compaction), so the decoder layers no longer run on finished rows.
+
+What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the
+dynamic cache; the left-padded attention mask grown by a column of ones per step, or none where no row is
+padded; position ids counted from each row's first real token where the model's forward takes them; a PEFT
+model's inner model called, as PEFT's `generate` calls it), the fp32 copy of the last position's logits, the
+logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults turned off by the
+caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole
+batch the step would have had in `generate`. torch draws a single sample per row as argmax(p / q) with q
+exponential noise laid out over the tensor's shape, so a row's draw depends only on its own probabilities
+and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they
+would have drawn in `generate` (checked by tests/test_sampling.py). So greedy and sampled ids equal
+`generate`'s, as far as the model's arithmetic gives the same logits for a row in a smaller batch: BLAS
+kernels may sum in another order for another batch size, which can move a logit in its last bits (not seen
+on the CPU test models; not checked on a GPU).
+
+Not covered: sharded models (FSDP2 needs every process to run the same number of forwards: hf.py sends them
+to `generate`), the static cache and compiled decoding (fixed shapes, which compaction changes: `generate`
+too), models whose cache is not a `DynamicCache` of plain layers (sliding-window or linear-attention
+layers: not checked). Per-token log-probs of the sampled ids under the raw model (no temperature or
+truncation) come back beside the ids, as vLLM's `raw_logprobs` do.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from peft import PeftModel
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ..config.sampling import SamplingSpec
+
+# Compaction copies every layer's cache once: it is done when at least this share of the rows still in the
+# batch has finished, so a batch whose rows end one by one is not copied at every step.
+COMPACT_SHARE = 0.125
+
+
+def warpers(settings: SamplingSpec) -> LogitsProcessorList:
+    """The logits warpers `model.generate` applies for these settings (its `_get_logits_processor`, sampling
+    branch, with every other field at transformers' default): same classes, same order."""
+    processors = LogitsProcessorList()
+    if settings.temperature <= 0:
+        return processors
+    if settings.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k != 0:
+        processors.append(TopKLogitsWarper(top_k=settings.top_k, min_tokens_to_keep=1))
+    if settings.top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p=settings.top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def cache_name(model) -> str:
+    """The forward's name for the KV cache: `cache` since transformers 5.2x, `past_key_values` before (the vLLM
+    environment's transformers 5.19)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int]):
+    """Run the prompts of `input_ids` (one row per distinct prompt) and give row r of the batch the cache, last
+    logits and positions of prompt `sources[r]`. Returns (fp32 logits [batch, vocab], cache, the attention mask
+    `generate` would pass (None where no row is padded), position ids of the last token [batch, 1] or None)."""
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    positions = None
+    if "position_ids" in inspect.signature(model.forward).parameters:  # as `generate` decides it
+        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)
+    mask = None if bool((attention == 1).all()) else attention
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
+                **{cache_name(model): cache})
+    logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+    del out
+    positions = None if positions is None else positions[:, -1:]
+    if sources != list(range(input_ids.shape[0])):
+        index = torch.tensor(sources, device=input_ids.device)
+        cache.batch_select_indices(index)
+        logits = logits[index]
+        mask = None if mask is None else mask[index]
+        positions = None if positions is None else positions[index]
+    return logits, cache, mask, positions
+
+
+def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
+                 settings: SamplingSpec, stops: list[int], pad_id: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
+    per distinct prompt). Returns each row's ids up to and including its stop token (or `max_new_tokens` of
+    them) and the raw model log-prob of each."""
+    batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
+    model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
+    logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources)
+    process, sample, cache_arg = warpers(settings), settings.temperature > 0, cache_name(model)
+    stop_ids = torch.tensor(stops, device=device)
+    # Written on the device, read once at the end: no host round trip per row and step.
+    ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    live = torch.arange(batch, device=device)  # batch row of each row still in the model's batch
+    running = torch.ones(batch, dtype=torch.bool, device=device)  # over `live`: not finished yet
+    for step in range(steps):
+        rows = live[running]
+        tokens = next_tokens(process, logits, rows, batch, sample, pad_id)
+        ids[rows, step] = tokens
+        logprobs[rows, step] = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        lengths[rows] += 1
+        ended = torch.isin(tokens, stop_ids)
+        running[running.clone()] = ~ended
+        still = int(running.sum())  # the one host sync of a step, as `generate` has its own
+        if still == 0 or step + 1 == steps:
+            break
+        # Finished rows are fed the pad token until compaction drops them, as `generate` feeds them.
+        feed = torch.full((len(live),), pad_id, device=device)
+        feed[running] = tokens[~ended]
+        if attention is not None:
+            attention = torch.cat([attention, attention.new_ones((len(live), 1))], dim=-1)
+        if positions is not None:
+            positions = positions + 1
+        if len(live) - still >= max(1, COMPACT_SHARE * len(live)):
+            keep = running.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, feed = live[keep], feed[keep]
+            attention = None if attention is None else attention[keep]
+            positions = None if positions is None else positions[keep]
+            running = torch.ones(len(live), dtype=torch.bool, device=device)
+        out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
+                    return_dict=True, **{cache_arg: cache})
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[running]
+        del out
+    counts = lengths.tolist()
+    return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
+
+
+def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int, sample: bool,
+                pad_id: int) -> torch.Tensor:
+    """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch).
+    Sampling draws over the whole batch's shape, finished rows standing in as a one-hot on `pad_id`, so the
+    running rows get the random numbers `generate` would have given them."""
+    scores = process(None, logits)
+    if not sample:
+        return scores.argmax(dim=-1)
+    probs = torch.zeros((batch, logits.shape[-1]), dtype=scores.dtype, device=scores.device)
+    probs[:, pad_id] = 1.0
+    probs[rows] = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
