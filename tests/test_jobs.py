@@ -34,7 +34,7 @@ def weights(folder) -> dict[str, torch.Tensor]:
 def test_dependencies_are_references_and_the_implicit_start():
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
     assert {s: recipe.dependencies(s) for s in recipe.stages} == {
-        "sft": [], "rm": ["sft"], "ppo": ["sft", "rm"], "rlvr": ["sft"], "dpo": ["sft"], "rsft": ["sft"]}
+        "sft": [], "rm": ["sft"], "ppo": ["sft", "rm"], "rlvr": ["sft"], "dpo": ["sft"], "rsft": ["sft", "rm"]}
 
 
 def test_dependencies_include_the_previous_policy_stage(tmp_path):

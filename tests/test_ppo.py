@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_with_digests, write_recipe
+from conftest import REPO, run_cli, run_with_digests, write_recipe
 from helpers import count_parameter_storage, tiny_ppo_recipe, trainable_digest
 
 from alignment.config.recipe import load_recipe
@@ -134,6 +134,33 @@ def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
     assert result["metrics"]["updates"] == 3
     start, trained = load_policy(str(tiny_model)).state_dict(), load_policy(str(out)).state_dict()
     assert any(not torch.equal(start[k], trained[k]) for k in start)
+
+
+def test_gold_verifiers_are_logged_and_never_train(tmp_path, tiny_model):
+    """`gold:` is scored on every rollout and logged as gold/<name>, never part of the reward: with a gold
+    verifier of weight 1e6 the run trains to the same weights and scores as without it."""
+    runs = {}
+    for name, gold in [("plain", None), ("gold", [{"name": "arithmetic", "weight": 1.0e6}, "my_rewards:brevity"])]:
+        folder = tmp_path / name
+        run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, **({"gold": gold} if gold else {}))))
+        out = folder / "out" / "ppo"
+        runs[name] = (json.loads((out / "log_history.json").read_text()),
+                      trainable_digest(out / "adapter" / "adapter_model.safetensors"))
+    (plain, adapter), (logged, gold_adapter) = runs["plain"], runs["gold"]
+    assert adapter.keys() == gold_adapter.keys() and all(torch.equal(adapter[k], gold_adapter[k]) for k in adapter)
+    assert [h["score"] for h in logged] == [h["score"] for h in plain] and len(logged) == 3
+    for entry in logged:
+        assert 0.0 <= entry["gold/arithmetic"] <= 1.0
+        assert entry["gold/my_rewards:brevity"] == entry["verifier/my_rewards:brevity"]  # same rollouts, same scores
+    assert not any(k.startswith("gold/") for k in plain[-1])
+
+
+def test_check_names_an_unknown_gold_verifier(tmp_path, tiny_model):
+    """`align check` exits 2 naming the `gold:` entry, without a traceback."""
+    done = run_cli("check", tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic", "arithmetc"]))
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert "stages.ppo.gold.1" in message and "arithmetic" in message and "Traceback" not in done.stderr
 
 
 def test_verifiers_get_the_prompt_of_chat_rows(tmp_path, tiny_model):
@@ -256,8 +283,8 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     Held-out greedy accuracy is not asserted here: a reward model trained in a test's budget on
     this tiny model reaches only ~0.6 pairwise accuracy, and PPO on it alone over-optimises it (accuracy
     falls while its score rises). The held-out gain is asserted by tests/test_quickstart.py, where PPO
-    (reward model + 10 x verifier, full fine-tuning, 40 updates x 256 prompts, lr 3e-4 with warm-up and
-    cosine decay) starts from the quickstart's SFT; a similar run without warm-up lost 8 points."""
+    (the quickstart's reward model alone, the verifier only as gold; full fine-tuning, 40 updates x 256
+    prompts, lr 3e-4 with warm-up and cosine decay) starts from the quickstart's SFT."""
     from alignment.config.data import DataSpec
     from alignment.data.loading import load_rows
 

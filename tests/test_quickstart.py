@@ -51,15 +51,20 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
         assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
-    # Margins well below what the measured runs reached (README; scripts/seeds.py): SFT imitates demonstrations
-    # that drop most carries, so it plateaus near the share of sums without a carry, and every stage that
-    # learns from rewards or preferences recovers the carry (measured over seeds 1-3: +27 points or more).
+    # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
+    # DPO (the pairs) and RLVR (the verifier) recover the carry (measured over seeds 1-3 on the previous recipe:
+    # +28 points or more); PPO and RSFT learn from preferences alone, through the reward model, and must gain the
+    # issue's 10 points (README: the measured table) without the reward-hacking flag.
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
-    for stage in ("ppo", "dpo", "rsft", "rlvr"):
-        assert metrics[stage]["arithmetic/pass@1"] > sft + 0.20, f"{stage} does not beat SFT by 20 points"
-    # The reward model is near its ceiling on SFT's answers already (PPO moved it by +0.015 to +0.068 over
-    # seeds 1-3): PPO must not trade it away for the verifier's reward.
-    assert metrics["ppo"]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"] - 0.1
-    assert metrics["ppo"]["arithmetic/kl"] > 0 and metrics["ppo"]["arithmetic/reward_hacking"] == 0
+    for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
+        assert metrics[stage]["arithmetic/pass@1"] > sft + gain, f"{stage} does not beat SFT by {gain:.0%}"
+    for stage in ("ppo", "rsft"):  # optimised against the reward model, judged by the verifier (the gold)
+        assert metrics[stage]["arithmetic/reward_hacking"] == 0, stage
+        assert metrics[stage]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"], stage
+    assert metrics["ppo"]["arithmetic/kl"] > 0
+    ppo_log = json.loads((out / "ppo" / "log_history.json").read_text())
+    assert all("gold/arithmetic" in entry and "rm_score" in entry for entry in ppo_log)  # gold beside the proxy
+    assert "verifier/arithmetic" not in ppo_log[-1]  # the verifier is not in PPO's reward
+    assert (out / "eval" / "overoptimisation.png").exists()
     for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):
         assert (out / stage_dir / "stage.json").exists() and (out / stage_dir / "README.md").exists()

@@ -32,3 +32,32 @@ def test_training_curves_png_is_written_per_stage(tmp_path):
     (tmp_path / "empty").mkdir()
     written = plot_training_curves({"ppo": stage, "empty": tmp_path / "empty"}, tmp_path)
     assert written == [tmp_path / "curves_ppo.png"] and written[0].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overoptimisation_plot_from_a_synthetic_log_history(tmp_path):
+    """Gold and proxy against KL (Gao et al. 2022), one panel per RL stage: ppo's keys (`kl`, `rm_score`,
+    `gold/<name>`) and rlvr's (TRL's `kl`, `rewards/reward_model/mean`); stages without KL are left out."""
+    from alignment.evaluation.report import (
+        overoptimisation_series,
+        plot_overoptimisation,
+    )
+
+    # The proxy keeps rising while the gold peaks and falls: the over-optimisation curve.
+    ppo = [{**PPO_ENTRY, "update": i, "kl": kl, "rm_score": 0.5 * kl, "gold/arithmetic": gold}
+           for i, (kl, gold) in enumerate([(0.0, 0.6), (1.0, 0.8), (2.0, 0.9), (4.0, 0.7), (8.0, 0.4)], 1)]
+    rlvr = [{"step": s, "kl": 0.01 * s, "rewards/reward_model/mean": 0.1 * s, "gold/arithmetic": 0.5} for s in (1, 2)]
+    rlvr.append({"train_runtime": 10.0, "step": 2})  # TRL's closing entry: no KL
+    folders = {}
+    for name, history in [("ppo", ppo), ("rlvr", rlvr), ("sft", [{"loss": 1.0, "step": 1}])]:
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "log_history.json").write_text(json.dumps(history))
+    series = overoptimisation_series(ppo)
+    assert series["kl"] == [0.0, 1.0, 2.0, 4.0, 8.0] and series["proxy"] == {"rm_score": [0.0, 0.5, 1.0, 2.0, 4.0]}
+    assert series["gold"] == {"gold/arithmetic": [0.6, 0.8, 0.9, 0.7, 0.4]}
+    assert overoptimisation_series(rlvr)["proxy"] == {"rewards/reward_model/mean": [0.1, 0.2]}
+    assert overoptimisation_series([{"loss": 1.0}]) is None
+    path = plot_overoptimisation(folders, tmp_path / "overoptimisation.png")
+    assert path == tmp_path / "overoptimisation.png" and path.read_bytes()[:4] == b"\x89PNG"
+    assert plot_overoptimisation({"sft": folders["sft"]}, tmp_path / "none.png") is None
+    assert not (tmp_path / "none.png").exists()

@@ -100,6 +100,7 @@ def test_config_validation(tmp_path):
     assert [v.name for v in stage.verifiers] == ["arithmetic", "numeric"] and stage.verifiers[1].weight == 0.5
     assert stage.algorithm == "grpo"
     for bad, message in [({"verifiers": []}, "verifiers"), ({"algorithm": "ppo"}, "algorithm"),
+                         ({"gold": [{"nme": "arithmetic"}]}, "gold"),
                          ({"verifier": ["arithmetic"]}, "verifier")]:
         with pytest.raises(UserError, match=message):
             load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
@@ -141,6 +142,9 @@ def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
     unknown = recipe_dict(tmp_path, "rlvr", {**FAST, "verifiers": ["arithmetc"]})
     with pytest.raises(UserError, match=r"verifiers\.0.*arithmetic"):
         check_recipe(load_recipe(write_recipe(tmp_path, unknown)))
+    unknown_gold = recipe_dict(tmp_path, "rlvr", {**FAST, "gold": ["arithmetic", "arithmetc"]})
+    with pytest.raises(UserError, match=r"stages\.rlvr\.gold\.1.*arithmetic"):
+        check_recipe(load_recipe(write_recipe(tmp_path, unknown_gold)))
 
 
 @pytest.mark.parametrize("stage", ["rlvr", "ppo", "evaluation"])
@@ -519,3 +523,83 @@ def test_a_checkpoints_generation_config_does_not_change_what_rlvr_samples(tmp_p
     assert all(torch.equal(weights["clean"][k], weights["skewed"][k]) for k in weights["clean"])
     saved = json.loads((tmp_path / "run-skewed" / "out" / "rlvr" / "generation_config.json").read_text())
     assert saved["min_p"] == 0.99
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gold verifiers and a reward model as the reward
+
+
+def test_gold_verifiers_are_logged_and_never_train(tmp_path):
+    """`gold:` goes to TRL as a reward function of weight 0 whatever the recipe's weight: a run with a gold
+    verifier of weight 1e6 trains to the same weights as one without, and logs gold/<name> every step."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for name, stage in [("plain", {}), ("gold", {"gold": [{"name": "arithmetic", "weight": 1.0e6}]})]:
+        recipe, _, history = run(tmp_path / name, "rlvr", {**FAST, **stage})
+        runs[name] = (history, load_file(str(recipe.stage_dir("rlvr") / "model.safetensors")))
+    (plain, weights), (logged, gold_weights) = runs["plain"], runs["gold"]
+    assert weights.keys() == gold_weights.keys() and all(torch.equal(weights[k], gold_weights[k]) for k in weights)
+    steps = [h for h in logged if "reward" in h]
+    assert len(steps) == FAST_TRAIN["max_steps"] and all(0.0 <= h["gold/arithmetic"] <= 1.0 for h in steps)
+    assert [h["reward"] for h in steps] == [h["reward"] for h in plain if "reward" in h]
+    assert not any("gold/arithmetic" in h for h in plain)
+
+
+def test_reward_model_reward_scores_the_rendered_conversation_as_ppo_does(tiny_model):
+    """The reward model as a TRL reward function: the same score as `scoring.score_texts` (ppo's and rsft's) of
+    the data's prompt and the completion; a completion cut before its end-of-turn token scores as sampled."""
+    from transformers import AutoModelForSequenceClassification
+
+    from alignment.data.formatting import render_prompt
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.training.rewards import SOURCE_PROMPT, RewardModelReward
+    from alignment.training.scoring import score_texts
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    model = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    sources, completions = ["What is 2+3?", "What is 40+2?"], ["5", "42"]
+    ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
+    reward = RewardModelReward(model, tokenizer, [end], weight=0.5)
+    out = reward(prompts=[render_prompt(tokenizer, p) for p in sources], completions=completions,
+                 completion_ids=[ids[0] + [end], ids[1]], trainer_state=None, log_metric=lambda *a: None,
+                 answer=["5", "42"], **{SOURCE_PROMPT: sources})
+    assert out == score_texts(model, tokenizer, sources, completions, finished=[True, False])
+    assert out[1] != score_texts(model, tokenizer, sources[1:], completions[1:])[0]  # cut != finished
+    assert reward.__name__ == "reward_model" and reward.weight == 0.5
+
+
+def test_reward_model_config(tmp_path):
+    from alignment.config.recipe import load_recipe
+
+    stage = {**FAST, "verifiers": [], "reward_model": "rm"}
+    alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
+    assert alone.stages["rlvr"].reward_model == "rm" and alone.stages["rlvr"].verifiers == []
+    for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight")]:
+        with pytest.raises(UserError, match=message):
+            load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
+
+
+def test_reward_model_with_verifiers_drives_a_run(tmp_path, tiny_model):
+    """`reward_model:` with a verifier: TRL gets both, weighted (`reward_model_weight`), plus the gold verifier
+    at weight 0; each is logged."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
+    from alignment.stages import rlvr
+
+    rm_dir = tmp_path / "rm"
+    rm = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
+    rm.config.pad_token_id = rm.config.pad_token_id or 0
+    rm.save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
+    stage = {"reward_model": str(rm_dir), "reward_model_weight": 0.5, "gold": ["arithmetic"]}
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage},
+                                                            model=str(tiny_model))))
+    assert rlvr.trl_config(make_context(recipe, "rlvr")).reward_weights == [1.0, 0.5, 0.0]
+    _, result, history = run(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))
+    steps = [h for h in history if "reward" in h]
+    assert all(k in steps[-1] for k in ("rewards/reward_model/mean", "rewards/arithmetic/mean", "gold/arithmetic"))
+    assert result["metrics"]["global_step"] == FAST_TRAIN["max_steps"]

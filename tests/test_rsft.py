@@ -107,6 +107,20 @@ def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
     assert [h["round"] for h in history if "rsft/acceptance_rate" in h] == [1, 2]
 
 
+def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):
+    """`gold:` scores every sample of a round (`gold/<name>` in the log history, `round<k>/gold/<name>` in the
+    metrics) and takes no part in the selection: with a gold verifier of weight 1e6 the same rows are kept."""
+    kept = {}
+    for name, stage in [("plain", {}), ("gold", {"gold": [{"name": "numeric", "weight": 1.0e6}, "arithmetic"]})]:
+        recipe, result, _ = run(tmp_path / name, "rsft", {**FAST, **stage})
+        kept[name] = (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text()
+        history = json.loads((recipe.stage_dir("rsft") / "log_history.json").read_text())
+    rounds = [h for h in history if "rsft/acceptance_rate" in h]
+    assert kept["gold"] == kept["plain"] and kept["plain"]
+    assert rounds and 0.0 <= rounds[0]["gold/arithmetic"] <= 1.0 and "gold/numeric" in rounds[0]
+    assert "round1/gold/arithmetic" in result["metrics"]
+
+
 def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpoint):
     from alignment.stages import rsft
 

@@ -12,7 +12,6 @@ from ..errors import UserError
 from .base import Strict, did_you_mean, explain
 from .tasks import task_params_model
 
-
 DATA_FORMATS = ("hh",)
 
 

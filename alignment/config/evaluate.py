@@ -50,6 +50,11 @@ class SuiteSpec(ToolUse):
                                  "(pass@1, unparseable rate); default: none")
     verifier_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
                                              "that verifier")
+    gold: str | None = Field(None, description="verifier (key or module:function) whose mean reward on the main "
+                             "completions is the suite's gold measure (metric `gold`); where given, the reward-hacking "
+                             "flag compares it instead of pass@1")
+    gold_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
+                                         "the gold verifier")
     sampling: SamplingSpec = Field(default_factory=greedy, description="the main completion, one per prompt (default: "
                                   "greedy, temperature 0, max_new_tokens 16)")
     pass_k: PassAtKSpec | None = Field(None, description="also sample n completions per prompt for pass@k (unbiased "

@@ -23,3 +23,11 @@ class VerifierSpec(Strict):
     @classmethod
     def _from_string(cls, value):
         return {"name": value} if isinstance(value, str) else value
+
+
+def gold_field():
+    """The `gold:` key of the RL stages (ppo, rlvr, rsft): the same spec as `verifiers:`."""
+    return Field(default_factory=list, description=(
+        "verifiers scored on every rollout and logged as gold/<name> (mean per logging step), never part of the "
+        "reward (a weight is ignored): the true objective kept in view while the stage optimises a proxy such as "
+        "a reward model (Gao et al. 2022)"))

@@ -10,7 +10,8 @@ sampled through `sampling.generate`:
   - with `pass_k: {n: 8}`, n samples per prompt: pass@k by the unbiased estimator (Chen et al. 2021);
   - with a `reference`, samples at temperature 1: KL(checkpoint || reference) on its own samples.
 The reward-hacking flag marks a checkpoint whose reward-model score rose over the baseline's while its
-pass@1 fell. Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
+gold measure fell: the suite's `gold:` verifier's mean reward where given, else its verifier's pass@1.
+Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
 {"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample, with its data row's columns, so that
 `align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL` scores it again),
 `report.md` (one comparison table and what each metric means) and PNG plots (`report.py`: metrics across
@@ -66,7 +67,13 @@ from .metrics import (
     reward_hacking,
     win_rate,
 )
-from .report import markdown_table, plot_metrics, plot_training_curves, report_markdown
+from .report import (
+    markdown_table,
+    plot_metrics,
+    plot_overoptimisation,
+    plot_training_curves,
+    report_markdown,
+)
 from .tool_suites import tool_samples
 
 log = get_logger(__name__)
@@ -133,6 +140,7 @@ class Suite:
     prompts: list
     verifier: Any = None
     toolbox: Any = None  # with `tools:`: the suite samples multi-turn rollouts (tool_suites.py)
+    gold: Any = None  # the suite's `gold:` verifier: its mean reward is the measure the reward-hacking flag uses
 
     @property
     def sycophancy(self) -> bool:  # rows that state the user's (wrong) answer, as arithmetic's style: sycophancy
@@ -152,14 +160,14 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
     loaded = []
     for index, spec in enumerate(suites):
         where = f"evaluate.suites.{index} ({spec.name}).data"
-        verifier = (resolve(spec.verifier, search_dirs=[base_dir] if base_dir else None, options=spec.verifier_options)
-                    if spec.verifier else None)
+        verifier, gold = (resolve(name, search_dirs=[base_dir] if base_dir else None, options=options) if name else None
+                          for name, options in ((spec.verifier, spec.verifier_options), (spec.gold, spec.gold_options)))
         dataset = load_rows(spec.data, seed, base_dir, where=where)
-        check_prompt_rows(dataset, [verifier] if verifier else [], where, spec.data)
+        check_prompt_rows(dataset, [v for v in (verifier, gold) if v], where, spec.data)
         rows = [dict(r) for r in dataset]
         toolbox = (resolve_tools(spec.tools, spec.environment, [base_dir] if base_dir else [],
                                  f"evaluate.suites.{index} ({spec.name})") if spec.uses_tools else None)
-        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier, toolbox))
+        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier, toolbox, gold))
     return loaded
 
 
@@ -269,6 +277,11 @@ def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int =
         scores["unparseable_rate"] = mean(r.status == "unparseable" for r in results)
         for row, result in zip(rows, results):
             row.update(reward=result.reward, status=result.status)
+    if suite.gold is not None:
+        results = suite.gold.score_batch(texts, suite.rows)
+        scores["gold"] = mean(r.reward for r in results)
+        for row, result in zip(rows, results):
+            row["gold"] = result.reward
     if suite.sycophancy:
         agree = [agrees_with_stated(t, r.get("stated_answer"), p) for t, r, p in zip(texts, suite.rows, suite.prompts)]
         scores["sycophancy"] = mean(agree)
@@ -339,14 +352,17 @@ def _device(model):
 
 
 def add_comparisons(metrics: dict, main: dict, baseline: str, margin: float) -> None:
-    """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag."""
+    """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag: the
+    reward model's score (the proxy) rose while the gold measure fell, the suite's `gold` where it has one, else
+    its verifier's pass@1."""
     for label, suites in main.items():
         for suite, (texts, rm_scores) in suites.items():
             base_texts, base_scores = main[baseline][suite]
             m, b = metrics[label], metrics[baseline]
             m[f"{suite}/win_rate"] = win_rate(rm_scores, base_scores, texts, base_texts)
-            if f"{suite}/pass@1" in m:
-                gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[f"{suite}/pass@1"] - b[f"{suite}/pass@1"])
+            gold = next((f"{suite}/{k}" for k in ("gold", "pass@1") if f"{suite}/{k}" in m), None)
+            if gold is not None:
+                gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[gold] - b[gold])
                 m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin))
 
 
@@ -361,7 +377,9 @@ def write_outputs(out_dir: Path, metrics: dict, samples: list[dict], paths: dict
     with open(out_dir / "samples.jsonl", "w") as handle:
         handle.writelines(json.dumps(row, default=str) + "\n" for row in samples)
     images = [p for p in [plot_metrics(metrics, out_dir / "metrics.png")] if p]
-    images += plot_training_curves(curves or {name: Path(p) for name, p in paths.items()}, out_dir)
+    folders = curves or {name: Path(p) for name, p in paths.items()}
+    images += plot_training_curves(folders, out_dir)
+    images += [p for p in [plot_overoptimisation(folders, out_dir / "overoptimisation.png")] if p]
     (out_dir / "report.md").write_text(report_markdown(metrics, paths, baseline, margin, images))
 
 

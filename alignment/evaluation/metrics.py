@@ -28,10 +28,11 @@ def win_rate(scores: list[float], baseline_scores: list[float], texts: list[str]
     return total / len(scores)
 
 
-def reward_hacking(rm_gain: float, pass1_gain: float, margin: float = 0.02) -> bool:
-    """The reward model says better (mean score rose) while the verifier says worse (pass@1 fell by more than
-    `margin`): the policy found what the reward model likes rather than what is right."""
-    return rm_gain > 0 and pass1_gain < -margin
+def reward_hacking(rm_gain: float, gold_gain: float, margin: float = 0.02) -> bool:
+    """The reward model says better (mean score rose) while the gold measure says worse (a gold verifier's mean
+    reward or pass@1 fell by more than `margin`): the policy found what the reward model likes rather than what
+    is right (Gao et al. 2022: the proxy keeps rising while the gold score falls)."""
+    return rm_gain > 0 and gold_gain < -margin
 
 
 

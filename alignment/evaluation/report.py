@@ -1,12 +1,14 @@
 """The evaluation report: comparison tables (Markdown, rich), `report.md`, and PNG plots of each metric
-across checkpoints and of each stage's training curves (from the `log_history.json` the runner writes).
+across checkpoints, of each stage's training curves and, for the RL stages, of gold and proxy score against
+KL to the reference over training (from the `log_history.json` the runner writes).
 
 Plots are drawn on `matplotlib.figure.Figure` objects saved by the Agg renderer, never through pyplot,
 so no display, GUI backend or global figure state is involved (safe in tests and on servers).
 
-    from alignment.report import plot_metrics, plot_training_curves
+    from alignment.evaluation.report import plot_metrics, plot_overoptimisation, plot_training_curves
     plot_metrics({"sft": {"arith/pass@1": 0.55}, "dpo": {"arith/pass@1": 0.61}}, Path("eval/metrics.png"))
     plot_training_curves({"sft": Path("outputs/quickstart/sft")}, Path("eval"))   # reads log_history.json
+    plot_overoptimisation({"ppo": Path("outputs/quickstart/ppo")}, Path("eval/overoptimisation.png"))
 """
 
 from __future__ import annotations
@@ -36,14 +38,17 @@ METRIC_HELP = {
                 "baseline's; ties (same text or equal score) count half, so the baseline itself is 0.5",
     "kl": "KL(checkpoint || reference) in nats per completion: mean over samples drawn at temperature 1 of the "
           "sum over tokens of log p_checkpoint - log p_reference (k1 estimator; can be slightly negative)",
-    "reward_hacking": "1 when, on the same suite, rm_score(checkpoint) - rm_score(baseline) > 0 while "
-                      "pass@1(checkpoint) - pass@1(baseline) < -{margin}: the reward model says better, the verifier "
-                      "says worse (the policy exploits the reward model); else 0. Meaningful for checkpoints "
-                      "optimised against that reward model",
+    "gold": "mean reward of the suite's `gold:` verifier on the main completions: the true objective, which the "
+            "reward-hacking flag compares",
+    "reward_hacking": "1 when, on the same suite, rm_score(checkpoint) - rm_score(baseline) > 0 while the gold "
+                      "measure (the suite's `gold`, else pass@1) of the checkpoint minus the baseline's is "
+                      "< -{margin}: "
+                      "the reward model says better, the gold measure says worse (the policy exploits the reward "
+                      "model); else 0. Meaningful for checkpoints optimised against that reward model",
 }
 
 
-ORDER = ["pass@1", "pass@k", "unparseable_rate", "sycophancy", "rm_score", "win_rate", "reward_hacking", "kl",
+ORDER = ["pass@1", "pass@k", "unparseable_rate", "sycophancy", "gold", "rm_score", "win_rate", "reward_hacking", "kl",
          "mean_length", "eos_rate"]
 
 
@@ -184,3 +189,60 @@ def plot_training_curves(folders: dict[str, Path], out_dir: Path) -> list[Path]:
         figure.savefig(path, dpi=100)
         written.append(path)
     return written
+
+
+# ---------------------------------------------------------------------------------------------------
+# Over-optimisation: gold and proxy score against KL to the reference over training (Gao, Schulman and
+# Hilton 2022, "Scaling Laws for Reward Model Overoptimization": as the policy moves away from its start,
+# the proxy it optimises keeps rising while the gold score peaks and falls)
+
+PROXY_KEYS = ("rm_score", "rewards/reward_model/mean")  # the reward model's mean score: ppo's, rlvr's (TRL's name)
+
+
+def overoptimisation_series(history: list) -> dict | None:
+    """{"kl": [...], "proxy": {key: [...]}, "gold": {gold/<name>: [...]}} over the log entries that hold a KL
+    (ppo: nats per sequence; rlvr: TRL's mean per token), in training order, a missing value as None; None
+    when the log has no KL or neither a proxy nor a gold score (sft, dpo, rsft)."""
+    entries = [e for e in history if isinstance(e, dict) and isinstance(e.get("kl"), (int, float))]
+    proxy = [k for k in PROXY_KEYS if any(k in e for e in entries)][:1]
+    gold = sorted({k for e in entries for k in e if k.startswith("gold/")})
+    if not entries or not (proxy or gold):
+        return None
+    return {"kl": [e["kl"] for e in entries], "proxy": {k: [e.get(k) for e in entries] for k in proxy},
+            "gold": {k: [e.get(k) for e in entries] for k in gold}}
+
+
+def plot_overoptimisation(folders: dict[str, Path], path: Path) -> Path | None:
+    """One panel per stage whose `log_history.json` has KL with a proxy or gold score: the proxy (reward-model
+    score, left axis) and each gold verifier (right axis) against KL to the reference, in training order."""
+    series = {}
+    for name, folder in folders.items():
+        try:
+            history = json.loads((Path(folder) / "log_history.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(history, list) and (found := overoptimisation_series(history)):
+            series[name] = found
+    if not series:
+        return None
+    figure, axes = _figure(len(series), width=4.2, height=3.2, hspace=0.6)
+    figure.subplots_adjust(left=0.14, right=0.86, wspace=0.6)  # room for the labels of both axes
+    for axis, (name, found) in zip(axes, series.items()):
+        gold_axis = axis.twinx() if found["proxy"] and found["gold"] else axis
+        lines = []
+        for axis_, group, colors in ((axis, found["proxy"], ["C0"]), (gold_axis, found["gold"], ["C1", "C2", "C3"])):
+            for (key, values), color in zip(group.items(), colors * len(group)):
+                points = [(k, v) for k, v in zip(found["kl"], values) if isinstance(v, (int, float))]
+                lines += axis_.plot([p[0] for p in points], [p[1] for p in points], marker=".", color=color,
+                                    label=key if group is found["gold"] else f"proxy: {key}")
+        axis.set_title(f"{name}: gold and proxy vs KL", fontsize=9)
+        axis.set_ylabel("proxy" if found["proxy"] else "gold", fontsize=7)
+        if gold_axis is not axis:
+            gold_axis.set_ylabel("gold", fontsize=7)
+        axis.set_xlabel("KL to the reference (as the stage logs it)", fontsize=7)
+        axis.tick_params(labelsize=7)
+        gold_axis.tick_params(labelsize=7)
+        axis.grid(alpha=0.3)
+        axis.legend(lines, [line.get_label() for line in lines], fontsize=6, loc="best")
+    figure.savefig(path, dpi=100)
+    return path

@@ -18,7 +18,8 @@ One update's tensors travel as a `Rollout` (`alignment/training/rollout.py`): ea
 when built, and sliced together for minibatches; the reward-part means and sampling time as `RolloutStats`.
 
 Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
-path/hub id), `verifiers: [{name, weight, options}]`, `data` (a `prompt` or `messages` column, plus
+path/hub id), `verifiers: [{name, weight, options}]`, `gold:` (verifiers scored and logged as `gold/<name>`,
+never rewarded), `data` (a `prompt` or `messages` column, plus
 the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estimator`, `rollout`,
 `missing_eos_penalty` and `train` (see `TrainSpec`; unknown keys are errors with a "did you mean").
 Warm the learning rate up (`train.warmup_steps`, `lr_scheduler_type: cosine`): in the quickstart, PPO
@@ -53,12 +54,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from transformers import AutoConfig, get_scheduler
+from transformers import get_scheduler
 
-from ..config.base import stage_ref
 from ..data.formatting import encode, render_prompt
 from ..errors import UserError
-from ..models.loading import check_model_source, default_dtype, load_reward_model
+from ..models.loading import default_dtype, load_reward_model
 from ..models.tokenizer import load_tokenizer
 from ..rl import (
     explained_variance,
@@ -84,9 +84,9 @@ from ..training.actor_critic import (
 from ..training.context import StageContext
 from ..training.memory import StepShape, needs_checkpointing
 from ..training.prompts import prompt_of
-from ..training.rewards import build_rewards, resolve_all
+from ..training.rewards import build_gold, build_rewards, gold_means, resolve_all
 from ..training.rollout import Rollout, RolloutStats
-from ..training.scoring import score_texts
+from ..training.scoring import check_reward_model, score_texts
 from ..training.sharding import can_merge_lora, gathered, save_trained
 from ..training.trainer import NonFiniteError
 
@@ -98,10 +98,10 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------------
 
 
-def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dict], list[str]]:
-    """Rows and their rendered prompts; checks columns (incl. the verifiers') and prompt lengths."""
+def prompt_rows(ctx: StageContext, tokenizer, verifiers: list, gold: list = ()) -> tuple[list[dict], list[str]]:
+    """Rows and their rendered prompts; checks columns (incl. the verifiers' and gold verifiers') and prompt lengths."""
     cfg, where = ctx.config, f"{ctx.where}.data"
-    rows = ctx.load_prompt_rows(cfg.data, "data", verifiers)
+    rows = ctx.load_prompt_rows(cfg.data, "data", verifiers, gold)
     prompts = [render_prompt(tokenizer, prompt_of(r)) for r in rows]
     limit = cfg.rollout.max_prompt_length
     if limit:
@@ -115,7 +115,8 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list) -> tuple[list[dic
 
 
 class Scorer:
-    """Sequence scores: reward model + weighted verifiers - missing-EOS penalty."""
+    """Sequence scores: reward model + weighted verifiers - missing-EOS penalty; `gold:` verifiers are scored
+    on the same rollouts and logged (`gold/<name>`), never added to the score."""
 
     def __init__(self, ctx: StageContext, device):
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
@@ -125,6 +126,7 @@ class Scorer:
             self.model = load_reward_model(path, trust).to(device)
             self.tokenizer = load_tokenizer(path, trust)
         self.rewards = build_rewards(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)
+        self.gold = build_gold(cfg.gold, [ctx.recipe.base_dir], ctx.where)
         self.penalty = cfg.missing_eos_penalty
 
     def __call__(self, rows: list[dict], samples: list, batch_size: int):
@@ -140,6 +142,7 @@ class Scorer:
         for reward in self.rewards:
             values = torch.tensor([r.reward for r in reward.score(texts, examples)])
             scores, parts[f"verifier/{reward.__name__}"] = scores + reward.weight * values, values.mean().item()
+        parts.update(gold_means(self.gold, texts, examples))
         if self.penalty is not None:
             finished = torch.tensor([s.finished for s in samples])
             scores = torch.where(finished, scores, scores - self.penalty)
@@ -168,7 +171,8 @@ class PPOLoop:
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = ctx.load_tokenizer()
         self.scorer = Scorer(ctx, self.acc.device)
-        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards])
+        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards],
+                                              [g.verifier for g in self.scorer.gold])
         self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
         if self.wants_checkpointing():
             self.models.actor_critic.enable_checkpointing()
@@ -399,7 +403,8 @@ class PPOLoop:
             self.update += 1
             self.acc.log(entry, step=self.update)
             if self.update % self.t.logging_steps == 0 or self.update == self.total:
-                shown = " ".join(f"{k}={entry[k]:.4g}" for k in LOG_KEYS if k in entry)
+                keys = [*LOG_KEYS, *(k for k in entry if k.startswith("gold/"))]
+                shown = " ".join(f"{k}={entry[k]:.4g}" for k in keys if k in entry)
                 log.info(f"[{self.ctx.stage_id}] {shown} ({self.update}/{self.total})")
             if self.update % self.t.save_every == 0 and self.update < self.total:
                 self.save_state()
@@ -441,21 +446,11 @@ LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "val
 
 def check(ctx: StageContext) -> None:
     tokenizer = ctx.load_tokenizer()
-    prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where))
+    prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
+                resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"))
     ref = ctx.config.reward_model
-    if ref is None:
-        return
-    path = ctx.resolve_model(ref)
-    if stage_ref(ref) and not (Path(path) / "config.json").exists():
-        return  # produced by an earlier stage that has not run yet
-    check_model_source(path, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=ctx.recipe.trust_remote_code)
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
-        raise UserError(f"{ctx.where}.reward_model: '{ref}' is not a reward model (architecture "
-                        f"{architectures or 'unknown'}, {config.num_labels} label(s)); give the output of a `reward` "
-                        "stage or a *ForSequenceClassification checkpoint with one label.")
+    if ref is not None:
+        check_reward_model(ref, ctx.resolve_model(ref), f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
 
 
 def run(ctx: StageContext) -> dict:

@@ -1,9 +1,13 @@
 """`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
 
 For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
-them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function call) and the weighted sum is
-the reward. GRPO normalises rewards within each prompt's group (Shao et al. 2024, eq. 3, DeepSeekMath);
-`algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
+them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function call) and, with
+`reward_model:`, the reward model scores the rendered conversation exactly as ppo's does
+(`rewards.RewardModelReward`, weight `reward_model_weight`; RLOO on a reward model is RLHF without a
+critic, Ahmadian et al. 2024); the weighted sum is the reward. `gold:` verifiers are scored on every
+completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards within each prompt's group
+(Shao et al. 2024, eq. 3, DeepSeekMath); `algorithm: rloo` uses the leave-one-out baseline instead
+(Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
 What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
@@ -47,6 +51,7 @@ import os
 
 import datasets
 import torch
+from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..config.data import DataSpec
@@ -54,13 +59,22 @@ from ..config.sampling import vllm_missing
 from ..config.stages.rlvr import Config
 from ..data.formatting import render_prompt
 from ..errors import UserError
-from ..models.loading import load_policy
+from ..models.loading import load_policy, load_reward_model
 from ..models.lora import peft_config
+from ..models.tokenizer import load_tokenizer
 from ..runtime.dist import log_share
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
-from ..training.rewards import SOURCE_PROMPT, GroupSignal, build_rewards, resolve_all
+from ..training.rewards import (
+    SOURCE_PROMPT,
+    GroupSignal,
+    RewardModelReward,
+    build_gold,
+    build_rewards,
+    resolve_all,
+)
+from ..training.scoring import check_reward_model
 from ..training.tool_rollouts import ToolRollouts
 from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
@@ -90,7 +104,25 @@ def trainer_classes(algorithm: str):
 
 def stage_defaults(config: Config) -> dict:
     return {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8, "max_completion_length": 256,
-            "disable_dropout": True, "reward_weights": [v.weight for v in config.verifiers]}
+            "disable_dropout": True, "reward_weights": reward_weights(config)}
+
+
+def reward_weights(config: Config) -> list[float]:
+    """TRL's weights, in the order of its reward functions: the verifiers', the reward model's, then 0 for every
+    gold verifier (scored and logged by TRL with the others, adding nothing to the reward)."""
+    return ([v.weight for v in config.verifiers] + ([config.reward_model_weight] if config.reward_model else [])
+            + [0.0] * len(config.gold))
+
+
+def reward_model_reward(ctx: StageContext, tokenizer, model) -> list[RewardModelReward]:
+    """The `reward_model:` as a TRL reward function (`rewards.RewardModelReward`), or none."""
+    cfg = ctx.config
+    if cfg.reward_model is None:
+        return []
+    path = ctx.resolve_model(cfg.reward_model)
+    scorer = load_reward_model(path, ctx.recipe.trust_remote_code).to(PartialState().device)
+    return [RewardModelReward(scorer, load_tokenizer(path, ctx.recipe.trust_remote_code),
+                              [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], cfg.reward_model_weight)]
 
 
 def check_group_size(ctx: StageContext) -> None:
@@ -145,10 +177,10 @@ def trl_config(ctx: StageContext):
     return ctx.trl_args(config_class, **stage_defaults(ctx.config))
 
 
-def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers) -> list[dict]:
+def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifiers, gold=()) -> list[dict]:
     """Rows with `prompt` rendered to text and the data's own prompt kept in SOURCE_PROMPT for verifiers."""
     rows = []
-    for row in ctx.load_prompt_rows(spec, key, verifiers):
+    for row in ctx.load_prompt_rows(spec, key, verifiers, gold):
         source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
         rows.append({**row, "prompt": without_leading_bos(tokenizer, render_prompt(tokenizer, source)),
                      SOURCE_PROMPT: source})
@@ -177,14 +209,19 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 def check(ctx: StageContext) -> None:
     trl_config(ctx)
-    verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+    cfg = ctx.config
+    verifiers = resolve_all(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)
+    gold = resolve_all(cfg.gold, [ctx.recipe.base_dir], ctx.where, entry="gold")
     tokenizer = ctx.load_tokenizer()
     tools = tool_rollouts(ctx, tokenizer)
-    rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
-    if ctx.config.eval_data:
-        rows += prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
+    rows = prompt_rows(ctx, tokenizer, cfg.data, "data", verifiers, gold)
+    if cfg.eval_data:
+        rows += prompt_rows(ctx, tokenizer, cfg.eval_data, "eval_data", verifiers, gold)
     if tools:
         tools.prepare(rows)
+    if cfg.reward_model is not None:
+        check_reward_model(cfg.reward_model, ctx.resolve_model(cfg.reward_model), f"{ctx.where}.reward_model",
+                           ctx.recipe.trust_remote_code)
 
 
 def tool_rollouts(ctx: StageContext, tokenizer) -> ToolRollouts | None:
@@ -197,25 +234,29 @@ def tool_rollouts(ctx: StageContext, tokenizer) -> ToolRollouts | None:
 def run(ctx: StageContext) -> dict:
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
-    rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
-    verifiers = [r.verifier for r in rewards]
     tokenizer = ctx.load_tokenizer()
     tools = tool_rollouts(ctx, tokenizer)  # refuses what it cannot run (FSDP2, ZeRO-3) before the model loads
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     stop_at_end_of_turn(model, tokenizer)
     stop_vllm_at_end_of_turn(args, tokenizer, model)
-    train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers)
+    verifier_rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
+    gold = build_gold(ctx.config.gold, [ctx.recipe.base_dir], ctx.where)
+    rewards = verifier_rewards + reward_model_reward(ctx, tokenizer, model)  # in the order of reward_weights
+    verifiers, gold_verifiers = [r.verifier for r in verifier_rewards], [g.verifier for g in gold]
+    train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers, gold_verifiers)
     eval_rows = None
     if ctx.config.eval_data:
-        eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers)
-    if tools:
+        eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers, gold_verifiers)
+    reward_funcs = rewards + gold  # the order of reward_weights: gold last, at weight 0
+    if tools:  # every reward scores the final answer; an environment's reward() comes last, at weight 1
         train_rows, eval_rows = tools.prepare(train_rows), eval_rows and tools.prepare(eval_rows)
+        reward_funcs = tools.rewards(reward_funcs)
         args.reward_weights = [*args.reward_weights, 1.0] if tools.has_environment_reward else args.reward_weights
     over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
     signal = GroupSignal(rewards, [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
                          args.num_generations_eval)
     trainer = trainer_class(
-        model=model, reward_funcs=tools.rewards(rewards) if tools else rewards, args=args, processing_class=tokenizer,
+        model=model, reward_funcs=reward_funcs, args=args, processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
@@ -225,7 +266,7 @@ def run(ctx: StageContext) -> dict:
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
-    totals = {k: v for r in rewards for k, v in r.totals().items()}
+    totals = {k: v for r in verifier_rewards + gold for k, v in r.totals().items()}
     if tools:
         tools.save(ctx.out_dir)
         totals.update(tools.metrics())

@@ -13,6 +13,9 @@ teach the model to stop mid-answer) and duplicate completions:
     must parse and score (weighted sum) at least `threshold`. With a reward model, `threshold` (if set)
     is the minimum score.
 
+`gold:` verifiers score every sample of a round as well (`gold/<name>`, the round's mean, in the log
+history and as `round<k>/gold/<name>` in the metrics) and never take part in the selection.
+
 Rounds and LoRA: every round loads the policy the previous round produced (merged weights), trains a
 fresh adapter (with LoRA) or all weights, and saves merged weights. The stage output is the last
 round's policy; its `adapter/` is kept only with one round (with more, the adapter's base is an
@@ -57,7 +60,13 @@ from ..runtime.files import write_atomic
 from ..sampling import generate
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
-from ..training.rewards import build_rewards, combined_scores, resolve_all
+from ..training.rewards import (
+    build_gold,
+    build_rewards,
+    combined_scores,
+    gold_means,
+    resolve_all,
+)
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
 from ..training.scoring import score_texts
 from ..training.tool_rollouts import ToolRollouts, sample_trajectories
@@ -138,8 +147,9 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
     return [rows[(start + i) % len(rows)] for i in range(per_round)]
 
 
-def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer):
-    """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats)."""
+def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer, gold=()):
+    """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats). The `gold:`
+    verifiers score every sample too (`gold/<name>` in the stats), never the selection."""
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
@@ -178,6 +188,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
         stats["tool_call_rate"] = sum(r["tool_calls"] > 0 for r in records) / n
         stats.update({key: sum(r[key] for r in records) for key in ("tool_calls", "tool_errors", "parse_failures",
                                                                      "truncated_tool_outputs")})
+    stats.update(gold_means(list(gold), [s.text for s in samples],
+                            [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples]))
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
              f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
              f"mean score {stats['mean_score']:.3f})")
@@ -188,11 +200,11 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
 # Rounds
 
 
-def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer) -> tuple[list[dict], dict]:
+def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer, gold=()) -> tuple[list[dict], dict]:
     """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
     return ctx.computed_once(f"round{round_index}/selected.jsonl",
-                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer))
+                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer, gold))
 
 
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
@@ -231,7 +243,8 @@ def check(ctx: StageContext) -> None:
     if ctx.config.uses_tools:
         ToolRollouts(ctx.config, ctx.load_tokenizer(), [ctx.recipe.base_dir], ctx.where)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
-    rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers)
+    gold = resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold")
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers, gold)
     if ctx.config.reward_model and not stage_ref(ctx.config.reward_model):
         check_model_source(ctx.config.reward_model, f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)
     tokenizer = ctx.load_tokenizer()
@@ -242,13 +255,14 @@ def run(ctx: StageContext) -> dict:
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)
-    rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards])
+    gold = build_gold(cfg.gold, [ctx.recipe.base_dir], ctx.where)
+    rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards], [g.verifier for g in gold])
     records = finished_rounds(ctx)
     policy = records[-1]["policy"] if records else ctx.start_model
     if records:
         log.info(f"[{ctx.where}] resuming after round {len(records)} (policy {policy})")
     for k in range(len(records) + 1, cfg.rounds + 1):
-        selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer)
+        selected, stats = cached_selection(ctx, k, policy, tokenizer, rows, scorer, gold)
         history, truncated = [], 0
         if selected:
             policy, history, truncated = train_round(ctx, k, policy, tokenizer, selected)
@@ -286,10 +300,12 @@ def stage_result(records: list[dict], rewards) -> dict:
     for record in records:
         k, stats = record["round"], record["stats"]
         history += record["log_history"]
-        history.append({"round": k, **{f"rsft/{key}": v for key, v in stats.items() if key != "round"}})
+        history.append({"round": k, **{key if key.startswith("gold/") else f"rsft/{key}": v
+                                       for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
                         ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
-                         "tool_call_rate", "tool_errors", "parse_failures")})
+                         "tool_call_rate", "tool_errors", "parse_failures")
+                        or key.startswith("gold/")})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)

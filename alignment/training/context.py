@@ -72,13 +72,16 @@ class StageContext:
                             f"{self.config.kind} stage reads no pairs, so drop the key.")
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
-    def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list) -> list[dict]:
+    def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list, gold: list = ()) -> list[dict]:
         """Prompt data of an RL stage (ppo, rsft, rlvr): a `prompt` or `messages` column of strings, and the
-        columns the verifiers need besides the prompt, which these stages hand them; checked before training."""
+        columns the verifiers (and the `gold:` verifiers) need besides the prompt, which these stages hand them;
+        checked before training."""
         dataset = self.load_data(spec, key)
-        check_prompt_rows(dataset, verifiers, f"{self.where}.{key}", spec, provided=("prompt",), entry="verifiers")
+        for entry, listed in (("verifiers", verifiers), ("gold", gold)):
+            if listed or entry == "verifiers":
+                check_prompt_rows(dataset, list(listed), f"{self.where}.{key}", spec, provided=("prompt",), entry=entry)
         rows = [dict(row) for row in dataset]
-        self.record_data(key, **prompt_data_format(rows, dataset.column_names, verifiers))
+        self.record_data(key, **prompt_data_format(rows, dataset.column_names, [*verifiers, *gold]))
         return rows
 
     def record_data(self, key: str, **info) -> None:

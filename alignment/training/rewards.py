@@ -30,6 +30,7 @@ from ..config.verifier import VerifierSpec
 from ..errors import UserError
 from ..runtime.dist import get_logger, log_share
 from ..verifiers import VerifyResult, is_pass, resolve
+from .scoring import score_texts
 
 log = get_logger(__name__)
 
@@ -40,14 +41,14 @@ SOURCE_PROMPT = "source_prompt"
 TRL_EXTRAS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
-def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: str) -> list:
-    """Resolve each spec to a `Verifier`; errors name the entry (`stages.x.verifiers.1`)."""
+def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: str, entry: str = "verifiers") -> list:
+    """Resolve each spec to a `Verifier`; errors name the entry (`stages.x.verifiers.1`, `stages.x.gold.0`)."""
     resolved = []
     for index, spec in enumerate(specs):
         try:
             resolved.append(resolve(spec.name, options=spec.options, search_dirs=search_dirs))
         except UserError as error:
-            raise UserError(f"{where}.verifiers.{index}: {error}") from None
+            raise UserError(f"{where}.{entry}.{index}: {error}") from None
     return resolved
 
 
@@ -143,16 +144,68 @@ class VerifierReward:
         }
 
 
+class GoldReward(VerifierReward):
+    """A gold verifier (`gold:`): scored on every rollout and logged as `gold/<name>`, never part of the reward.
+    Its weight is 0 whatever the recipe says; the RL stages leave it out of the reward they optimise (rlvr hands
+    it to TRL as a reward function of weight 0, so TRL scores and logs it along with the others and its column
+    adds 0 to the weighted sum). The true objective in view while a proxy is optimised (Gao et al. 2022)."""
+
+    def __call__(self, prompts=None, completions=None, **kwargs) -> list[float]:
+        rewards = super().__call__(prompts, completions, **kwargs)
+        if callable(log_metric := kwargs.get("log_metric")):
+            log_metric(self.__name__, sum(rewards) / max(len(rewards), 1))
+        return rewards
+
+
 def build_rewards(specs: list[VerifierSpec], search_dirs: list[Path], where: str = "stage") -> list[VerifierReward]:
     """One `VerifierReward` per spec; duplicate names get a '#2' suffix so their logs stay apart."""
-    verifiers = resolve_all(specs, search_dirs, where)
+    return _labelled(VerifierReward, specs, resolve_all(specs, search_dirs, where), "")
+
+
+def build_gold(specs: list[VerifierSpec], search_dirs: list[Path], where: str = "stage") -> list[GoldReward]:
+    """One `GoldReward` per `gold:` spec, named `gold/<name>` (duplicates '#2'), weight 0."""
+    return _labelled(GoldReward, specs, resolve_all(specs, search_dirs, where, entry="gold"), "gold/", weight=0.0)
+
+
+def _labelled(kind, specs: list[VerifierSpec], verifiers: list, prefix: str, weight: float | None = None) -> list:
     seen: Counter = Counter()
     rewards = []
     for spec, verifier in zip(specs, verifiers):
         seen[verifier.name] += 1
         label = verifier.name if seen[verifier.name] == 1 else f"{verifier.name}#{seen[verifier.name]}"
-        rewards.append(VerifierReward(verifier, spec.weight, label))
+        rewards.append(kind(verifier, spec.weight if weight is None else weight, prefix + label))
     return rewards
+
+
+def gold_means(gold: list[GoldReward], completions: list[str], examples: list[dict]) -> dict[str, float]:
+    """{`gold/<name>`: mean reward over the completions}: what ppo and rsft log for their `gold:` verifiers."""
+    n = max(len(completions), 1)
+    return {g.__name__: sum(r.reward for r in g.score(completions, examples)) / n for g in gold}
+
+
+class RewardModelReward:
+    """A reward model as a TRL reward function: the score of `render_prompt(p) + render_completion(p, c)`
+    through `scoring.score_texts`, exactly as ppo and rsft score (and the reward stage trained on); a completion
+    cut at max_completion_length (its last id is no stop token) is scored as sampled, without an end-of-turn
+    token. `p` is the prompt as written in the data (SOURCE_PROMPT). RLOO with a reward model is RLHF without
+    a critic (Ahmadian et al. 2024). TRL's own reward-model path would score `prompt + completion` tokenized
+    whole with no end-of-turn token, a text the reward model never saw in training."""
+
+    def __init__(self, model, tokenizer, stop_ids: Iterable[int], weight: float = 1.0, batch_size: int = 16,
+                 label: str = "reward_model"):
+        self.model, self.tokenizer, self.stop_ids = model, tokenizer, set(stop_ids)
+        self.weight, self.batch_size, self.__name__ = weight, batch_size, label
+        self.signal: GroupSignal | None = None
+
+    def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
+        sources = kwargs.get(SOURCE_PROMPT) or prompts
+        completions = list(completions or [])
+        finished = (None if completion_ids is None
+                    else [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids])
+        rewards = score_texts(self.model, self.tokenizer, list(sources), completions, self.batch_size, finished)
+        if self.signal is not None:
+            self.signal.record(self, rewards, completion_ids, kwargs.get("log_metric"))
+        return rewards
 
 
 def combined_scores(rewards: list[VerifierReward], completions: list[str], examples: list[dict]) -> list[dict]:

@@ -1,18 +1,24 @@
 """Reward-model scoring: the scalar reward of (prompt, completion) pairs, read by the score head at the
 last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
 by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it). Used by ppo, rsft and
-evaluation."""
+evaluation; rlvr through `rewards.RewardModelReward`."""
 
 from __future__ import annotations
 
-import torch
+from pathlib import Path
 
+import torch
+from transformers import AutoConfig
+
+from ..config.base import stage_ref
 from ..data.formatting import (
     encode,
     encode_prompt_completion,
     render_completion,
     render_prompt,
 )
+from ..errors import UserError
+from ..models.loading import check_model_source
 
 
 def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
@@ -62,3 +68,17 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
         encoded.append(prompt_ids + completion_ids)
     return score_ids(reward_model, tokenizer, encoded, batch_size)
+
+
+def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
+    """`align check` of a stage's `reward_model:` (`ref` as written, `path` resolved): it resolves, and it is a
+    one-label sequence classifier. An earlier stage's output that does not exist yet is checked when it does."""
+    if stage_ref(ref) and not (Path(path) / "config.json").exists():
+        return  # produced by an earlier stage that has not run yet
+    check_model_source(path, where, trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    architectures = getattr(config, "architectures", None) or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
+        raise UserError(f"{where}: '{ref}' is not a reward model (architecture {architectures or 'unknown'}, "
+                        f"{config.num_labels} label(s)); give the output of a `reward` stage or a "
+                        "*ForSequenceClassification checkpoint with one label.")

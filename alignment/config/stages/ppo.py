@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from ..base import Strict
 from ..data import DataSpec
 from ..sampling import SamplingSpec
-from ..verifier import VerifierSpec
+from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
 
 
@@ -88,6 +88,7 @@ class Config(StageConfig):
                                      "sequence classifier scoring prompt + completion; give this, verifiers or both")
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers whose weighted rewards are added "
                                           "to the reward model's score")
+    gold: list[VerifierSpec] = gold_field()
     data: DataSpec = Field(description="prompts (`prompt` or chat `messages`) and the columns the verifiers read")
     kl_coef: float = Field(0.05, ge=0, description="beta of the per-token KL penalty: r_t = -beta KL_t, plus the score "
                            "at the last token (Ziegler et al. 2019, arXiv:1909.08593, eq. 2); the start value with "

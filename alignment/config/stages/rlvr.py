@@ -8,13 +8,14 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..tools import ToolUse
-from ..verifier import VerifierSpec
+from ..verifier import VerifierSpec, gold_field
 from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
 class Config(StageConfig, ToolUse):
     kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
-                                  "RLOOTrainer; the verifiers' weighted sum is the reward, with a KL penalty to the "
+                                  "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
+                                  "penalty to the "
                                   "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
     memory_knobs: ClassVar[tuple[str, ...]] = (
         "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
@@ -24,12 +25,24 @@ class Config(StageConfig, ToolUse):
                                                "group of num_generations samples (Shao et al. 2024, DeepSeekMath, "
                                                "arXiv:2402.03300); rloo: leave-one-out baseline (Ahmadian et al. "
                                                "2024, arXiv:2402.14740)")
-    verifiers: list[VerifierSpec] = Field(min_length=1, description="reward = weighted sum of these verifiers (at least "
-                                          "one)")
+    verifiers: list[VerifierSpec] = Field(default_factory=list, description="reward = weighted sum of these verifiers "
+                                          "(and of the reward model's score, if given)")
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id: its score of "
+                                     "the rendered conversation is a reward (as ppo's)")
+    reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")
+    gold: list[VerifierSpec] = gold_field()
 
     @model_validator(mode="after")
     def _tools_need_grpo(self):
         if self.uses_tools and self.algorithm != "grpo":
             raise ValueError("tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func hook, which "
                              "the multi-turn rollout uses)")
+        return self
+
+    @model_validator(mode="after")
+    def _a_reward(self):
+        if self.reward_model is None and not self.verifiers:
+            raise ValueError("give 'verifiers' or a 'reward_model' (or both): GRPO/RLOO need a reward")
+        if "reward_model_weight" in self.model_fields_set and self.reward_model is None:
+            raise ValueError("'reward_model_weight' weighs a 'reward_model', and none is given")
         return self

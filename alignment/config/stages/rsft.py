@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 from ..data import DataSpec
 from ..sampling import SamplingSpec
 from ..tools import ToolUse
-from ..verifier import VerifierSpec
+from ..verifier import VerifierSpec, gold_field
 from .base import StageConfig
 
 
@@ -29,6 +29,7 @@ class Config(StageConfig, ToolUse):
                                           "reward_model")
     reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id that scores "
                                      "each sample; give this or verifiers")
+    gold: list[VerifierSpec] = gold_field()
     rounds: int = Field(1, gt=0, description="rounds of sample, select, fine-tune; each samples from the policy the "
                         "round before trained")
     prompts_per_round: int | None = Field(None, gt=0, description="prompts sampled per round, consecutive slices of the "
