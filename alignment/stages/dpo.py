@@ -68,7 +68,6 @@ def trl_config(ctx: StageContext):
                         precompute_ref_log_probs=several_passes(ctx.config.train))
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
-
         raise UserError(f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
                         f"choose from {', '.join(sorted(LOSS_TYPES))}.")
     return args

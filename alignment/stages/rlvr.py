@@ -96,9 +96,7 @@ TRL_COLOCATE_ON_CPU = (
 
 def trainer_classes(algorithm: str):
     if algorithm == "rloo":
-
         return RLOOConfig, RLOOTrainer
-
     return GRPOConfig, GRPOTrainer
 
 
