@@ -11,13 +11,22 @@ from __future__ import annotations
 import difflib
 from typing import Any, Iterable
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 class Strict(BaseModel):
     """Base for recipe specs: unknown keys are errors, values are type-checked."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True, arbitrary_types_allowed=True)
+
+
+class ByName(Strict):
+    """A spec a recipe may give as a bare name: `calculator` stands for `{name: calculator}` (verifiers, tools)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        return {"name": value} if isinstance(value, str) else value
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -15,22 +15,17 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .base import Strict
+from .base import ByName, Strict
 
 TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
 
 
-class ToolSpec(Strict):
+class ToolSpec(ByName):
     """One entry of `tools:`; a bare string is shorthand for `{name: ...}`."""
 
     name: str = Field(description="built-in tool (calculator, python) or module:function (file next to the recipe)")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments bound to every call, "
                                     "hidden from the model (the python tool's timeout, memory_mb, output_chars)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value):
-        return {"name": value} if isinstance(value, str) else value
 
 
 class ToolUse(Strict):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from .base import Strict
+from .base import ByName
 
 
-class VerifierSpec(Strict):
+class VerifierSpec(ByName):
     """One entry of a stage's `verifiers:` list; a bare string is shorthand for `{name: ...}`."""
 
     name: str = Field(description="built-in key, plugin name or module:function (file next to the recipe); "
@@ -18,11 +18,6 @@ class VerifierSpec(Strict):
                           "stage's reward (rlvr hands it to TRL as reward_weights)")
     options: dict[str, Any] = Field(default_factory=dict, description="values of the verifier function's keyword-only "
                                     "parameters, e.g. {tolerance: 0.01}; an unknown option fails `align check`")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_string(cls, value):
-        return {"name": value} if isinstance(value, str) else value
 
 
 def gold_field():
