@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from helpers import base_weights, lora_policy, with_skewed_generation_config
@@ -209,18 +211,22 @@ def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_m
 def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, varied_prompts,
                                                                            monkeypatch):
     tokenizer = load_tokenizer(str(tiny_model))
-    batches = []
+    batches, logits = [], []
     forward = varied_model.forward
 
+    @functools.wraps(forward)  # the loop reads the forward's signature
     def counting(*args, **kwargs):
         batches.append(tuple(kwargs["input_ids"].shape))
-        return forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
+        logits.append(out.logits.shape[1])
+        return out
 
     monkeypatch.setattr(varied_model, "forward", counting)
     torch.manual_seed(0)
     spec = SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop")
     samples = generate(varied_model, tokenizer, varied_prompts, spec)
     assert batches[0][0] == len(set(varied_prompts)) and batches[0][1] > 1  # the prefill: one row per distinct prompt
+    assert logits[0] == 1  # the prefill runs the LM head on the last position only, as generate does
     decode = [b for b, width in batches[1:]]
     assert decode[0] == 4 * len(varied_prompts) and decode[-1] < decode[0]  # the batch shrinks as rows finish
     assert sum(decode) < len(decode) * decode[0]

@@ -8,19 +8,18 @@
 - a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
   keep only the rows still running (compaction), so the decoder layers no longer run on finished rows.
 
-What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the
-dynamic cache; the left-padded attention mask grown by a column of ones per step, or none where no row is
-padded; position ids counted from each row's first real token where the model's forward takes them; a PEFT
-model's inner model called, as PEFT's `generate` calls it), the fp32 copy of the last position's logits, the
-logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults turned off by the
-caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole
-batch the step would have had in `generate`. torch draws a single sample per row as argmax(p / q) with q
-exponential noise laid out over the tensor's shape, so a row's draw depends only on its own probabilities
-and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they
-would have drawn in `generate` (checked by tests/test_sampling.py). So greedy and sampled ids equal
-`generate`'s, as far as the model's arithmetic gives the same logits for a row in a smaller batch: BLAS
-kernels may sum in another order for another batch size, which can move a logit in its last bits (not seen
-on the CPU test models; not checked on a GPU).
+What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the dynamic
+cache; the left-padded attention mask grown by a column of ones per step, or none where no row is padded; position
+ids counted from each row's first real token where the model's forward takes them; a PEFT model's inner model
+called, as PEFT's `generate` calls it; the prefill's LM head on the last position only), the fp32 copy of the last
+position's logits, the logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults
+turned off by the caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step,
+batch being the whole batch the step would have had in `generate`. torch draws a single sample per row as argmax(p /
+q) with q exponential noise laid out over the tensor's shape, so a row's draw depends only on its own probabilities
+and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they would have
+drawn in `generate` (checked by tests/test_sampling.py). So greedy and sampled ids equal `generate`'s, as far as the
+model's arithmetic gives the same logits for a row in a smaller batch: BLAS kernels may sum in another order for
+another batch size, which can move a logit in its last bits (not seen on the CPU test models; not checked on a GPU).
 
 Not covered: sharded models (FSDP2 needs every process to run the same number of forwards: hf.py sends them
 to `generate`), the static cache and compiled decoding (fixed shapes, which compaction changes: `generate`
@@ -80,8 +79,11 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     if "position_ids" in inspect.signature(model.forward).parameters:  # as `generate` decides it
         positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)
     mask = None if bool((attention == 1).all()) else attention
+    # Only the last position's logits, as `generate` asks for them: the LM head on every prompt position would
+    # cost as much as the whole decode of a short completion (a [rows, prompt, vocab] product).
+    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
-                **{cache_name(model): cache})
+                **{cache_name(model): cache}, **last)
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     del out
     positions = None if positions is None else positions[:, -1:]
