@@ -4,6 +4,8 @@ recipe/CLI helpers live in conftest.py). Test modules never import each other.""
 from __future__ import annotations
 
 import json
+import shutil
+import string
 from pathlib import Path
 
 import torch
@@ -182,3 +184,115 @@ def patch_everywhere(monkeypatch, module, name: str, new) -> None:
     for loaded in list(sys.modules.values()):
         if getattr(loaded, "__name__", "").startswith("alignment") and getattr(loaded, name, None) is original:
             monkeypatch.setattr(loaded, name, new)
+
+
+# --- multi-turn tool rollouts on a real sampler (tests/test_tools.py, tests/test_vllm_engine.py, tests/vllm_cpu) ---
+ONE_PLUS_ONE = "2"  # what calculator("1+1") returns: the one tool result of `calculator_rollout`
+
+
+def quick_stopping(model_path: Path, folder: Path) -> Path:
+    """A copy of the tiny checkpoint whose generation_config.json also lists the lowercase letters as EOS ids, so
+    that a random model ends most turns within a few tokens (both samplers stop at every EOS id it lists)."""
+    shutil.copytree(model_path, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]  # the character tokenizer's
+    config["eos_token_id"] = [config["eos_token_id"], *(vocab[c] for c in string.ascii_lowercase)]
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def calculator_rollout(model, tokenizer, settings, monkeypatch, prompts: list[str], max_turns: int = 3,
+                       max_completion_length: int = 200):
+    """A hermes rollout with the calculator where every closed turn is read as a call of 1+1, so rollouts run
+    several turns with tool results between them. Returns the trajectories and every text the tokenizer encoded
+    while they ran (the prompts are encoded before)."""
+    from alignment.config.tools import ToolSpec
+    from alignment.tools.formats import Call, ToolFormat
+    from alignment.tools.registry import resolve_tools
+    from alignment.tools.rollout import RolloutLimits, rollout, start
+
+    fmt = ToolFormat("hermes", native=False)
+    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "1+1"})], []))
+    trajectories = start(tokenizer, fmt, resolve_tools([ToolSpec(name="calculator")], None, []), prompts,
+                         [{}] * len(prompts), describe=False)
+    encoded: list[str] = []
+    tokenize = type(tokenizer).__call__
+
+    def recorded(self, text, *args, **kwargs):
+        encoded.append(text)
+        return tokenize(self, text, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(type(tokenizer), "__call__", recorded)
+        rollout(model, tokenizer, trajectories, fmt, settings, RolloutLimits(max_turns, max_completion_length))
+    return trajectories, encoded
+
+
+def result_text(tokenizer) -> str:
+    """The tool-result turn `calculator_rollout` appends after every call."""
+    from alignment.tools.formats import ToolFormat
+
+    return ToolFormat("hermes", native=False).result_text(tokenizer, [("calculator", ONE_PLUS_ONE)])
+
+
+def sampled_runs(t) -> list[tuple[bool, list[int]]]:
+    """A trajectory's ids after the prompt as runs of (sampled by the model, ids)."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, sampled in zip(t.ids, t.mask):
+        if runs and runs[-1][0] == bool(sampled):
+            runs[-1][1].append(token)
+        else:
+            runs.append((bool(sampled), [token]))
+    return runs
+
+
+def assert_token_in_token_out(model, tokenizer, trajectories, encoded: list[str], atol: float) -> None:
+    """Of `calculator_rollout`'s result: each trajectory is model turns and tool results appended as ids, and
+    only the tool outputs and result turns were tokenized (never the model's turns, not even to check them); the
+    results (their turn's text tokenized alone) are masked out and carry log-prob 0; re-scoring prompt + trajectory
+    in one forward pass of the policy gives the sampler's log-probs on the tokens the mask marks as sampled."""
+    from alignment.data.formatting import encode
+
+    assert sum(t.counts["tool_calls"] for t in trajectories) >= 2, "the test must exercise tool turns"
+    assert set(encoded) == {ONE_PLUS_ONE, result_text(tokenizer)}
+    model.eval()
+    for t in trajectories:
+        assert len(t.ids) == len(t.mask) == len(t.logprobs)
+        assert all(ids == encode(tokenizer, result_text(tokenizer)) for sampled, ids in sampled_runs(t) if not sampled)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if not m)
+        with torch.no_grad():
+            logits = model(torch.tensor([t.prompt_ids + t.ids])).logits[0, len(t.prompt_ids) - 1 : -1].float()
+        policy = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.ids)[:, None])[:, 0]
+        sampled = torch.tensor(t.mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(t.logprobs)[sampled], policy[sampled], atol=atol, rtol=0)
+
+
+def engine_requests(monkeypatch) -> list[list[tuple[list[int], list[int]]]]:
+    """Filled, per call of the vLLM engine, with (the prompt ids the engine reports it was fed, the ids it sampled)
+    of each completion."""
+    from alignment.sampling import vllm_engine
+
+    calls: list[list[tuple[list[int], list[int]]]] = []
+    sample = vllm_engine._sample
+
+    def recorded(*args, **kwargs):
+        outputs = sample(*args, **kwargs)
+        calls.append([(list(r.prompt_token_ids), list(c.token_ids)) for r in outputs for c in r.outputs])
+        return outputs
+
+    monkeypatch.setattr(vllm_engine, "_sample", recorded)
+    return calls
+
+
+def assert_fed_turn_by_turn(trajectories, requests: list) -> None:
+    """The engine was called once per turn with every unfinished trajectory's prompt and ids so far, and each
+    model turn of a trajectory is the ids the engine returned, verbatim."""
+    expected: list[list] = [[] for _ in requests]
+    for t in trajectories:
+        fed, turn = list(t.prompt_ids), 0
+        for sampled, ids in sampled_runs(t):
+            if sampled:
+                expected[turn].append((list(fed), ids))
+                turn += 1
+            fed += ids
+    assert [sorted(e) for e in expected] == [sorted(r) for r in requests]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import trl
 from chat_templates import family_tokenizer
+from helpers import assert_token_in_token_out, calculator_rollout, quick_stopping
 
 from alignment.config.sampling import SamplingSpec
 from alignment.config.tools import ToolSpec, ToolUse
@@ -301,38 +302,14 @@ def test_environments_are_one_instance_per_rollout_with_their_reward(monkeypatch
 
 
 # --- the rollout on a real model and sampler -------------------------------------------------------------------
-def test_sampler_logprobs_equal_the_policys_on_the_models_own_tokens(tiny_model, monkeypatch):
-    """Tiny model with the HF sampler; every turn closed is read as a call, so rollouts run several turns with
-    tool results between them. Re-scoring prompt + trajectory in one forward pass gives the sampler's log-probs
-    on the tokens the mask marks as sampled."""
-    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
-    eot = tokenizer.convert_tokens_to_ids("<|end|>")
-    with torch.no_grad():  # a policy that ends its turns quickly: an end-of-turn bias on the output layer
-        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[eot] = 4.0
-    model.lm_head = head
-    fmt = ToolFormat("hermes", native=False)
-    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "1+1"})], []))
-    box = resolve_tools(CALC, None, [])
+def test_sampler_logprobs_equal_the_policys_on_the_models_own_tokens(tiny_model, tmp_path, monkeypatch):
+    """Tiny model with the HF sampler, ending most turns within a few tokens; every turn closed is read as a
+    call, so rollouts run several turns with tool results between them (the vLLM backend's twin:
+    tests/test_vllm_engine.py, and on the real engine tests/vllm_cpu)."""
+    path = quick_stopping(tiny_model, tmp_path / "quick")
+    tokenizer, model = load_tokenizer(str(path)), load_policy(str(path))
     prompts = [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]]
     torch.manual_seed(0)
-    trajectories = start(tokenizer, fmt, box, prompts, [{}] * 3)
-    rollout(model, tokenizer, trajectories, fmt, SamplingSpec(max_new_tokens=8, batch_size=2),
-            RolloutLimits(max_turns=3, max_completion_length=600))
-    assert sum(t.counts["tool_calls"] for t in trajectories) >= 2  # the test exercises tool turns
-    model.eval()
-    for t in trajectories:
-        assert len(t.ids) == len(t.mask) == len(t.logprobs)
-        ids = torch.tensor([t.prompt_ids + t.ids])
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(t.prompt_ids) - 1 : -1].float()
-        policy = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.ids)[:, None])[:, 0]
-        sampled = torch.tensor(t.mask, dtype=torch.bool)
-        torch.testing.assert_close(torch.tensor(t.logprobs)[sampled], policy[sampled], atol=2e-4, rtol=0)
-        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if not m)
-        result = encode(tokenizer, fmt.result_text(tokenizer, [("calculator", "2")]))
-        if t.counts["tool_calls"]:
-            start_of_result = t.mask.index(0)
-            assert t.ids[start_of_result : start_of_result + len(result)] == result
+    trajectories, encoded = calculator_rollout(model, tokenizer, SamplingSpec(max_new_tokens=8, batch_size=2),
+                                               monkeypatch, prompts)
+    assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=2e-4)

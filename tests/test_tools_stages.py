@@ -71,6 +71,18 @@ def test_partitioned_engines_are_refused_before_loading(monkeypatch):
         tool_rollouts.check_engine(config, "stages.rlvr")
 
 
+def test_trls_vllm_engine_is_refused_with_tools_and_the_vllm_backend_named_where_it_runs():
+    from alignment.config.stages.rlvr import Config
+    from alignment.errors import UserError
+    from alignment.training import tool_rollouts
+
+    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
+                    train={"use_vllm": True})
+    with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: .*never sample.*use_vllm: false.*rsft and "
+                                        r"evaluation suites, with `sampling: \{backend: vllm\}`"):
+        tool_rollouts.check_engine(config, "stages.rlvr")
+
+
 def test_smollm2_tools_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_model):
     """recipes/smollm2-135m/tools.yaml on the tiny model (the real model is the slow suite's): data, verifiers,
     tools, tool format, TRL configs and the evaluate block."""

@@ -9,10 +9,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import base_weights, lora_policy, tiny_ppo_recipe, trainable_digest
+from conftest import write_recipe
+from helpers import (
+    assert_fed_turn_by_turn,
+    assert_token_in_token_out,
+    base_weights,
+    calculator_rollout,
+    engine_requests,
+    lora_policy,
+    quick_stopping,
+    sampled_runs,
+    tiny_ppo_recipe,
+    trainable_digest,
+)
 
 from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
@@ -20,6 +33,7 @@ from alignment.errors import UserError
 from alignment.models.tokenizer import load_tokenizer
 from alignment.run.runner import run_recipe
 from alignment.sampling import generate, vllm_engine
+from alignment.tools.formats import Call, ToolFormat
 
 FAKE = Path(__file__).parent / "fake_vllm"
 
@@ -255,3 +269,44 @@ def test_a_push_the_engine_refuses_is_a_clear_error(tiny_model, prompts, fake_vl
     with pytest.raises(UserError, match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
                                         r"engine \(KeyError.*no_such.*backend: transformers"):
         generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"), progress="ppo rollout")
+
+
+def test_tool_rollouts_feed_the_engine_ids_turn_by_turn(tiny_model, tmp_path, fake_vllm, monkeypatch):
+    """A multi-turn rollout with the calculator through the engine: ids in, ids out, one call (and one push of
+    the weights) per turn; the engine's log-probs (temperature 1: the distribution drawn from) are the policy's
+    on the model's tokens, tool results masked. The HF sampler's twin is in tests/test_tools.py."""
+    path = quick_stopping(tiny_model, tmp_path / "quick")
+    tokenizer, model = load_tokenizer(str(path)), lora_policy(path)
+    requests = engine_requests(monkeypatch)
+    settings = SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm", vllm={"logprob_tolerance": 1e-3})
+    torch.manual_seed(0)
+    trajectories, encoded = calculator_rollout(model, tokenizer, settings, monkeypatch,
+                                               [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]])
+    assert_fed_turn_by_turn(trajectories, requests)
+    assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=1e-3)
+    assert len(requests) >= 2 and fake_vllm.LLM.pushes == len(requests)
+
+
+def test_rsft_samples_its_tool_rollouts_through_vllm(tmp_path, tiny_model, fake_vllm, monkeypatch):
+    """rsft with `tools:` and `sampling: {backend: vllm}`: the rollouts' turns go through the engine (one push per
+    turn), and the selected rows are trained on as sampled, tool results masked."""
+    (tmp_path / "my_checks.py").write_text("def anything(completion):\n    return 1.0\n")
+    calls = [Call("calculator", {"expression": "2*3"})]  # on about half the turns; the others answer
+    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: (calls if len(text) % 2 == 0 else [], []))
+    requests = engine_requests(monkeypatch)
+    stage = {"data": {"task": "tool_arithmetic", "split": "train", "n": 4}, "verifiers": ["my_checks:anything"],
+             "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False, "max_turns": 2,
+             "sampling": {"n": 2, "max_new_tokens": 100, "backend": "vllm"},
+             "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256}}
+    model = quick_stopping(tiny_model, tmp_path / "quick")
+    loaded = load_recipe(write_recipe(tmp_path, {"name": "rsft-tools-vllm", "model": str(model), "seed": 1,
+                                                 "output_dir": str(tmp_path / "out"), "stages": {"rsft": stage}}))
+    run_recipe(loaded)
+    assert len(requests) == 2 and fake_vllm.LLM.pushes == 2  # a call, and a push, per turn
+    rows = [json.loads(line) for line in (loaded.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
+    assert rows and any(row["trajectory"]["tool_calls"] for row in rows)
+    returned = [ids for call in requests for _, ids in call]
+    for row in rows:  # every model turn trained on is what the engine returned
+        turns = [ids for sampled, ids in sampled_runs(SimpleNamespace(ids=row["input_ids"], mask=row["completion_mask"]))
+                 if sampled]
+        assert turns and all(ids in returned for ids in turns)

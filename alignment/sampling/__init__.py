@@ -1,6 +1,7 @@
-"""The one sampling path, used by ppo, rsft, on-policy preference data and evaluation.
+"""The one sampling path, used by ppo, rsft, on-policy preference data, evaluation and tool rollouts.
 
     samples = generate(model, tokenizer, rendered_prompts, SamplingSpec(n=4, max_new_tokens=32))
+    samples = generate_ids(model, tokenizer, prompt_ids, settings, logprobs=True)  # ids in, ids out
 
 `settings.backend` chooses the sampler: `transformers` (the default, `hf.py`: this toolkit's own
 batched loop, runs anywhere) or `vllm` (`vllm_engine.py`: a vLLM engine in this process, weights pushed
@@ -12,7 +13,6 @@ scores what was sampled.
 from __future__ import annotations
 
 from ..config.sampling import SamplingSpec
-from ..errors import UserError
 from . import hf, vllm_engine
 from .samples import Sample, lora_merged, stop_token_ids
 
@@ -27,12 +27,10 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
 
 def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
                  logprobs: bool = False) -> list[Sample]:
-    """`generate` on prompts given as token ids, optionally with the sampler's log-probs (multi-turn rollouts).
-    Only the transformers backend takes ids so far."""
-    if settings.backend == "vllm":
-        raise UserError("Multi-turn rollouts with tools sample with `backend: transformers`; the vLLM backend takes "
-                        "rendered prompts only so far.")
-    return hf.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs)
+    """`generate` on prompts given as token ids, fed to the sampler as they are (multi-turn rollouts continue
+    the ids they hold), optionally with the sampler's log-prob of each sampled token (`Sample.logprobs`)."""
+    sampler = vllm_engine if settings.backend == "vllm" else hf
+    return sampler.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs)
 
 
 def close() -> None:

@@ -33,6 +33,18 @@ importance ratios and the KL penalty silently wrong. Both sides use the raw dist
 of the logits, before temperature or top-p), so the check compares the models, not the settings.
 On vLLM 0.32's CPU build the gap measured 1e-7 (tiny model) to 1e-5 (SmolLM2-135M) per token in fp32.
 
+`generate_ids` takes prompts as token ids and feeds them to the engine as they are (`{"prompt_token_ids":
+...}`; `generate` is `generate_ids` on the encoded prompts): a multi-turn rollout with tools
+(tools/rollout.py) calls it once per turn with the ids its trajectories hold, so nothing is re-tokenized
+between turns; each turn is one call, with its push and its check (whose prompts then hold the earlier turns
+and tool results). With `logprobs=True` a Sample carries vLLM's log-prob of each sampled token. These are
+raw: vLLM computes log-probs either before temperature (`raw_logprobs`, what the check needs) or after
+top-k/top-p truncation (`processed_logprobs`), one mode per engine, never log-softmax(logits / temperature)
+before truncation as the HF sampler records them. The two agree at temperature 1 and when greedy (the HF
+sampler then records the temperature-1 log-probs too); at other temperatures the vLLM backend's are those
+of the temperature-1 distribution. No stage that samples with `backend: vllm` reads them (rsft and
+evaluation use the ids; rlvr, whose loss would, samples its tool rollouts with transformers).
+
 Starting the engine in this process has side effects that `_process_state_kept` undoes: vLLM reseeds
 torch's, numpy's and Python's global generators, and its CPU worker drops torch to one thread and replaces
 `torch.set_num_threads` with a no-op.
@@ -86,11 +98,46 @@ _engine: _Engine | None = None  # one per process: vLLM reserves its share of me
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list:
     """`sampling.generate` with vLLM doing the sampling; same arguments, same result."""
+    return generate_ids(model, tokenizer, [encode(tokenizer, p) for p in prompts], settings, progress)
+
+
+def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
+                 logprobs: bool = False) -> list:
+    """`sampling.generate_ids` with vLLM doing the sampling: the prompts' ids go to the engine as they are (a
+    multi-turn rollout continues the ids it holds, never re-tokenized), the weights are pushed and the samples
+    checked against the policy as for `generate`. `logprobs`: each Sample carries vLLM's log-prob of every sampled
+    token, raw (see the module docstring: the temperature-1 distribution, which is the one drawn from at
+    temperature 1 and the one the HF sampler records when greedy)."""
     where = progress or "sampling"
     stops = stop_token_ids(tokenizer, model)
-    encoded = [encode(tokenizer, p) for p in prompts]
     engine = _engine_for(model, settings.vllm, where)
-    _check_prompt_lengths(encoded, engine, where)
+    _check_prompt_lengths(prompt_ids, engine, where)
+    outputs = _sample(engine, model, prompt_ids, sampling_params(settings, stops, len(prompt_ids)), settings.vllm.sleep,
+                      progress, where)
+    need = logprobs or settings.vllm.check_samples > 0
+    samples = []
+    for i, request in enumerate(outputs):
+        for completion in request.outputs:
+            ids, steps = list(completion.token_ids), completion.logprobs or []
+            sample = to_sample(i, ids, stops, tokenizer, [_logprob_of(step, t) for step, t in zip(steps, ids)])
+            if need and len(sample.logprobs) < len(sample.token_ids):
+                why = ("the multi-turn rollout needs them; use `backend: transformers`" if logprobs else
+                       "so they cannot be checked against the policy's; set `vllm.check_samples: 0` to sample "
+                       "without the check")
+                raise UserError(f"{where}: vLLM returned log-probs for {len(sample.logprobs)} of "
+                                f"{len(sample.token_ids)} sampled tokens, {why}.")
+            samples.append(sample)
+    _report_cut_by_model_len(samples, settings, engine, where)
+    _check_against_policy(model, tokenizer, prompt_ids, samples, settings.vllm, where)
+    if not logprobs:
+        for sample in samples:
+            sample.logprobs = None
+    return samples
+
+
+def _sample(engine: _Engine, model, prompt_ids: list[list[int]], params: list, sleep: bool, progress: str | None,
+            where: str) -> list:
+    """vLLM's request outputs for token-id prompts, sampled with the policy's current weights."""
     llm = engine.llm
     if engine.asleep:  # weights first, pushed, then the KV cache: the order TRL 1.16 wakes its engine in
         llm.wake_up(tags=["weights"])
@@ -98,38 +145,31 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     if engine.asleep:
         llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
-    params = sampling_params(settings, stops, len(prompts))
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], sampling_params=params,
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
                            use_tqdm=progress is not None)
-    if settings.vllm.sleep:  # level 2: weights and KV cache discarded; the next call pushes the weights anyway
+    if sleep:  # level 2: weights and KV cache discarded; the next call pushes the weights anyway
         llm.sleep(level=2)
         engine.asleep = True
-    samples, sampler_logprobs = [], []
-    for i, request in enumerate(outputs):
-        for completion in request.outputs:
-            sample = to_sample(i, list(completion.token_ids), stops, tokenizer)
-            samples.append(sample)
-            steps = completion.logprobs or []
-            if len(steps) < len(sample.token_ids) and settings.vllm.check_samples:
-                raise UserError(f"{where}: vLLM returned log-probs for {len(steps)} of "
-                                f"{len(sample.token_ids)} sampled tokens, so they cannot be checked against the "
-                                "policy's; set `vllm.check_samples: 0` to sample without the check.")
-            sampler_logprobs.append([_logprob_of(step, t) for step, t in zip(steps, sample.token_ids)])
-    _report_cut_by_model_len(samples, settings, engine, where)
-    if settings.vllm.check_samples:
-        with torch.no_grad():
-            gap = logprob_gap(model, tokenizer, encoded, samples[: settings.vllm.check_samples],
-                              sampler_logprobs[: settings.vllm.check_samples])
-        log.info("vLLM sampler vs policy: mean |log-prob difference| %.2g per token", gap)
-        if gap > settings.vllm.logprob_tolerance:
-            raise UserError(
-                f"{where}: vLLM's log-probs of its samples differ from the policy's by {gap:.3f} "
-                f"per token on average (more than `vllm.logprob_tolerance: {settings.vllm.logprob_tolerance}`), so "
-                "the samples do not come from the policy being trained and PPO ratios and KL would be wrong. "
-                "Likely causes: the weights did not reach the engine (a vLLM release other than "
-                f"{TESTED_VERSIONS}), a different dtype, or an architecture vLLM implements differently. "
-                "Use `backend: transformers`, or raise the tolerance if the gap is expected.")
-    return samples
+    return outputs
+
+
+def _check_against_policy(model, tokenizer, prompt_ids: list[list[int]], samples: list, spec: VllmSpec,
+                          where: str) -> None:
+    """The first `spec.check_samples` samples' vLLM log-probs against the policy's (see the module docstring)."""
+    if not spec.check_samples:
+        return
+    checked = samples[: spec.check_samples]
+    with torch.no_grad():
+        gap = logprob_gap(model, tokenizer, prompt_ids, checked, [s.logprobs for s in checked])
+    log.info("vLLM sampler vs policy: mean |log-prob difference| %.2g per token", gap)
+    if gap > spec.logprob_tolerance:
+        raise UserError(
+            f"{where}: vLLM's log-probs of its samples differ from the policy's by {gap:.3f} "
+            f"per token on average (more than `vllm.logprob_tolerance: {spec.logprob_tolerance}`), so "
+            "the samples do not come from the policy being trained and PPO ratios and KL would be wrong. "
+            "Likely causes: the weights did not reach the engine (a vLLM release other than "
+            f"{TESTED_VERSIONS}), a different dtype, or an architecture vLLM implements differently. "
+            "Use `backend: transformers`, or raise the tolerance if the gap is expected.")
 
 
 def sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
@@ -160,7 +200,8 @@ def _check_prompt_lengths(encoded: list[list[int]], engine: _Engine, where: str)
     if long:
         raise UserError(f"{where}: {len(long)} of {len(encoded)} prompts are {min(long)} to {max(long)} tokens long, "
                         f"and the vLLM engine holds at most {engine.max_model_len} tokens per sequence (prompt and "
-                        "completion): raise `vllm.max_model_len` (up to the model's own limit) or shorten the prompts.")
+                        "completion): raise `vllm.max_model_len` (up to the model's own limit) or shorten the prompts (with "
+                        "tools, a turn's prompt also holds the turns and tool results before it).")
 
 
 def _report_cut_by_model_len(samples: list, settings: SamplingSpec, engine: _Engine, where: str) -> None:
@@ -362,8 +403,6 @@ def vllm_weights(model):
 
 def logprob_gap(model, tokenizer, prompt_ids: list[list[int]], samples: list, sampler_logprobs: list[list[float]]):
     """Mean |log p_sampler - log p_policy| over the sampled tokens of `samples` (raw log-probs)."""
-
-
     rows = [(prompt_ids[s.prompt_index], s.token_ids, lp) for s, lp in zip(samples, sampler_logprobs) if s.token_ids]
     if not rows:
         return 0.0

@@ -6,7 +6,7 @@
     t.prompt_ids, t.ids, t.mask, t.logprobs, t.counts, t.answer
 
 Each turn samples one assistant turn for every unfinished trajectory with the one sampler
-(`sampling.generate_ids`, fed the ids the trajectory holds, never re-tokenized), parses the tool calls in it
+(`sampling.generate_ids`, either backend, fed the ids the trajectory holds, never re-tokenized), parses the tool calls in it
 (`formats.ToolFormat`), runs them and appends the tool result turn as ids: only that turn's text is rendered
 with the chat template and tokenized. `mask` is 1 on the tokens the model sampled and 0 on tool results and
 the template's text around them; `logprobs` are the sampler's log-probs on the sampled tokens (0 elsewhere).

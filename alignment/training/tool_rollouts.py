@@ -9,8 +9,11 @@ hook takes ids back with an `env_mask`, which GRPO multiplies into its loss mask
 no KL term and do not count as completion length) and forwards every other field to the reward functions: our
 rollout plugs in there, with its limits, counts and sandboxed `python` tool. RLOO (TRL 1.16's RLOOTrainer has
 no `rollout_func`) is refused with tools, as are FSDP2 and ZeRO-3 (the rollout samples from the unwrapped
-model on each process without gathering sharded weights) and `use_vllm` (the rollout samples with the
-transformers backend).
+model on each process without gathering sharded weights) and `use_vllm`: TRL's vLLM engine samples TRL's
+own single-turn completions, which `rollout_func` replaces, so it would be started and sent the weights at
+every step but never sample, and rlvr has no sampling block for this toolkit's vLLM backend (which runs the
+tool rollouts of rsft and of evaluation suites, `sampling: {backend: vllm}`); in rlvr the rollout samples
+with the transformers backend, whose log-probs are those TRL's loss expects (logits / temperature).
 
 The verifiers score the final assistant turn (`answer` of the trajectory), not the tool results; an
 environment's `reward()` is one more reward function with weight 1. Per rollout, the counts (turns, tool
@@ -51,8 +54,11 @@ def check_engine(config, where: str) -> None:
         raise UserError(f"{where}.algorithm: tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func "
                         "hook, which the multi-turn rollout uses).")
     if config.train.get("use_vllm"):
-        raise UserError(f"{where}.train.use_vllm: tool rollouts sample with the transformers backend; set "
-                        "use_vllm: false.")
+        raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
+                        "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
+                        "would be started and sent the weights at every step but never sample. Set use_vllm: false "
+                        "(tool rollouts do sample through vLLM in rsft and evaluation suites, with "
+                        "`sampling: {backend: vllm}`).")
 
 
 class ToolRollouts:

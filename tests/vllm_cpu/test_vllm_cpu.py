@@ -19,19 +19,30 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli, write_recipe
-from helpers import base_weights, tiny_ppo_recipe
+from helpers import (
+    assert_fed_turn_by_turn,
+    assert_token_in_token_out,
+    base_weights,
+    calculator_rollout,
+    engine_requests,
+    quick_stopping,
+    tiny_ppo_recipe,
+)
 
+from alignment.config.evaluate import SuiteSpec
 from alignment.config.model import LoraSpec, TinySpec
 from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
 from alignment.errors import UserError
+from alignment.evaluation.evaluate import evaluate_checkpoints
 from alignment.models.loading import load_policy
 from alignment.models.lora import apply_lora
 from alignment.models.tiny import build_tiny_model
 from alignment.models.tokenizer import load_tokenizer
 from alignment.run.runner import run_recipe
 from alignment.sampling import generate, vllm_engine
+from alignment.tools.formats import Call, ToolFormat
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -55,6 +66,12 @@ def real_vllm():
 def tiny32(tmp_path_factory) -> Path:
     """The tiny Qwen2 (char tokenizer, tied embeddings) with 2 heads of 32."""
     return build_tiny_model(TinySpec(num_heads=2, num_kv_heads=1), seed=0, path=tmp_path_factory.mktemp("t") / "m")
+
+
+@pytest.fixture(scope="module")
+def quick32(tiny32, tmp_path_factory) -> Path:
+    """tiny32 ending most turns within a few tokens (lowercase letters stop it too): rollouts run several turns."""
+    return quick_stopping(tiny32, tmp_path_factory.mktemp("q") / "m")
 
 
 def adapted(path: Path):
@@ -155,6 +172,37 @@ def test_what_the_cpu_build_lacks_is_said_before_the_running_engine_is_dropped(t
     with pytest.raises(UserError, match=r"(?s)attention heads are 16 wide.*32, 64.*backend: transformers"):
         generate(load_policy(str(narrow)), tokenizer, prompts, vllm(**GREEDY))
     assert vllm_engine._engine is running
+
+
+def test_tool_rollouts_feed_the_engine_ids_turn_by_turn(quick32, monkeypatch, logged):
+    """A multi-turn rollout with the calculator through the engine: each turn's prompt is the trajectory's ids so
+    far, each model turn the ids the engine returned and each tool result the ids of its turn's text (the model's
+    turns are never tokenized); at temperature 1 the engine's log-probs are the policy's on the model's tokens
+    (re-scored in one forward pass of the whole trajectory), the tool results masked out. One push and one check
+    per turn. The HF sampler's twin is in tests/test_tools.py, the stand-in's in tests/test_vllm_engine.py."""
+    tokenizer, model = load_tokenizer(str(quick32)), adapted(quick32)
+    requests = engine_requests(monkeypatch)
+    torch.manual_seed(0)
+    trajectories, encoded = calculator_rollout(model, tokenizer, vllm(temperature=1.0, max_new_tokens=8), monkeypatch,
+                                               [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]])
+    assert_fed_turn_by_turn(trajectories, requests)
+    assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=ENGINE["logprob_tolerance"])
+    assert logged().count("sampler vs policy") == len(requests) >= 2
+
+
+def test_an_evaluation_suite_with_tools_samples_through_the_engine(quick32, tmp_path, monkeypatch, logged):
+    """`sampling: {backend: vllm}` on a suite with tools: multi-turn rollouts, each turn sampled and checked by
+    the engine (temperature 1: the random tiny model's greedy turns never end)."""
+    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "2*3"})], []))
+    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 4}, verifier="arithmetic",
+                      tools=["calculator"], tool_format="hermes", describe_tools=False, max_turns=3,
+                      sampling={"temperature": 1.0, "max_new_tokens": 120, "backend": "vllm", "vllm": ENGINE})
+    metrics = evaluate_checkpoints({"tiny": str(quick32)}, [suite], tmp_path / "eval")["tiny"]
+    assert metrics["products/turns"] > 1 and metrics["products/tool_call_rate"] > 0
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and all(line["trajectory"]["messages"][0]["role"] == "assistant" for line in lines)
+    turns = max(line["trajectory"]["turns"] for line in lines)
+    assert logged().count("sampler vs policy") == turns  # one call of the engine, and its check, per turn
 
 
 # Graded by the parity of the completion's first character: a random tiny model gets both verdicts, so rsft

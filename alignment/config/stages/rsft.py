@@ -51,8 +51,6 @@ class Config(StageConfig, ToolUse):
             raise ValueError("give exactly one of 'verifiers' (programmatic checks) or 'reward_model' to score samples")
         if self.select == "threshold" and self.threshold is None and self.reward_model is not None:
             raise ValueError("select: threshold with a reward model needs 'threshold' (the minimum score)")
-        if self.uses_tools and self.sampling.backend != "transformers":
-            raise ValueError("tools sample with `sampling: {backend: transformers}` (the multi-turn rollout)")
         if "k" in self.model_fields_set and self.select != "top_k":
             raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
         return self
