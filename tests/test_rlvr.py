@@ -576,7 +576,8 @@ def test_reward_model_config(tmp_path):
     stage = {**FAST, "verifiers": [], "reward_model": "rm"}
     alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
     assert alone.stages["rlvr"].reward_model == "rm" and alone.stages["rlvr"].verifiers == []
-    for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight")]:
+    for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight"),
+                         ({"train": {**FAST["train"], "reward_weights": [1.0, 5.0]}}, "train.reward_weights")]:
         with pytest.raises(UserError, match=message):
             load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
 

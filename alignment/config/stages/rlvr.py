@@ -46,3 +46,12 @@ class Config(StageConfig, ToolUse):
         if "reward_model_weight" in self.model_fields_set and self.reward_model is None:
             raise ValueError("'reward_model_weight' weighs a 'reward_model', and none is given")
         return self
+
+    @model_validator(mode="after")
+    def _weights_from_the_rewards(self):
+        # TRL's reward_weights would replace the ones the stage derives, and could give a gold verifier weight.
+        if "reward_weights" in self.train:
+            raise ValueError("train.reward_weights: the stage builds TRL's reward_weights from each verifier's "
+                             "`weight:` and `reward_model_weight` (every `gold:` verifier at 0, so it is logged and "
+                             "never rewarded); set those instead")
+        return self
