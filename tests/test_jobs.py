@@ -93,6 +93,14 @@ def test_a_failed_stage_names_itself_and_its_log_and_the_other_branch_is_kept(tm
     assert not (tmp_path / "fail" / "b" / "stage.json").exists()
 
 
+
+def test_the_failure_report_survives_a_log_that_was_removed(tmp_path):
+    log = tmp_path / "b.log"
+    log.write_text("".join(f"line {i}\n" for i in range(20)))
+    assert jobs.log_tail(log).splitlines() == [f"  line {i}" for i in range(5, 20)]
+    log.unlink()
+    assert "the log cannot be read" in jobs.log_tail(log) and "No such file" in jobs.log_tail(log)
+
 FAKE_STAGE = """
 import json, pathlib, sys, time
 stage, out, seconds, partner = sys.argv[1], pathlib.Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4]

@@ -178,5 +178,10 @@ def finished_record(recipe: Recipe, stage_id: str) -> dict:
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").rstrip().splitlines()
+    """The last `lines` of a stage's log, indented; what happened to it where it can no longer be read (removed,
+    say, while the stage ran), so the report of a failure never fails itself."""
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except OSError as error:
+        return f"  (the log cannot be read: {error.strerror or error})"
     return "\n".join("  " + line for line in text[-lines:])
