@@ -113,14 +113,27 @@ def test_an_evaluation_suite_with_tools_reports_tool_use_and_whole_trajectories(
                for line in lines)
 
 
-def test_suites_with_tools_refuse_pass_k():
-    from pydantic import ValidationError
-
+def test_pass_k_with_tools_samples_n_whole_rollouts_per_prompt(tmp_path, tiny_model, monkeypatch):
+    """pass@k on tool suites: n rollouts of each of the first `limit` prompts, each a whole trajectory in
+    samples.jsonl; the scripted policy calls the calculator and answers with its result, so every rollout passes
+    on the products the calculator was given, and pass@k is computed from those verdicts."""
     from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluation.evaluate import evaluate_checkpoints
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.tools import rollout as rollout_module
 
-    with pytest.raises(ValidationError, match="pass_k is not computed for suites with tools"):
-        SuiteSpec(name="p", data={"task": "tool_arithmetic"}, verifier="arithmetic", tools=["calculator"],
-                  pass_k={"n": 4})
+    monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(load_tokenizer(str(tiny_model))))
+    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 5},
+                      verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
+                      max_turns=2, sampling={"temperature": 0, "max_new_tokens": 200},
+                      pass_k={"n": 3, "k": [1, 3], "limit": 4})
+    metrics = evaluate_checkpoints({"tiny": str(tiny_model)}, [suite], tmp_path / "eval")["tiny"]
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    sampled = [line for line in lines if line["mode"] == "pass_k"]
+    assert [line["prompt_index"] for line in sampled] == [i for i in range(4) for _ in range(3)]
+    assert all(line["trajectory"]["tool_calls"] == 1 for line in sampled)
+    assert metrics["products/pass@1"] == 1.0
+    assert metrics["products/pass@1_sampled"] == 1.0 and metrics["products/pass@3"] == 1.0
 
 
 def scripted_calculator_user(tokenizer):

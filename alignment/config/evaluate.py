@@ -65,8 +65,6 @@ class SuiteSpec(ToolUse):
     def _one_main_completion(self):
         if self.sampling.n != 1:
             raise ValueError("sampling.n must be 1 (one completion per prompt); use pass_k: {n: ...} for several")
-        if self.uses_tools and self.pass_k is not None:
-            raise ValueError("pass_k is not computed for suites with tools yet (pass@1 with tools is)")
         if self.pass_k is not None:  # pass@k samples as long as the main completions unless told otherwise
             for key in ("max_new_tokens", "batch_size"):
                 if key not in self.pass_k.model_fields_set:

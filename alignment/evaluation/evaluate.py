@@ -240,6 +240,15 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
         for row, trajectory in zip(rows, trajectories):
             row["trajectory"] = trajectory
+        if spec.pass_k is not None:
+            sampled, _, trajectories = tool_samples(model, tokenizer, suite, f"{where} pass@k", spec.pass_k,
+                                                    spec.pass_k.limit)
+            sampled_rows = _sampled_rows(sampled, suite, label, "pass_k")
+            for row, trajectory in zip(sampled_rows, trajectories):
+                row["trajectory"] = trajectory
+            if suite.verifier is not None:
+                scores.update(pass_k_scores([r["passed"] for r in sampled_rows], spec.pass_k))
+            rows += sampled_rows
         return {**scores, **tool_scores}, rows, ([s.text for s in main], rm_scores)
     prompts = [render_prompt(tokenizer, p) for p in suite.prompts]
     main = generate(model, tokenizer, prompts, spec.sampling, progress=where)

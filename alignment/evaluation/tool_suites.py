@@ -10,11 +10,13 @@ The verifier scores the final assistant turn (pass@1 with tools); the suite adds
 rollouts with at least one call), `tool_errors`, `parse_failures`, `turns` and `truncated_tool_outputs` (means per
 rollout); every line of samples.jsonl holds the whole trajectory (`trajectory`: its messages, counts and why it
 stopped). `sampling.max_new_tokens` bounds the tokens of the whole trajectory after the prompt (model turns and
-tool results). pass@k and KL are not computed for tool suites (KL would need the tool-result mask).
+tool results). `pass_k:` samples `n` whole rollouts of each of its prompts (pass@k on their final answers, lines
+with mode `pass_k`). KL is not computed for tool suites (it would need the tool-result mask).
 """
 
 from __future__ import annotations
 
+from ..config.sampling import SamplingSpec
 from ..sampling import Sample
 from ..tools.formats import ToolFormat
 from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
@@ -22,15 +24,21 @@ from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
 SUITE_METRICS = {"tool_calls": "tool_call_rate"}
 
 
-def tool_samples(model, tokenizer, suite, where: str) -> tuple[list[Sample], dict, list[dict]]:
-    """(one Sample per prompt holding the final answer, tool metrics, trajectory records) of a tool suite."""
+def tool_samples(model, tokenizer, suite, where: str, settings: SamplingSpec | None = None,
+                 limit: int | None = None) -> tuple[list[Sample], dict, list[dict]]:
+    """(one Sample per rollout holding the final answer, tool metrics, trajectory records) of a tool suite:
+    `settings.n` rollouts of each of the first `limit` prompts (default: the suite's sampling, every prompt),
+    prompt by prompt, each Sample's `prompt_index` naming its prompt."""
     spec = suite.spec
+    settings = settings or spec.sampling
     fmt = ToolFormat.for_tokenizer(tokenizer, spec.tool_format, f"evaluate.suites ({spec.name})")
-    trajectories = start(tokenizer, fmt, suite.toolbox, suite.prompts, suite.rows, spec.describe_tools)
-    rollout(model, tokenizer, trajectories, fmt, spec.sampling, RolloutLimits.of(spec, spec.sampling.max_new_tokens),
+    indices = [i for i in range(len(suite.prompts[:limit])) for _ in range(settings.n)]
+    trajectories = start(tokenizer, fmt, suite.toolbox, [suite.prompts[i] for i in indices],
+                         [suite.rows[i] for i in indices], spec.describe_tools)
+    rollout(model, tokenizer, trajectories, fmt, settings, RolloutLimits.of(spec, settings.max_new_tokens),
             progress=where)
     samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
-               for i, t in enumerate(trajectories)]
+               for i, t in zip(indices, trajectories)]
     n = max(len(trajectories), 1)
     scores = {"tool_call_rate": sum(t.counts["tool_calls"] > 0 for t in trajectories) / n}
     scores.update({k: sum(t.counts[k] for t in trajectories) / n for k in COUNTS if k != "tool_calls"})
