@@ -98,7 +98,8 @@ class RecordingModel(torch.nn.Module):
 
 def sampled_prompt_ids(tokenizer, prompt) -> list[int]:
     model = RecordingModel()
-    generate(model, tokenizer, [render_prompt(tokenizer, prompt)], SamplingSpec(n=1, max_new_tokens=1))
+    # engine generate: the stand-in has no forward; both engines feed the same encoded prompt (tests/test_sampling.py)
+    generate(model, tokenizer, [render_prompt(tokenizer, prompt)], SamplingSpec(n=1, max_new_tokens=1, engine="generate"))
     (fed,) = model.fed
     return fed
 
