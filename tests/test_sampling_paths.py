@@ -170,7 +170,7 @@ def run_evaluation(folder: Path, policy: Path, engine: str | None):
 
 
 def run_tool_evaluation(folder: Path, policy: Path, engine: str | None):
-    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 6},
+    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 8},
                       verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
                       max_turns=3, sampling=with_engine({"temperature": 1.0, "max_new_tokens": 200}, engine))
     evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval")
@@ -216,8 +216,10 @@ PATHS = {"ppo": SamplingPath(run_ppo, True, {1.0}, 2),
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_sampling_path_gets_from_the_loop_what_generate_gives(path, policy, tmp_path, monkeypatch):
     run, names_engine, temperatures, calls = PATHS[path]
-    # The random policy writes no tool calls: every closed turn is read as one, so rollouts run several turns.
-    monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "2*3"})], []))
+    # The random policy writes no tool calls: two closed turns in three (by their length) are read as one, so
+    # rollouts run one to max_turns turns, and some end with an answer.
+    monkeypatch.setattr(ToolFormat, "parse",
+                        lambda self, text: ([Call("calculator", {"expression": "2*3"})] if len(text) % 3 else [], []))
     runs = {}
     for engine in ([None, "generate"] if names_engine else [None]):
         check = EngineCheck(hf.generate_ids)
