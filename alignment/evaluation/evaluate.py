@@ -262,9 +262,9 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
     if judges.reference is not None:
         kl_samples, kl_rows = sampled, sampled_rows
         if not _samples_the_policy(spec.pass_k):  # KL needs samples from the policy itself (temperature 1)
-            pure = SamplingSpec(temperature=1.0, max_new_tokens=spec.sampling.max_new_tokens,
-                                batch_size=spec.sampling.batch_size, backend=spec.sampling.backend,
-                                vllm=spec.sampling.vllm)
+            # The main sampling's settings otherwise (lengths, batch, backend, engine, cache, merge_lora): who
+            # samples is the suite's choice for these samples too.
+            pure = spec.sampling.model_copy(update={"temperature": 1.0, "top_p": 1.0, "top_k": 0})
             kl_samples = generate(model, tokenizer, prompts, pure, progress=f"{where} KL")
             kl_rows = _sampled_rows(kl_samples, suite, label, "kl")
             sampled_rows = sampled_rows + kl_rows

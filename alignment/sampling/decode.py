@@ -19,7 +19,10 @@ q) with q exponential noise laid out over the tensor's shape, so a row's draw de
 and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they would have
 drawn in `generate` (checked by tests/test_sampling.py). So greedy and sampled ids equal `generate`'s, as far as the
 model's arithmetic gives the same logits for a row in a smaller batch: BLAS kernels may sum in another order for
-another batch size, which can move a logit in its last bits (not seen on the CPU test models; not checked on a GPU).
+another batch size, which moves a logit in its last bits. Seen on CPU: once compaction leaves 1-4 rows, the tiny
+test model's log-probs move by up to 5e-5 from `generate`'s, the ids stayed the same on every sampling path
+(tests/test_sampling_paths.py, transformers 5.24 and the vLLM environment's 5.19); a near-tie between two tokens
+could still flip one. Not checked on a GPU.
 
 Not covered: sharded models (FSDP2 needs every process to run the same number of forwards: hf.py sends them
 to `generate`), the static cache and compiled decoding (fixed shapes, which compaction changes: `generate`
