@@ -124,6 +124,10 @@ def test_pass_k_spec_validation():
     suite = SuiteSpec(name="x", data={"task": "arithmetic"}, verifier="arithmetic", sampling={"max_new_tokens": 5},
                       pass_k={"n": 4, "k": [1, 4]})
     assert suite.pass_k.max_new_tokens == 5 and suite.pass_k.temperature == 1.0
+    on_generate = SuiteSpec(name="x", data={"task": "arithmetic"}, verifier="arithmetic",
+                            sampling={"engine": "generate", "merge_lora": False}, pass_k={"n": 4})
+    assert (on_generate.pass_k.engine, on_generate.pass_k.merge_lora) == ("generate", False)  # the suite's sampler
+    assert small_suite(pass_k={"n": 4, "engine": "generate"}).pass_k.engine == "generate"
     with pytest.raises(ValueError, match="between 1 and n"):
         SuiteSpec(name="x", data={"task": "arithmetic"}, pass_k={"n": 4, "k": [8]})
 

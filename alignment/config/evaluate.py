@@ -43,6 +43,10 @@ class PassAtKSpec(SamplingSpec):
         return self
 
 
+# What a suite's pass_k block takes from its `sampling` block unless it sets it: the length, the batch and the sampler.
+INHERITED_BY_PASS_K = ("max_new_tokens", "batch_size", "backend", "vllm", "engine", "cache", "compile", "merge_lora")
+
+
 class SuiteSpec(ToolUse):
     name: str = Field(pattern=SUITE_NAME, description="prefix of the suite's metric names")
     data: DataSpec = Field(description="the suite's prompts (`prompt` or `messages`) and the columns its verifier reads")
@@ -58,15 +62,16 @@ class SuiteSpec(ToolUse):
     sampling: SamplingSpec = Field(default_factory=greedy, description="the main completion, one per prompt (default: "
                                   "greedy, temperature 0, max_new_tokens 16)")
     pass_k: PassAtKSpec | None = Field(None, description="also sample n completions per prompt for pass@k (unbiased "
-                                       "estimator, Chen et al. 2021, arXiv:2107.03374); max_new_tokens and batch_size "
-                                       "default to `sampling`'s")
+                                       "estimator, Chen et al. 2021, arXiv:2107.03374); max_new_tokens, batch_size and "
+                                       "the sampler (backend, vllm, engine, cache, compile, merge_lora) default to "
+                                       "`sampling`'s")
 
     @model_validator(mode="after")
     def _one_main_completion(self):
         if self.sampling.n != 1:
             raise ValueError("sampling.n must be 1 (one completion per prompt); use pass_k: {n: ...} for several")
-        if self.pass_k is not None:  # pass@k samples as long as the main completions unless told otherwise
-            for key in ("max_new_tokens", "batch_size"):
+        if self.pass_k is not None:  # pass@k samples as long and on the same sampler as the main completions,
+            for key in INHERITED_BY_PASS_K:  # unless told otherwise
                 if key not in self.pass_k.model_fields_set:
                     setattr(self.pass_k, key, getattr(self.sampling, key))
         return self
