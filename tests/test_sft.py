@@ -35,6 +35,7 @@ def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path, caplog):
     out = recipe.stage_dir("sft")
     record = json.loads((out / "stage.json").read_text())
     assert record["kind"] == "sft" and record["metrics"]["train_loss"] > 0
+    assert 0 < record["cpu_time_s"] and record["peak_rss_mib"] > 100  # torch alone keeps more than 100 MiB resident
     assert {"torch", "transformers", "trl"} <= set(record["versions"])
     assert (out / "tokenizer.json").exists() and (out / "README.md").exists()
     before, base = params(out), params(recipe.out / "base")

@@ -201,12 +201,34 @@ def test_the_tasks_demonstrations_are_written_as_the_rollout_writes_calls_and_re
     assert tool_arithmetic.call_text("12*3") == fmt.call_text([Call("calculator", {"expression": "12*3"})])
     rows = tool_arithmetic.build(ToolArithmeticParams(n=50, demonstrations=True, call_fraction=1.0), "train", 0)
     tokenizer = build_tokenizer()
-    messages = rows[1]["messages"]
+    messages = rows[1]["prompt"]
     prompt = fmt.render_prompt(tokenizer, messages[:1], [], describe=False)
-    rendered = tokenizer.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == (prompt + messages[1]["content"] + "<|end|>" +
                         fmt.result_text(tokenizer, [("calculator", rows[1]["answer"])]))
-    assert [len(r["messages"]) for r in rows[:2]] == [2, 4]  # the call, then the answer after its result
+    assert [len(r["prompt"]) for r in rows[:2]] == [1, 3]  # the call, then the answer after its result
+    assert rows[0]["completion"] == [messages[1]] and rows[1]["completion"][0]["content"] == rows[1]["answer"]
+
+
+@pytest.mark.parametrize("call_fraction", [0.0, 0.33, 1.0])
+def test_call_fraction_is_the_share_of_trained_first_turns_that_call(call_fraction):
+    """SFT trains every assistant turn of a conversation, so a demonstration of the answer after a result must
+    not also train its call: the first turns SFT is trained on call in `call_fraction` of the problems, and the
+    answer after a result is trained for every problem."""
+    from alignment.config.tasks import ToolArithmeticParams
+    from alignment.data.formatting import render_example
+    from alignment.models.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    rows = tool_arithmetic.build(ToolArithmeticParams(n=300, demonstrations=True, call_fraction=call_fraction),
+                                 "train", 0)
+    trained = []  # the text of every turn SFT trains on
+    for row in rows:
+        for rendered in render_example(tokenizer, row)[0]:
+            trained += [t for t, on in rendered["segments"] if on] if "segments" in rendered else [rendered["completion"]]
+    calls = sum("<tool_call>" in t for t in trained)
+    assert len(trained) == 600  # per problem: the first turn, and the answer after the result
+    assert abs(calls / 300 - call_fraction) < 0.08
 
 
 CHECKED_CALCULATOR = '''

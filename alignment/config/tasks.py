@@ -39,7 +39,8 @@ class ToolArithmeticParams(Strict):
 
     n: int = Field(1000, gt=0, description="number of problems")
     digits: tuple[int, int] = Field((3, 2), description="digits of the two factors")
-    demonstrations: bool = Field(False, description="rows hold `messages` demonstrating an answer (SFT); "
+    demonstrations: bool = Field(False, description="rows hold conversational `prompt`/`completion` pairs demonstrating "
+                                 "one turn each, the call or direct answer and the answer after a result (SFT); "
                                  "false: `prompt` and `answer` only (RL, evaluation)")
     call_fraction: float = Field(0.5, ge=0, le=1, description="share of demonstrated problems whose first turn calls "
                                  "the calculator (the others answer directly); every problem also demonstrates the "

@@ -15,6 +15,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 import shutil
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -190,16 +191,26 @@ def run_stage(recipe: Recipe, stage_id: str, state=None) -> dict:
         ctx.work_dir.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
     log.info(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     with disk_errors_explained(ctx), memory_errors_explained(ctx):
         result = stage_module(ctx.config.kind).run(ctx) or {}
         state.wait_for_everyone()
-        record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2)}
+        record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2),
+                  "cpu_time_s": round(time.process_time() - cpu_started, 2), "peak_rss_mib": peak_rss_mib()}
         if state.is_main_process:
             finalize(ctx, record, result.get("log_history"))
     state.wait_for_everyone()
     log.info(f"[{stage_id}] done in {record['wall_time_s']:.1f}s -> {recipe.stage_dir(stage_id)}")
     return record
+
+
+def peak_rss_mib() -> int:
+    """This process's peak resident memory so far, in MiB: under `--jobs 1` the stages run in one process, so a
+    stage's figure is the largest of its own and the stages before it. Next to `cpu_time_s` (this process's
+    CPU seconds in the stage, all its threads) it says what a stage costs on a machine shared with other work,
+    where `wall_time_s` does not."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / 1024) if os.uname().sysname == "Linux" else round(peak / 2**20)  # KiB on Linux, bytes on macOS
 
 
 @contextlib.contextmanager

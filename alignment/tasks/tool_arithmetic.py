@@ -1,14 +1,16 @@
 """Products of a 3-digit and a 2-digit number ("What is 123*45?"), a task that needs a calculator: the offline
 task of tool use (recipes/smollm2-135m/tools.yaml).
 
-`demonstrations: true` gives two SFT rows (`messages`) per problem, because SFT trains the last assistant turn of
-a row: the first turn, a calculator call ([user, assistant: <tool_call>...]) for a `call_fraction` share of the
-problems and a direct answer for the others; and the answer after the calculator's result ([user, assistant:
-call, tool: <tool_response>...</tool_response>, assistant: answer]), for every problem, so that a policy which
-calls learns to use the result whatever share of problems demonstrates the call. The calls are written in the
+`demonstrations: true` gives two SFT rows per problem, each a conversational `prompt` and a one-turn `completion`,
+so that SFT trains exactly one assistant turn of each (it trains every assistant turn of a `messages` row, which
+would demonstrate the call in every problem's second row): the first turn, a calculator call ([user] ->
+<tool_call>...) for a `call_fraction` share of the problems and a direct answer for the others; and the answer
+after the calculator's result ([user, assistant: call, tool: <tool_response>...</tool_response>] -> answer), for
+every problem, so that a policy which calls learns to use the result whatever share of problems demonstrates the
+call. The calls are written in the
 `hermes` tool format for a chat template without tool support (a recipe's `tool_format: hermes`), as
 alignment/tools/formats.py renders them (tests/test_tools_stages.py holds the two equal). Otherwise rows hold
-`prompt` and `answer`, and the verifier is arithmetic's.
+`prompt` and `answer`, and the verifier is arithmetic's (demonstrations keep `answer` too).
 """
 
 from __future__ import annotations
@@ -57,5 +59,5 @@ def _rows(a: int, b: int, params: ToolArithmeticParams, rng: random.Random) -> l
     call = {"role": "assistant", "content": call_text(expression)}
     result = {"role": "tool", "name": "calculator", "content": result_text(answer)}
     first = call if rng.random() < params.call_fraction else {"role": "assistant", "content": answer}
-    return [{"messages": [user, first], "answer": answer},
-            {"messages": [user, call, result, {"role": "assistant", "content": answer}], "answer": answer}]
+    return [{"prompt": [user], "completion": [first], "answer": answer},
+            {"prompt": [user, call, result], "completion": [{"role": "assistant", "content": answer}], "answer": answer}]
