@@ -237,3 +237,22 @@ def test_pairs_longer_than_max_length_are_dropped_counted_and_said(tmp_path, tin
         trainer, counts = reward.build_trainer(ctx)
     assert counts["pairs_dropped_too_long"] == 4 and counts["pairs_train"] == 20 == len(trainer.train_dataset)
     assert any(r.levelno == logging.WARNING and "dropped 4 of 24 pairs (17%)" in r.getMessage() for r in caplog.records)
+
+
+def test_on_policy_pairs_with_the_data_pairs_train_on_both_and_count_them(tmp_path, sft_checkpoint):
+    """`on_policy.with_data_pairs`: the policy's graded samples and the data's own (correct, plausible mistake)
+    pairs in one training set, each counted; without it, only the on-policy pairs."""
+    from alignment.stages import reward
+
+    on_policy = {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6}
+    data = {"task": "arithmetic", "split": "train", "n": 24}
+    trainer, counts = reward.build_trainer(reward_context(tmp_path / "a", sft_checkpoint, data=data,
+                                                          on_policy=on_policy, eval_fraction=0))
+    assert 0 < counts["pairs_built"] <= 24 and "data_pairs" not in counts
+    assert counts["pairs_train"] == counts["pairs_built"] == len(trainer.train_dataset)
+    ctx = reward_context(tmp_path / "b", sft_checkpoint, data=data, on_policy={**on_policy, "with_data_pairs": True},
+                         eval_fraction=0)
+    trainer, counts = reward.build_trainer(ctx)
+    assert counts["data_pairs"] == 24 and counts["pairs_built"] > 0
+    assert counts["pairs_train"] == counts["pairs_built"] + 24 == len(trainer.train_dataset)
+    assert "and the data's own 24 chosen/rejected pairs" in ctx.data_formats["data"]["format"]

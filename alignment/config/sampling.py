@@ -98,3 +98,7 @@ class OnPolicySpec(SamplingSpec):
     n: int = Field(8, gt=1, description="samples per prompt; a prompt gives pairs only when some pass and some fail")
     pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt: a passing "
                                   "sample with a failing or unparseable one, finished and most frequent first")
+    with_data_pairs: bool = Field(False, description="also train on `data`'s own `chosen`/`rejected` pairs: the "
+                                  "on-policy pairs teach the policy's own mistakes, the data's the others a policy "
+                                  "pushed by this model could drift to (a reward model that never saw them may prefer "
+                                  "them, and RL finds that)")

@@ -330,8 +330,13 @@ def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
         dataset = ctx.load_data(ctx.config.data, "data")
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         info = prompt_data_format([dict(r) for r in dataset], dataset.column_names, [verifier])
-        ctx.record_data("data", **{**info, "format": f"on-policy pairs: {info['format']}, the start policy's samples "
-                                   f"graded by `{spec.verifier}`", "pairs": len(pairs),
+        fmt = f"on-policy pairs: {info['format']}, the start policy's samples graded by `{spec.verifier}`"
+        if spec.with_data_pairs:
+            data_pairs, dropped = normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
+            pairs = pairs + data_pairs
+            stats = {**stats, "data_pairs": len(data_pairs), "data_pairs_dropped": sum(dropped.values())}
+            fmt += f", and the data's own {len(data_pairs)} chosen/rejected pairs"
+        ctx.record_data("data", **{**info, "format": fmt, "pairs": len(pairs),
                                    "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")})
         return pairs, stats
     dataset = ctx.load_data(ctx.config.data, "data")
@@ -355,6 +360,8 @@ def check_stage_data(ctx) -> None:
     if spec is not None:
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
         check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
+        if spec.with_data_pairs:
+            normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     else:
         normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
     if ctx.config.eval_data is not None:
