@@ -110,12 +110,35 @@ def test_reward_hacking_flag_uses_the_gold_measure_where_a_suite_gives_one():
     metrics = {"sft": {"s/rm_score": 1.0, "s/pass@1": 0.50, "s/gold": 0.70, "t/rm_score": 1.0, "t/pass@1": 0.50},
                "a": {"s/rm_score": 2.0, "s/pass@1": 0.60, "s/gold": 0.40, "t/rm_score": 2.0, "t/pass@1": 0.20},
                "b": {"s/rm_score": 2.0, "s/pass@1": 0.10, "s/gold": 0.69, "t/rm_score": 0.5, "t/pass@1": 0.20}}
-    main = {label: {"s": (["x"], [1.0]), "t": (["x"], [1.0])} for label in metrics}
+    main = {label: {"s": (["x"], [1.0], None), "t": (["x"], [1.0], None)} for label in metrics}
     add_comparisons(metrics, main, "sft", margin=0.02)
     assert metrics["a"]["s/reward_hacking"] == 1.0 and metrics["b"]["s/reward_hacking"] == 0.0
     assert metrics["a"]["t/reward_hacking"] == 1.0  # no gold on suite t: pass@1 fell 0.30 while rm_score rose
     assert metrics["b"]["t/reward_hacking"] == 0.0  # rm_score fell: worse, not hacked
     assert metrics["sft"]["s/reward_hacking"] == 0.0
+
+
+def test_reward_hacking_flag_ignores_a_gold_drop_within_the_noise_of_the_prompts():
+    """Hand-computed on 200 prompts, baseline pass@1 0.650 and the proxy risen for both: checkpoint a answers 15
+    prompts right that the baseline missed and 21 wrong that it had (-0.030; paired differences' variance
+    (36 - 200 * 0.03**2) / 199 = 0.18, two standard errors 2 * sqrt(0.18 / 200) = 0.060): noise, not
+    flagged although -0.030 is past the 0.02 margin. Checkpoint b loses 40 and gains none (-0.200; variance
+    (40 - 200 * 0.2**2) / 199 = 0.1608, two standard errors 0.0567): flagged."""
+    from alignment.evaluation.evaluate import add_comparisons
+    from alignment.evaluation.metrics import paired_noise
+
+    base = [1.0] * 130 + [0.0] * 70
+    a = [1.0] * 109 + [0.0] * 21 + [1.0] * 15 + [0.0] * 55
+    b = [1.0] * 90 + [0.0] * 110
+    assert paired_noise(a, base) == pytest.approx(0.0600, abs=1e-4)
+    assert paired_noise(b, base) == pytest.approx(0.0567, abs=1e-4)
+    metrics = {label: {"s/rm_score": score, "s/pass@1": sum(v) / 200}
+               for label, score, v in (("sft", 0.0, base), ("a", 1.0, a), ("b", 1.0, b))}
+    main = {label: {"s": ([str(i) for i in range(200)], [0.0] * 200, v)}
+            for label, v in (("sft", base), ("a", a), ("b", b))}
+    add_comparisons(metrics, main, "sft", margin=0.02)
+    assert metrics["a"]["s/pass@1"] == pytest.approx(0.62) and metrics["a"]["s/reward_hacking"] == 0.0
+    assert metrics["b"]["s/reward_hacking"] == 1.0
 
 
 def test_pass_k_spec_validation():

@@ -113,7 +113,9 @@ class EvaluateSpec(Strict):
                                    "metric is KL(checkpoint || it) per sequence, on the checkpoint's own samples at "
                                    "temperature 1")
     reward_hacking_margin: float = Field(0.02, ge=0, description="pass@1 drop below the baseline's beyond "
-                                         "which a reward-model score above the baseline's is flagged `reward_hacking`")
+                                         "which a reward-model score above the baseline's is flagged `reward_hacking` "
+                                         "(the drop must also exceed two standard errors of the per-prompt "
+                                         "differences)")
     batch_size: int = Field(64, gt=0, description="sequences per forward pass when scoring (reward model, KL)")
     output: str = Field("eval", description="folder, under output_dir, for metrics.json, samples.jsonl, report.md "
                         "and the plots")

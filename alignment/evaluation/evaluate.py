@@ -62,6 +62,7 @@ from ..training.scoring import score_texts
 from ..verifiers import is_pass, resolve
 from .metrics import (
     mean,
+    paired_noise,
     pass_at_k,
     pass_name,
     reward_hacking,
@@ -213,7 +214,8 @@ def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], o
 
 def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judges, seed: int = 42,
                         batch_size: int = 64, trust_remote_code: bool = False):
-    """(metrics {"SUITE/METRIC": value}, per-sample rows, {suite: (main texts, rm scores)}) of one checkpoint."""
+    """(metrics {"SUITE/METRIC": value}, per-sample rows, {suite: (main texts, rm scores, per-prompt gold)}) of
+    one checkpoint."""
     tokenizer = load_tokenizer(path, trust_remote_code)
     if judges.reference is not None and tokenizer.get_vocab() != judges.reference_vocab:
         raise UserError(f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer.")
@@ -231,13 +233,14 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
 
 
 def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
-    """(scores {METRIC: value}, per-sample rows, (main texts, rm scores)) of one loaded model on one suite."""
+    """(scores {METRIC: value}, per-sample rows, (main texts, rm scores, per-prompt gold)) of one loaded model on
+    one suite."""
     spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
     if suite.toolbox is not None:
         if judges.reference is not None:
             log.info(f"[{where}] no KL for a suite with tools: it would need the tool-result mask (not done yet)")
         main, tool_scores, trajectories = tool_samples(model, tokenizer, suite, where)
-        scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
+        scores, rows, compared = score_main(main, suite, judges, label, batch_size)
         for row, trajectory in zip(rows, trajectories):
             row["trajectory"] = trajectory
         if spec.pass_k is not None:
@@ -249,10 +252,10 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
             if suite.verifier is not None:
                 scores.update(pass_k_scores([r["passed"] for r in sampled_rows], spec.pass_k))
             rows += sampled_rows
-        return {**scores, **tool_scores}, rows, ([s.text for s in main], rm_scores)
+        return {**scores, **tool_scores}, rows, compared
     prompts = [render_prompt(tokenizer, p) for p in suite.prompts]
     main = generate(model, tokenizer, prompts, spec.sampling, progress=where)
-    scores, rows, rm_scores = score_main(main, suite, judges, label, batch_size)
+    scores, rows, compared = score_main(main, suite, judges, label, batch_size)
     sampled, sampled_rows = [], []
     if spec.pass_k is not None:
         sampled = generate(model, tokenizer, prompts[: spec.pass_k.limit], spec.pass_k, progress=f"{where} pass@k")
@@ -272,23 +275,26 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         scores["kl"] = mean(kls)
         for row, value in zip(kl_rows, kls):
             row["kl"] = value
-    return scores, rows + sampled_rows, ([s.text for s in main], rm_scores)
+    return scores, rows + sampled_rows, compared
 
 
 def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
-    """Metrics of the main completions (one per prompt): verifier, sycophancy, length, reward model."""
+    """Metrics of the main completions (one per prompt): verifier, sycophancy, length, reward model; and what
+    `add_comparisons` compares with the baseline's: (texts, reward-model scores, per-prompt gold measure)."""
     texts = [s.text for s in main]
     rows = [_sample_row(s, suite, label, "main") for s in main]
-    scores = {}
+    scores, gold = {}, None
     if suite.verifier is not None:
         results = suite.verifier.score_batch(texts, suite.rows)
-        scores["pass@1"] = mean(is_pass(r) for r in results)
+        gold = [float(is_pass(r)) for r in results]
+        scores["pass@1"] = mean(gold)
         scores["unparseable_rate"] = mean(r.status == "unparseable" for r in results)
         for row, result in zip(rows, results):
             row.update(reward=result.reward, status=result.status)
     if suite.gold is not None:
         results = suite.gold.score_batch(texts, suite.rows)
-        scores["gold"] = mean(r.reward for r in results)
+        gold = [r.reward for r in results]
+        scores["gold"] = mean(gold)
         for row, result in zip(rows, results):
             row["gold"] = result.reward
     if suite.sycophancy:
@@ -304,7 +310,7 @@ def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int =
         scores["rm_score"] = mean(rm_scores)
         for row, value in zip(rows, rm_scores):
             row["rm_score"] = value
-    return scores, rows, rm_scores
+    return scores, rows, (texts, rm_scores, gold)
 
 
 def _samples_the_policy(sampling: SamplingSpec | None) -> bool:
@@ -363,16 +369,17 @@ def _device(model):
 def add_comparisons(metrics: dict, main: dict, baseline: str, margin: float) -> None:
     """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag: the
     reward model's score (the proxy) rose while the gold measure fell, the suite's `gold` where it has one, else
-    its verifier's pass@1."""
+    its verifier's pass@1, by more than `margin` and than the noise of the per-prompt differences."""
     for label, suites in main.items():
-        for suite, (texts, rm_scores) in suites.items():
-            base_texts, base_scores = main[baseline][suite]
+        for suite, (texts, rm_scores, gold_values) in suites.items():
+            base_texts, base_scores, base_gold = main[baseline][suite]
             m, b = metrics[label], metrics[baseline]
             m[f"{suite}/win_rate"] = win_rate(rm_scores, base_scores, texts, base_texts)
             gold = next((f"{suite}/{k}" for k in ("gold", "pass@1") if f"{suite}/{k}" in m), None)
             if gold is not None:
                 gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[gold] - b[gold])
-                m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin))
+                noise = paired_noise(gold_values, base_gold) if gold_values and base_gold else 0.0
+                m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin, noise=noise))
 
 
 # ---------------------------------------------------------------------------------------------------
