@@ -59,9 +59,9 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
     # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
-    # DPO (the pairs) and RLVR (the verifier) recover the carry (measured over seeds 1-3 on the previous recipe:
-    # +28 points or more); PPO and RSFT learn from preferences alone, through the reward model, and must gain the
-    # issue's 10 points (README: the measured table) without the reward-hacking flag.
+    # DPO (the pairs) and RLVR (the verifier) recover the carry; PPO and RSFT learn from preferences alone,
+    # through the reward model, and must gain the issue's 10 points without the reward-hacking flag. Measured
+    # over seeds 1-3 (README): PPO and RSFT +23.7 or more, DPO +30.0, RLVR +29.3.
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
     for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
         assert metrics[stage]["arithmetic/pass@1"] > sft + gain, f"{stage} does not beat SFT by {gain:.0%}"
