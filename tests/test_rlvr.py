@@ -121,6 +121,24 @@ def test_kl_on_by_default_and_recipe_can_override(tmp_path):
     assert type(args).__name__ == "RLOOConfig" and args.beta == 0.0
 
 
+def test_grpo_centres_a_reward_models_scores_without_scaling_them_unless_the_recipe_says(tmp_path):
+    """With a reward model in the reward, GRPO's advantages are the group-centred rewards (`scale_rewards:
+    none`): divided by the group's spread, the quickstart's reward model was hacked on every seed. Verifiers
+    alone keep TRL's default (`group`), and a recipe's own `scale_rewards` wins."""
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
+    from alignment.stages import rlvr
+
+    def args_for(stage: dict, name: str):
+        recipe = load_recipe(write_recipe(tmp_path / name, recipe_dict(tmp_path / name, "rlvr", {**FAST, **stage})))
+        return rlvr.trl_config(make_context(recipe, "rlvr"))
+
+    assert args_for({}, "verifiers").scale_rewards == "group"
+    assert args_for({"verifiers": [], "reward_model": "rm"}, "rm").scale_rewards == "none"
+    assert args_for({"reward_model": "rm"}, "both").scale_rewards == "none"
+    assert args_for({"reward_model": "rm", "train": {**FAST_TRAIN, "scale_rewards": "group"}}, "own").scale_rewards == "group"
+
+
 def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
     recipe = recipe_dict(tmp_path, "rlvr",
                          {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})

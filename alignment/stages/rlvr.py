@@ -6,8 +6,10 @@ them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function
 (`rewards.RewardModelReward`, weight `reward_model_weight`; RLOO on a reward model is RLHF without a
 critic, Ahmadian et al. 2024); the weighted sum is the reward. `gold:` verifiers are scored on every
 completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards within each prompt's group
-(Shao et al. 2024, eq. 3, DeepSeekMath); `algorithm: rloo` uses the leave-one-out baseline instead
-(Ahmadian et al. 2024). Both keep a KL
+(Shao et al. 2024, eq. 3, DeepSeekMath); with a reward model in the reward it only centres them
+(`scale_rewards: none` unless `train:` says otherwise; Liu et al. 2025, Dr. GRPO), since dividing by the
+group's spread turned the reward model's noise into advantage and the policy hacked it (measured in
+docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
 What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
@@ -101,8 +103,14 @@ def trainer_classes(algorithm: str):
 
 
 def stage_defaults(config: Config) -> dict:
-    return {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8, "max_completion_length": 256,
-            "disable_dropout": True, "reward_weights": reward_weights(config)}
+    defaults = {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8,
+                "max_completion_length": 256, "disable_dropout": True, "reward_weights": reward_weights(config)}
+    if config.reward_model is not None and config.algorithm == "grpo":
+        # GRPO divides each group's rewards by their spread: a reward model's small score differences between
+        # two wrong answers become whole units of advantage, and the policy learns what the reward model
+        # prefers among them. On the quickstart's reward model that hacked it on every seed (docs/results.md).
+        defaults["scale_rewards"] = "none"
+    return defaults
 
 
 def reward_weights(config: Config) -> list[float]:
