@@ -4,7 +4,8 @@ The model is the start policy loaded as a one-label sequence classifier (a fresh
 head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
 (Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
 `alignment/training/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
-samples graded by a verifier. Pairs are rendered with the shared convention and tokenized by us, so
+samples graded by a verifier; `with_data_pairs: true` adds the data's own pairs to those (the quickstart's
+reward model needs both: README). Pairs are rendered with the shared convention and tokenized by us, so
 the model learns on exactly the text `scoring.score_texts` scores later (ppo, evaluation).
 
 With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in
