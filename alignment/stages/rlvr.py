@@ -8,8 +8,8 @@ critic, Ahmadian et al. 2024); the weighted sum is the reward. `gold:` verifiers
 completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards within each prompt's group
 (Shao et al. 2024, eq. 3, DeepSeekMath); with a reward model in the reward it only centres them
 (`scale_rewards: none` unless `train:` says otherwise; Liu et al. 2025, Dr. GRPO), since dividing by the
-group's spread turned the reward model's noise into advantage and the policy hacked it (measured in
-docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
+group's spread turned the reward model's noise into advantage and the policy learned that instead of the
+task (measured in docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
 penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
 What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
@@ -108,7 +108,8 @@ def stage_defaults(config: Config) -> dict:
     if config.reward_model is not None and config.algorithm == "grpo":
         # GRPO divides each group's rewards by their spread: a reward model's small score differences between
         # two wrong answers become whole units of advantage, and the policy learns what the reward model
-        # prefers among them. On the quickstart's reward model that hacked it on every seed (docs/results.md).
+        # prefers among them. On the quickstart's reward model it gained -2.7 to +12 points where centring alone
+        # gained +20.6 to +28 (docs/results.md).
         defaults["scale_rewards"] = "none"
     return defaults
 
