@@ -9,8 +9,9 @@ completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards w
 (Shao et al. 2024, eq. 3, DeepSeekMath); with a reward model in the reward it only centres them
 (`scale_rewards: none` unless `train:` says otherwise; Liu et al. 2025, Dr. GRPO), since dividing by the
 group's spread turned the reward model's noise into advantage and the policy learned that instead of the
-task (measured in docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et al. 2024). Both keep a KL
-penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's GRPO default is 0;
+task (measured in docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et
+al. 2024). Both keep a KL penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's
+GRPO default is 0;
 `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
 What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
 `frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
