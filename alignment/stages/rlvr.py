@@ -11,8 +11,7 @@ completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards w
 group's spread turned the reward model's noise into advantage and the policy learned that instead of the
 task (measured in docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et
 al. 2024). Both keep a KL penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's
-GRPO default is 0;
-`train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
+GRPO default is 0; `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
 What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
 `frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
 the share of prompt groups whose completions all scored the same (no advantage to learn from; above half
