@@ -212,3 +212,25 @@ def test_a_node_without_the_shared_output_dir_stops_at_once(tmp_path):
     assert all(code != 0 for code in codes)
     assert "is not shared by all processes: rank 1 on" in output and "shared filesystem" in output
     assert not (tmp_path / "node0" / "base").exists() and not (tmp_path / "node1" / "base").exists()
+
+
+@pytest.mark.slow
+def test_rlvr_with_tools_runs_under_ddp_with_identical_ranks_and_counts_every_process(tmp_path):
+    """Tool rollouts under 2-process DDP: each process samples its own prompts' multi-turn rollouts from its
+    unwrapped model, the ranks end with the same weights, and stage.json's tool counts are summed over both
+    processes (2 steps x 2 processes x 8 rollouts), not rank 0's half."""
+    stage = {**RLVR, "model": None, "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False,
+             "max_turns": 2, "max_tool_output_tokens": 16,
+             "train": {**RLVR["train"], "max_completion_length": 12}}
+    recipe = {"name": "tools-ddp", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 5,
+              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"rlvr": {k: v for k, v in stage.items() if v is not None}}}
+    (tmp_path / "my_verifiers.py").write_text(DIGITS)
+    codes, output = finish(launch("cpu_2proc", 29670, tmp_path / "digests", write_recipe(tmp_path, recipe)),
+                           timeout=600)
+    assert codes == [0], output[-5000:]
+    ranks = [(tmp_path / "digests" / f"rlvr-rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert ranks[0] == ranks[1], "the two processes ended with different weights"
+    metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]
+    assert metrics["global_step"] == 2 and metrics["tools/rollouts"] == 2 * 2 * 8
+    assert metrics["tools/turns"] >= metrics["tools/rollouts"]
+    assert (tmp_path / "out" / "rlvr" / "tools.json").exists()

@@ -28,9 +28,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from accelerate.utils import gather_object
+
 from ..config.sampling import SamplingSpec
 from ..errors import UserError
-from ..runtime.dist import PARTITIONED, get_logger, launched_engine
+from ..runtime.dist import PARTITIONED, get_logger, is_main_process, launched_engine
 from ..sampling import Sample
 from ..tools.formats import ToolFormat
 from ..tools.registry import Toolbox, resolve_tools
@@ -52,7 +54,9 @@ def check_engine(config, where: str) -> None:
                         "(configs/accelerate/ddp.yaml) or a single process.")
     if getattr(config, "algorithm", "grpo") != "grpo":
         raise UserError(f"{where}.algorithm: tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func "
-                        "hook, which the multi-turn rollout uses).")
+                        "hook, which the multi-turn rollout uses). For RLOO's leave-one-out baseline with tools, use "
+                        "grpo with train: {scale_rewards: none}: its advantage is RLOO's times (G-1)/G, a constant "
+                        "that Adam's step cancels; its KL term is in the loss, not in the reward as RLOO's is.")
     if config.train.get("use_vllm"):
         raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
                         "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
@@ -117,14 +121,18 @@ class ToolRollouts:
         return wrapped + ([environment_reward] if self.has_environment_reward else [])
 
     def metrics(self) -> dict:
-        """For stage.json: summed counts over training rollouts, and the share of rollouts that called a tool."""
-        total = self.totals["rollouts"]
-        found = {f"tools/{k}": self.totals[k] for k in COUNTS}
-        return {**found, "tools/rollouts": total,
-                "tools/call_rate": self.totals["with_calls"] / total if total else 0.0}
+        """For stage.json: counts summed over the training rollouts of every process (each samples its own
+        prompts), and the share of rollouts that called a tool. Every process must call it (a collective)."""
+        totals = sum(gather_object([self.totals]), Counter())
+        total = totals["rollouts"]
+        found = {f"tools/{k}": totals[k] for k in COUNTS}
+        return {**found, "tools/rollouts": total, "tools/call_rate": totals["with_calls"] / total if total else 0.0}
 
     def save(self, out_dir: Path) -> None:
-        """tools.json beside the checkpoint: how the policy was prompted and how it calls tools."""
+        """tools.json beside the checkpoint: how the policy was prompted and how it calls tools (written by the
+        main process only, as the checkpoint is)."""
+        if not is_main_process():
+            return
         record = {"tool_format": self.format.style, "native_template": self.format.native,
                   "tools": self.toolbox.schemas, "max_turns": self.config.max_turns,
                   "described_in_prompt": self.config.describe_tools}

@@ -36,7 +36,10 @@ class Config(StageConfig, ToolUse):
     def _tools_need_grpo(self):
         if self.uses_tools and self.algorithm != "grpo":
             raise ValueError("tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func hook, which "
-                             "the multi-turn rollout uses)")
+                             "the multi-turn rollout uses). For RLOO's leave-one-out baseline with tools, use grpo with "
+                             "train: {scale_rewards: none}: its advantage, the reward minus the group mean, is RLOO's "
+                             "times (G-1)/G, a constant that Adam's step cancels; its KL term is in the loss, not "
+                             "subtracted from the reward as RLOO's is")
         return self
 
     @model_validator(mode="after")
