@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SMALLEST_MODEL, write_recipe
+from conftest import SMALLEST_MODEL, recipe_dict, write_recipe
 
 from alignment.tasks import tool_arithmetic
 from alignment.tools.formats import Call, ToolFormat
@@ -58,6 +58,16 @@ def test_align_check_validates_the_tool_keys(tmp_path, stage, message):
     with pytest.raises(UserError) as error:
         check_recipe(load_recipe(write_recipe(tmp_path, recipe(tmp_path, **stage))))
     assert message in str(error.value)
+
+
+def test_ppo_refuses_tools_and_names_the_stages_that_run_them(tmp_path):
+    from alignment.config.recipe import load_recipe
+    from alignment.errors import UserError
+
+    stage = {"policy": None, "verifiers": ["arithmetic"], "data": {"task": "arithmetic", "n": 8},
+             "tools": ["calculator"], "max_turns": 2}
+    with pytest.raises(UserError, match=r"'stages.ppo': ppo does not take max_turns, tools: .* rlvr .* rsft"):
+        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", {k: v for k, v in stage.items() if v})))
 
 
 def test_partitioned_engines_are_refused_before_loading(monkeypatch):

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from ..base import Strict
 from ..data import DataSpec
 from ..sampling import SamplingSpec
+from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
 
@@ -111,6 +112,16 @@ class Config(StageConfig):
 
     def start_model_key(self) -> str:
         return "policy"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tools(cls, data):
+        given = sorted(set(data) & set(ToolUse.model_fields)) if isinstance(data, dict) else []
+        if given:
+            raise ValueError(f"ppo does not take {', '.join(given)}: its rollout is one sampled turn per episode, "
+                             "scored once, with a value for every token. Multi-turn rollouts with tools run in rlvr "
+                             "(GRPO, which needs no critic over the tool results) and rsft; use one of them")
+        return data
 
     @model_validator(mode="after")
     def _consistent(self):
