@@ -177,6 +177,29 @@ def test_kl_is_zero_against_itself_and_positive_against_another_model(tiny_model
     assert sum(different) / len(different) > 0.05
 
 
+def test_kl_takes_the_policys_term_from_the_samplers_log_probs(tiny_model, adapter_folder):
+    """The loop sampler's log-probs stand in for the policy's forward pass: the policy is never run (None here),
+    and the KL equals the one with the policy re-scored, to fp32 rounding over 6 tokens."""
+    from dataclasses import replace
+
+    from alignment.config.sampling import SamplingSpec
+    from alignment.data.formatting import render_prompt
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.sampling import generate
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    policy, other = load_policy(str(tiny_model)), load_policy(str(adapter_folder))
+    prompts = [render_prompt(tokenizer, f"What is {a}+{a + 3}?") for a in range(10, 30)]
+    torch.manual_seed(0)
+    samples = generate(policy, tokenizer, prompts, SamplingSpec(temperature=1.0, max_new_tokens=6, n=2))
+    assert all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples)
+    from_sampler = sequence_kl(None, other, tokenizer, prompts, samples, batch_size=16)
+    rescored = sequence_kl(policy, other, tokenizer, prompts, [replace(s, logprobs=None) for s in samples], 16)
+    assert max(abs(a - b) for a, b in zip(from_sampler, rescored)) < 1e-4
+    assert sum(rescored) / len(rescored) > 0.05  # the two models differ: the comparison is not of zeros
+
+
 def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, tmp_path):
     suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
     metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tiny_model)}, suites, tmp_path / "eval",

@@ -343,9 +343,14 @@ def pass_k_scores(passed: list[bool], spec: PassAtKSpec) -> dict[str, float]:
 def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch_size: int = 64) -> list[float]:
     """Per sample, sum over its tokens of log pi(y_t | x, y_<t) - log ref(y_t | x, y_<t), on the exact token ids
     sampled from `policy` (Sample.token_ids). The mean over samples is the k1 Monte-Carlo estimate of
-    KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html."""
+    KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html.
+    The policy's term is the sampler's own log-probs where every sample carries them (`engine: loop` records
+    log-softmax(logits) of each drawn token, and KL samples are drawn at temperature 1 without truncation), so only
+    the reference runs a forward pass; it equals the policy's re-score to 2e-5 per token (SmolLM2, fp32, CPU;
+    tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, vLLM) have the policy re-scored as well."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     encoded = [encode(tokenizer, p) for p in prompts]
+    own = all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples)
     order = sorted(range(len(samples)), key=lambda i: len(encoded[samples[i].prompt_index]) + len(samples[i].token_ids))
     kl = [0.0] * len(samples)
     for start in range(0, len(order), batch_size):
@@ -355,7 +360,9 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
         k = keep.shape[1]
         with torch.no_grad():
             logps = [sequence_logprobs(m, ids.to(_device(m)), mask.to(_device(m)), k).float().cpu()
-                     for m in (policy, reference)]
+                     for m in ((reference,) if own else (policy, reference))]
+        if own:  # completions are right-padded in the kept columns, as the sampler's log-probs are listed
+            logps.insert(0, torch.tensor([s.logprobs + [0.0] * (k - len(s.logprobs)) for s in batch]))
         sums = ((logps[0] - logps[1]) * keep).sum(-1).tolist()
         for i, value in zip(order[start : start + batch_size], sums):
             kl[i] = value
