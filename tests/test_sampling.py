@@ -13,6 +13,7 @@ from alignment.data.formatting import render_prompt
 from alignment.models.loading import load_policy
 from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate, stop_token_ids
+from alignment.sampling.hf import shared_prefix
 
 
 def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts):
@@ -231,6 +232,40 @@ def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_
     assert decode[0] == 4 * len(varied_prompts) and decode[-1] < decode[0]  # the batch shrinks as rows finish
     assert sum(decode) < len(decode) * decode[0]
     assert len(batches) == max(len(s.token_ids) for s in samples)  # no step after the last row's stop
+
+
+@pytest.mark.parametrize("spec", LOOP_CASES[:4], ids=["greedy", "greedy-n3-split", "sampled", "top-p-split"])
+def test_a_shared_prefix_is_prefilled_once_and_samples_the_same(tiny_model, varied_model, spec, monkeypatch):
+    """Prompts behind one system prompt: with share_prefix the first forward runs the tokens they share on one row,
+    the next runs each prompt's rest; ids, stops and texts equal those of whole prompts prefilled (share_prefix
+    false, which the test above holds equal to generate), log-probs to fp32 rounding."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    system = {"role": "system", "content": "Answer with the sum only."}
+    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+               for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
+    shared = shared_prefix([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts])
+    assert shared >= 8
+    shapes, forward = [], varied_model.forward
+
+    @functools.wraps(forward)  # the loop reads the forward's signature
+    def recording(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(*args, **kwargs)
+
+    runs = {}
+    for share in (True, False):
+        monkeypatch.setattr(varied_model, "forward", recording)
+        torch.manual_seed(0)
+        runs[share] = generate(varied_model, tokenizer, prompts,
+                               SamplingSpec(max_new_tokens=24, share_prefix=share, **spec))
+        monkeypatch.undo()
+        if share:
+            assert shapes[0] == (1, shared) and shapes[1][1] < max(len(tokenizer(p)["input_ids"]) for p in prompts)
+    assert [s.token_ids for s in runs[True]] == [s.token_ids for s in runs[False]]
+    assert [s.finished for s in runs[True]] == [s.finished for s in runs[False]]
+    assert [s.text for s in runs[True]] == [s.text for s in runs[False]]
+    assert len({len(s.token_ids) for s in runs[True]}) > 1  # rows of different lengths: padding after the prefix
+    assert max(abs(a - b) for x, y in zip(runs[True], runs[False]) for a, b in zip(x.logprobs, y.logprobs)) < 1e-4
 
 
 def test_the_decode_loop_is_reproducible_and_samples_like_merged_and_unmerged_lora(tiny_model, prompts):

@@ -161,12 +161,16 @@ def run_on_policy_pairs(folder: Path, policy: Path, engine: str | None):
 
 def run_evaluation(folder: Path, policy: Path, engine: str | None):
     """Greedy main completions, pass@k at temperature 0.8 with top-p, and (as that is not the policy's own
-    distribution) temperature-1 samples for the KL."""
+    distribution) temperature-1 samples for the KL. The KL's policy term is the loop's own log-probs, and a
+    re-score by the policy under `engine: generate` (which records none): equal to fp32 rounding, so compared to
+    1e-4 (the KL to itself, 0 with the re-score, is up to 1e-5 from the loop's)."""
     suite = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": 6}, verifier="arithmetic",
                       sampling=with_engine({"temperature": 0, "max_new_tokens": 8, "batch_size": 4}, engine),
                       pass_k=with_engine({"n": 4, "k": [2, 4], "temperature": 0.8, "top_p": 0.9}, engine))
     evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval", reference=str(policy))
-    return files(folder / "eval", "samples.jsonl")
+    lines = [json.loads(line) for line in (folder / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert any("kl" in line for line in lines)
+    return [{**line, **({"kl": round(line["kl"], 4)} if "kl" in line else {})} for line in lines]
 
 
 def run_tool_evaluation(folder: Path, policy: Path, engine: str | None):

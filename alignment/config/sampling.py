@@ -69,6 +69,11 @@ class SamplingSpec(Strict):
                                                 "batch; the same ids as `generate`, 1.0-1.7x its tokens/s on "
                                                 "SmolLM2, see sampling/decode.py and docs/performance.md) or "
                                                 "`generate` (one `model.generate` call per batch)")
+    share_prefix: bool = Field(True, description="`engine: loop`: the tokens every prompt of a batch starts with (a "
+                               "chat template's system prompt; at least 8) are prefilled once for the batch, not once "
+                               "per prompt; logits then differ from `generate`'s in their last bits (a batch of 1 sums "
+                               "in another order). false: each prompt prefilled whole, log-probs bit for bit "
+                               "`generate`'s")
     compile: bool = Field(False, description="with `cache: static`: compile the decode step (torch.compile) on "
                           "CPU too, where transformers compiles only on accelerators (docs/performance.md)")
     merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "

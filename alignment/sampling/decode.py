@@ -5,6 +5,11 @@
 
 - a prompt shared by several rows (`n` samples of one prompt) is prefilled once; its KV cache and its last
   logits are then copied to each of its rows (`DynamicCache.batch_select_indices` with repeated indices);
+- with `share_prefix` (the default), the tokens every prompt of the batch starts with (a chat template's system
+  prompt: 27 of SmolLM2's 46-token arithmetic prompts) are run once on one row and their cache copied to every
+  prompt's row, which then runs only its rest, laid out [prefix, left padding, rest] with positions counted over
+  real tokens (hf.shared_prefix, `prefill_once`). The logits of a row then come from a batch of one for the
+  prefix, so they differ from `generate`'s in their last bits (2e-5 in log-prob on SmolLM2, the same ids);
 - a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
   keep only the rows still running (compaction), so the decoder layers no longer run on finished rows.
 
@@ -73,18 +78,37 @@ def cache_name(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int]):
+def takes_position_ids(model) -> bool:
+    """Whether the forward takes position ids, as `generate` decides whether to pass them. A shared prefix needs
+    them: its rows are laid out [prefix, padding, rest], and positions counted from the columns would count the
+    padding."""
+    model = model.get_base_model() if isinstance(model, PeftModel) else model
+    return "position_ids" in inspect.signature(model.forward).parameters
+
+
+def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
+                 prefix: torch.Tensor | None = None):
     """Run the prompts of `input_ids` (one row per distinct prompt) and give row r of the batch the cache, last
-    logits and positions of prompt `sources[r]`. Returns (fp32 logits [batch, vocab], cache, the attention mask
-    `generate` would pass (None where no row is padded), position ids of the last token [batch, 1] or None)."""
+    logits and positions of prompt `sources[r]`. With `prefix` [P] (the tokens every prompt starts with, left out
+    of `input_ids`) that is run once first, its cache copied to every prompt's row, and the rows continue it:
+    [prefix, left padding, rest], positions counted over real tokens only. Returns (fp32 logits [batch, vocab],
+    cache, the attention mask `generate` would pass (None where no row is padded), position ids of the last
+    token [batch, 1] or None)."""
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    positions = None
-    if "position_ids" in inspect.signature(model.forward).parameters:  # as `generate` decides it
-        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)
-    mask = None if bool((attention == 1).all()) else attention
     # Only the last position's logits, as `generate` asks for them: the LM head on every prompt position would
     # cost as much as the whole decode of a short completion (a [rows, prompt, vocab] product).
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    shared = 0
+    if prefix is not None:
+        shared = prefix.shape[0]
+        model(input_ids=prefix[None], position_ids=torch.arange(shared, device=prefix.device)[None], use_cache=True,
+              return_dict=True, **{cache_name(model): cache}, **last)
+        cache.batch_repeat_interleave(input_ids.shape[0])
+        attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
+    positions = None
+    if takes_position_ids(model):  # as `generate` decides it
+        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
+    mask = None if bool((attention == 1).all()) else attention
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
                 **{cache_name(model): cache}, **last)
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
@@ -100,13 +124,15 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
 
 
 def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
-                 settings: SamplingSpec, stops: list[int], pad_id: int) -> tuple[list[list[int]], list[list[float]]]:
+                 settings: SamplingSpec, stops: list[int], pad_id: int,
+                 prefix: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
-    per distinct prompt). Returns each row's ids up to and including its stop token (or `max_new_tokens` of
-    them) and the log-prob of each under the distribution it was drawn from (`Sample.logprobs`)."""
+    per distinct prompt, each after `prefix` [P] where one is given). Returns each row's ids up to and including
+    its stop token (or `max_new_tokens` of them) and the log-prob of each under the distribution it was drawn
+    from (`Sample.logprobs`)."""
     batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
-    logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources)
+    logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources, prefix)
     process, sample, cache_arg = warpers(settings), settings.temperature > 0, cache_name(model)
     scale = settings.temperature if sample else 1.0  # log-probs of the distribution drawn from (Sample.logprobs)
     stop_ids = torch.tensor(stops, device=device)

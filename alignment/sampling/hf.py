@@ -42,7 +42,7 @@ from transformers import CompileConfig
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
 from ..runtime.progress import track
-from .decode import decode_batch
+from .decode import decode_batch, takes_position_ids
 from .samples import (
     Sample,
     checkpoint_sampling_defaults_off,
@@ -52,6 +52,8 @@ from .samples import (
 )
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
+# A shared prefix shorter than this is prefilled with each prompt: one more forward call costs more than it saves.
+MIN_SHARED_PREFIX = 8
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
@@ -142,11 +144,27 @@ def compile_everywhere(device) -> CompileConfig:
 
 
 def via_loop(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device):
-    """`engine: loop`: each distinct prompt of the batch prefilled once, then `decode.decode_batch`."""
+    """`engine: loop`: each distinct prompt of the batch prefilled once (with `share_prefix`, the tokens they all
+    start with once for the whole batch, and each prompt's rest after it), then `decode.decode_batch`."""
     distinct: dict[tuple[int, ...], int] = {}
     sources = [distinct.setdefault(tuple(r), len(distinct)) for r in rows]
-    input_ids, attention = left_padded([list(r) for r in distinct], pad_id, device)
-    return decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)
+    prompts = [list(r) for r in distinct]
+    shared = shared_prefix(prompts) if settings.share_prefix and takes_position_ids(model) else 0
+    input_ids, attention = left_padded([p[shared:] for p in prompts], pad_id, device)
+    prefix = torch.tensor(prompts[0][:shared], device=device) if shared else None
+    return decode_batch(model, input_ids, attention, sources, settings, stops, pad_id, prefix)
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens all `prompts` share, worth prefilling once: 0 for a single prompt or fewer than
+    MIN_SHARED_PREFIX; at most the shortest prompt's length - 1, so each prompt keeps a token whose logits start
+    its decoding."""
+    if len(prompts) < 2:
+        return 0
+    shortest = min(map(len, prompts))
+    first = prompts[0]
+    length = next((i for i in range(shortest - 1) if any(p[i] != first[i] for p in prompts)), shortest - 1)
+    return length if length >= MIN_SHARED_PREFIX else 0
 
 
 def is_sharded(model) -> bool:
