@@ -347,7 +347,8 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     The policy's term is the sampler's own log-probs where every sample carries them (`engine: loop` records
     log-softmax(logits) of each drawn token, and KL samples are drawn at temperature 1 without truncation), so only
     the reference runs a forward pass; it equals the policy's re-score to 2e-5 per token (SmolLM2, fp32, CPU;
-    tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, vLLM) have the policy re-scored as well."""
+    tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
+    the policy re-scored as well."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     encoded = [encode(tokenizer, p) for p in prompts]
     own = all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples)
