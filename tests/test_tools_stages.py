@@ -64,10 +64,10 @@ def test_ppo_refuses_tools_and_names_the_stages_that_run_them(tmp_path):
     from alignment.config.recipe import load_recipe
     from alignment.errors import UserError
 
-    stage = {"policy": None, "verifiers": ["arithmetic"], "data": {"task": "arithmetic", "n": 8},
-             "tools": ["calculator"], "max_turns": 2}
+    stage = {"verifiers": ["arithmetic"], "data": {"task": "arithmetic", "n": 8}, "tools": ["calculator"],
+             "max_turns": 2}
     with pytest.raises(UserError, match=r"'stages.ppo': ppo does not take max_turns, tools: .* rlvr .* rsft"):
-        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", {k: v for k, v in stage.items() if v})))
+        load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", stage)))
 
 
 def test_partitioned_engines_are_refused_before_loading(monkeypatch):

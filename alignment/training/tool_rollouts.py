@@ -46,17 +46,13 @@ EXTRA_FIELDS = (ANSWER, "environment_reward", *(f"tool_{k}" for k in COUNTS))
 
 
 def check_engine(config, where: str) -> None:
-    """Refuse before anything loads what the rollout cannot do."""
+    """Refuse before anything loads what the rollout cannot do (`algorithm: rloo` with tools is refused when the
+    recipe loads, by the rlvr config)."""
     engine = launched_engine()
     if engine in PARTITIONED:
         raise UserError(f"{where}: tool rollouts do not run under {engine}: each process samples from its own "
                         "unwrapped model and sharded weights are not gathered for it. Launch with DDP "
                         "(configs/accelerate/ddp.yaml) or a single process.")
-    if getattr(config, "algorithm", "grpo") != "grpo":
-        raise UserError(f"{where}.algorithm: tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func "
-                        "hook, which the multi-turn rollout uses). For RLOO's leave-one-out baseline with tools, use "
-                        "grpo with train: {scale_rewards: none}: its advantage is RLOO's times (G-1)/G, a constant "
-                        "that Adam's step cancels; its KL term is in the loss, not in the reward as RLOO's is.")
     if config.train.get("use_vllm"):
         raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
                         "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
