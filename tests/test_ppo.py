@@ -114,6 +114,51 @@ def test_lora_shares_one_base_copy(tiny_model):
     assert torch.allclose(ref_lp, plain, atol=1e-5) and not torch.allclose(policy_lp, ref_lp, atol=1e-3)
 
 
+def test_rollout_passes_on_length_sorted_chunks_give_the_whole_batch_outputs(tiny_model):
+    """The rollout's no-grad passes run on chunks of rows sorted by length, each cut to its own longest prompt
+    (`ppo.length_chunks`): log-probs and values at the completion columns are those of the whole left-padded
+    batch, row for row."""
+    from alignment.rl import prompt_completion_batch
+    from alignment.stages.ppo import length_chunks
+    from alignment.training.actor_critic import build_models
+
+    ac = build_models(str(tiny_model), None).actor_critic.eval()
+    torch.nn.init.normal_(ac.value_head.weight)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 60, (n,), generator=generator).tolist() for n in (12, 3, 5, 12, 4, 3)]
+    answers = [torch.randint(10, 60, (n,), generator=generator).tolist() for n in (2, 4, 1, 3, 4, 2)]
+    ids, attention, mask = prompt_completion_batch(prompts, answers, 0)
+    k = mask.shape[1]
+    chunks = length_chunks(attention, 2)
+    assert sorted(torch.cat([rows for rows, _ in chunks]).tolist()) == list(range(6))
+    assert [start for _, start in chunks][0] > 0  # the shortest rows' chunk skips the long prompts' padding
+    unsort = torch.argsort(torch.cat([rows for rows, _ in chunks]))
+    with torch.no_grad():
+        whole_lp, whole_values, _ = ac(ids, attention, k)
+        parts = [ac(ids[rows, start:], attention[rows, start:], k) for rows, start in chunks]
+    chunked_lp, chunked_values = (torch.cat(x)[unsort] for x in list(zip(*parts))[:2])
+    assert torch.allclose(chunked_lp[mask.bool()], whole_lp[mask.bool()], atol=1e-5)
+    assert torch.allclose(chunked_values[mask.bool()], whole_values[mask.bool()], atol=1e-5)
+
+
+def test_bucket_by_length_minibatches_hold_rows_of_one_bucket_and_cover_every_row():
+    """`train_sampling_strategy: bucket_by_length`: each epoch's minibatches hold rows of one length bucket
+    (`buckets.bucketed_order`), in random order, every row once; `random` is a plain permutation."""
+    from alignment.stages.ppo import PPOLoop
+    from alignment.training.buckets import bucket_of
+
+    loop = PPOLoop.__new__(PPOLoop)
+    lengths = torch.tensor([40, 20, 40, 21, 20, 40, 21, 40])  # buckets 6 and 5, four rows each
+    rollout = type("R", (), {"__len__": lambda self: 8, "attention_mask": torch.arange(48)[None, :] < lengths[:, None]})()
+    for strategy in ("bucket_by_length", "random"):
+        loop.t = type("T", (), {"train_sampling_strategy": strategy, "mini_batch_size": 4})()
+        orders = [loop.minibatch_order(rollout) for _ in range(20)]
+        assert all(sorted(order.tolist()) == list(range(8)) for order in orders)
+        one_bucket = all(len({bucket_of(n) for n in lengths[batch].tolist()}) == 1 for o in orders for batch in o.split(4))
+        assert one_bucket == (strategy == "bucket_by_length")
+    assert len({tuple(o.tolist()) for o in orders}) > 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Small end-to-end runs on the tiny model
 

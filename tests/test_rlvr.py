@@ -150,6 +150,16 @@ def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("strategy", ["bucket_by_length", "group_by_length"])
+def test_check_refuses_a_length_sampler_grpo_would_ignore(tmp_path, strategy):
+    recipe = recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "train_sampling_strategy": strategy}})
+    done = run_cli("check", write_recipe(tmp_path, recipe))
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"train.train_sampling_strategy: {strategy} is not supported here" in message
+    assert "Traceback" not in done.stderr
+
+
 def test_check_names_missing_verifier_column_and_unknown_verifier(tmp_path):
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import check_recipe

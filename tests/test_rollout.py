@@ -1,5 +1,5 @@
 """PPO's rollout container (alignment/training/rollout.py): shapes checked at construction, rows sliced
-together, trailing padding trimmed; and a seeded tiny PPO run recorded before the loop used it.
+together, padding trimmed; and a seeded tiny PPO run recorded before the loop used it.
 
     python -m pytest tests/test_rollout.py -q
 """
@@ -79,6 +79,17 @@ def test_trimmed_cuts_only_the_columns_that_are_padding_in_every_row():
     assert all(value.is_contiguous() for value in tensors(cut).values())
     assert whole.trimmed().response_width == 5  # the longest response fills T
     assert whole[torch.tensor([2])].trimmed().response_width == 1  # an empty response keeps one column
+
+
+def test_trimmed_also_cuts_the_prompt_padding_every_row_has():
+    whole = with_advantages(make_rollout())  # prompts of 3, 1, 2, 2 tokens, left-padded to P = 3
+    part = whole[torch.tensor([2, 3])]  # prompts of 2 tokens, responses of 0 and 3
+    cut = part.trimmed()
+    assert cut.response_width == 3 and cut.query_responses.shape[1] == 2 + 3
+    assert torch.equal(cut.query_responses, part.query_responses[:, 1:6])
+    assert torch.equal(cut.attention_mask.sum(1), part.attention_mask.sum(1))  # no real token cut off
+    assert torch.equal(cut.logprobs, part.logprobs[:, :3])  # [B, T] fields keep their columns from the first
+    assert whole[torch.tensor([1, 2])].trimmed().query_responses.shape[1] == 2 + 5  # the longer prompt decides
 
 
 # ---------------------------------------------------------------------------------------------------

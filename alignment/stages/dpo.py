@@ -42,6 +42,7 @@ from ..errors import UserError
 from ..models.loading import load_policy
 from ..models.lora import peft_config
 from ..runtime.dist import loads_partitioned
+from ..training.buckets import training_dataset, with_length_sampling
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
@@ -52,7 +53,12 @@ from ..training.pairs import (
     stage_pairs,
 )
 from ..training.rows import count_truncated, drop_overlong
-from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
+from ..training.trainer import (
+    final_metrics,
+    save_model,
+    train,
+    trainer_callbacks,
+)
 
 # The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
 LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -117,16 +123,21 @@ def build_trainer(ctx: StageContext):
     eval_rows = within_prompt_limit(pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)), args,
                                     f"{ctx.where} held-out pairs") if held_out else []
     # TRL cuts pairs longer than max_length (truncation_mode); a cut answer loses its end: count and say it.
-    lengths = [len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in train_rows]
+    lengths = [pair_length(r) for r in train_rows]
     truncated = count_truncated(lengths, args.max_length, f"{ctx.where}.data", what="pairs")
-    trainer = pretokenized(DPOTrainer)(
+    trainer = pretokenized(with_length_sampling(DPOTrainer))(
         model=policy, ref_model=reference_for(ctx, policy, args), args=args,
-        processing_class=eos_as_end_of_turn(tokenizer), train_dataset=datasets.Dataset.from_list(train_rows),
+        processing_class=eos_as_end_of_turn(tokenizer), train_dataset=training_dataset(train_rows, args, pair_length),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
     return trainer, tokenizer, {**stats, "pairs_train": len(train_rows), "pairs_eval": len(eval_rows),
                                 "pairs_truncated": truncated}
+
+
+def pair_length(row: dict) -> int:
+    """The tokens a pair takes in a batch: its prompt and the longer answer."""
+    return len(row["prompt_ids"]) + max(len(row["chosen_ids"]), len(row["rejected_ids"]))
 
 
 def pretokenized(base):

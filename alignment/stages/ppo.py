@@ -81,6 +81,7 @@ from ..training.actor_critic import (
     policy_state,
     save_loop_state,
 )
+from ..training.buckets import bucketed_order
 from ..training.context import StageContext
 from ..training.memory import StepShape, needs_checkpointing
 from ..training.prompts import prompt_of
@@ -152,6 +153,19 @@ class Scorer:
 # ---------------------------------------------------------------------------------------------------
 # The loop
 # ---------------------------------------------------------------------------------------------------
+
+
+def length_chunks(attention_mask: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a left-padded batch [B, P+T] in chunks of `size` for the rollout's no-grad passes, as
+    (row indices, first column any of them uses): rows sorted by length, so each chunk's forward starts at its
+    own longest prompt rather than the batch's (the outputs at the last K columns do not change: position ids
+    count from each row's first token)."""
+    order = torch.argsort(attention_mask.sum(1), stable=True)
+    chunks = []
+    for rows in order.split(size):
+        used = attention_mask[rows].any(0).nonzero()
+        chunks.append((rows, int(used[0]) if len(used) else 0))
+    return chunks
 
 
 class PPOLoop:
@@ -245,13 +259,17 @@ class PPOLoop:
         ids, attention, mask = prompt_completion_batch([encode(self.tokenizer, p) for p in prompts],
                                                        [s.token_ids for s in samples], pad, self.acc.device)
         scores, parts = self.scorer(rows, samples, self.micro_batch_size)
-        k, chunk = mask.shape[1], self.micro_batch_size
+        k = mask.shape[1]
+        chunks = length_chunks(attention, self.micro_batch_size)
+        unsort = torch.argsort(torch.cat([rows for rows, _ in chunks]))
         with torch.no_grad():
-            outs = [self.ac(ids[s:s + chunk], attention[s:s + chunk], k, r.temperature, with_entropy=True)
-                    for s in range(0, len(samples), chunk)]
-            logprobs, values, entropy = (torch.cat(x) for x in zip(*outs))
+            outs = [self.ac(ids[rows, start:], attention[rows, start:], k, r.temperature, with_entropy=True)
+                    for rows, start in chunks]
+            logprobs, values, entropy = (torch.cat(x)[unsort] for x in zip(*outs))
             with gathered(self.acc, self.model) as call:
-                ref_logprobs = call(self.models.reference_logprobs, ids, attention, k, r.temperature, chunk)
+                ref_logprobs = torch.cat([call(self.models.reference_logprobs, ids[rows, start:],
+                                               attention[rows, start:], k, r.temperature)
+                                          for rows, start in chunks])[unsort]
         rollout = Rollout(query_responses=ids, attention_mask=attention, response_mask=mask, logprobs=logprobs,
                           ref_logprobs=ref_logprobs, values=values, entropy=entropy, scores=scores.to(self.acc.device),
                           finished=torch.tensor([s.finished for s in samples], device=self.acc.device))
@@ -309,7 +327,7 @@ class PPOLoop:
         totals: dict[str, float] = {}
         count, tokens, norms = 0, 0, []
         for _ in range(self.t.ppo_epochs):
-            order = torch.randperm(size)
+            order = self.minibatch_order(rollout)
             for start in range(0, size, mini):
                 rows = order[start:start + mini]
                 local_loss = 0.0
@@ -329,6 +347,15 @@ class PPOLoop:
         stats = {key: value / count for key, value in totals.items()}
         stats.update(grad_norm=sum(norms) / len(norms), train_tokens=tokens)
         return stats
+
+    def minibatch_order(self, rollout: Rollout) -> torch.Tensor:
+        """One epoch's row order, cut into minibatches by the caller: a random permutation, or with
+        `train_sampling_strategy: bucket_by_length` minibatches of rows of about one length in random order
+        (`buckets.bucketed_order`). Each minibatch then trims to its own longest row (`Rollout.trimmed`): in the
+        quickstart, where one prompt in ten is twice as long, 3 of every 4 minibatches stop paying for them."""
+        if self.t.train_sampling_strategy == "random":
+            return torch.randperm(len(rollout))
+        return bucketed_order(rollout.attention_mask.sum(1).tolist(), self.t.mini_batch_size)
 
     def micro_loss(self, micro: Rollout):
         """Clipped policy loss + vf_coef * clipped value loss on a micro-batch, both masked by its

@@ -36,6 +36,7 @@ from ..models.loading import default_dtype, is_adapter_dir, load_policy
 from ..models.lora import peft_config
 from ..models.saving import save_checkpoint
 from ..runtime.dist import log_share
+from ..training.buckets import training_dataset, with_length_sampling
 from ..training.context import StageContext
 from ..training.pairs import (
     check_stage_data,
@@ -45,7 +46,12 @@ from ..training.pairs import (
     split_eval,
     stage_pairs,
 )
-from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
+from ..training.trainer import (
+    final_metrics,
+    save_model,
+    train,
+    trainer_callbacks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +105,9 @@ def build_trainer(ctx: StageContext):
                                                args.max_length, f"{ctx.where} held-out pairs")
     if not eval_ids:
         args.eval_strategy = "no"
-    trainer = trainer_class(RewardTrainer, ctx.config.score_learning_rate)(
+    trainer = trainer_class(with_length_sampling(RewardTrainer), ctx.config.score_learning_rate)(
         model=load_classifier(ctx, tokenizer), args=args, processing_class=tokenizer,
-        train_dataset=datasets.Dataset.from_list(train_ids),
+        train_dataset=training_dataset(train_ids, args, lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"]))),
         eval_dataset=datasets.Dataset.from_list(eval_ids) if eval_ids else None,
         peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),

@@ -66,6 +66,7 @@ from ..models.lora import peft_config
 from ..models.tokenizer import load_tokenizer
 from ..runtime.dist import log_share
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
+from ..training.buckets import LENGTH_SAMPLERS
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
 from ..training.rewards import (
@@ -78,7 +79,12 @@ from ..training.rewards import (
 )
 from ..training.scoring import check_reward_model
 from ..training.tool_rollouts import ToolRollouts
-from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
+from ..training.trainer import (
+    final_metrics,
+    save_model,
+    train,
+    trainer_callbacks,
+)
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
 
@@ -180,6 +186,11 @@ def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
 def trl_config(ctx: StageContext):
     check_group_size(ctx)
     check_vllm(ctx)
+    strategy = ctx.config.train.get("train_sampling_strategy", "random")
+    if strategy in LENGTH_SAMPLERS:
+        raise UserError(f"{ctx.where}.train.train_sampling_strategy: {strategy} is not supported here: TRL's "
+                        f"{ctx.config.algorithm.upper()} trainer draws each prompt's group of samples with its own "
+                        "sampler and ignores it; drop the key.")
     config_class, _ = trainer_classes(ctx.config.algorithm)
     return ctx.trl_args(config_class, **stage_defaults(ctx.config))
 

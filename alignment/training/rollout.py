@@ -107,13 +107,17 @@ class Rollout:
         return self.query_responses.device
 
     def trimmed(self) -> Rollout:
-        """The same rows without the trailing response columns that are padding in every row (at least one
-        column is kept). A causal model's outputs at the columns kept do not change, and every masked
-        sum over [B, T] is the same, so a micro-batch of short responses costs only its longest one.
+        """The same rows without the columns that are padding in every row: the trailing response columns
+        (at least one is kept) and the leading prompt columns (prompts are left-padded). A causal model's
+        outputs at the columns kept do not change (position ids count from each row's first token,
+        `actor_critic.position_ids`), and every masked sum over [B, T] is the same, so a micro-batch of
+        short responses costs only its longest one, and one of short prompts only its longest prompt.
         Contiguous copies (as `x[rows, :k]` gives): the forward pass sees one memory layout, cut or not."""
         keep = max(int(self.response_mask.sum(1).max().item()), 1)
-        cut = self.query_responses.shape[1] - self.response_width + keep
-        return self._map({"P+T": slice(None, cut), "T": slice(None, keep)}, contiguous=True)
+        prompt_width = self.query_responses.shape[1] - self.response_width
+        real = self.attention_mask[:, :prompt_width].any(0).nonzero()
+        start = int(real[0]) if len(real) else prompt_width
+        return self._map({"P+T": slice(start, prompt_width + keep), "T": slice(None, keep)}, contiguous=True)
 
     def _map(self, index: dict, contiguous: bool = False) -> Rollout:
         """Every tensor field indexed along its named dimensions: `index` maps a dimension name (B, P+T, T)

@@ -21,6 +21,7 @@ from ..data.formatting import eos_as_end_of_turn
 from ..errors import UserError
 from ..models.lora import peft_config
 from ..runtime.dist import check_engine
+from .buckets import training_dataset, with_length_sampling
 from .context import StageContext
 from .sharding import save_trained
 
@@ -134,9 +135,14 @@ def make_sft_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list
     """The SFTTrainer of the `sft` stage and of each `rsft` round: token rows (`token_rows`) or text rows,
     the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
     `formatting.eos_as_end_of_turn`)."""
-    return SFTTrainer(
+    return with_length_sampling(SFTTrainer)(
         model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
-        train_dataset=datasets.Dataset.from_list(train_rows),
+        train_dataset=training_dataset(train_rows, args, sft_row_length),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
     )
+
+
+def sft_row_length(row: dict) -> int:
+    """A token row's length (`rows.token_rows`), or a plain-text row's characters, which order rows alike."""
+    return len(row["input_ids"]) if "input_ids" in row else len(row["text"])

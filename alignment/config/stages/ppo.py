@@ -42,6 +42,11 @@ class TrainSpec(Strict):
     ppo_epochs: int = Field(4, gt=0, description="passes over each rollout batch, in shuffled minibatches, per update "
                             "(Schulman et al. 2017, arXiv:1707.06347)")
     mini_batch_size: int = Field(16, gt=0, description="completions per optimizer step on each process")
+    train_sampling_strategy: Literal["random", "bucket_by_length"] = Field(
+        "random", description="how each PPO epoch forms its minibatches: random rows, or rows of about one length "
+        "(prompt and completion within a power of two) together, the minibatches in random order, so a minibatch of "
+        "short rows is not padded to a long one's length (alignment/training/buckets.py; the same option as the "
+        "TRL-backed stages')")
     gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches a minibatch is split into (one "
                                              "forward and backward pass each); must divide mini_batch_size")
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip the gradient's global norm to this before each "
