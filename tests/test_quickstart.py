@@ -41,37 +41,59 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+# GRPO on the reward model alone (issue #29 item 4): the quickstart's rlvr settings for half its steps, the
+# verifier only as gold; with a reward model in the reward, rlvr centres each group's rewards without dividing
+# by their spread (`scale_rewards: none`). Measured over seeds 1-3 with this command: +23.3, +24.7 and +25.3
+# points over SFT, no flag (docs/results.md).
+GRPO_ON_RM = ('stages.grpo_rm={kind: rlvr, model: "${sft}", verifiers: [], reward_model: "${rm}", gold: [arithmetic], '
+              "lora: null, data: {task: arithmetic, split: train, n: 2000, sycophancy_fraction: 0.1}, "
+              "train: {max_steps: 150, num_generations: 8, per_device_train_batch_size: 128, steps_per_generation: 4, "
+              "num_iterations: 2, learning_rate: 3.0e-4, warmup_steps: 10, max_completion_length: 8, temperature: 1.0, "
+              "logging_steps: 20}}")
+
+
 @pytest.mark.slow
 def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
-    # The README's command on 2 cores. The test suite pins one thread per process (conftest); the
-    # quickstart gets two, which --jobs 2 gives to sft (nothing runs beside it) and splits into one per
-    # stage after it, so the figures below do not depend on how many cores the machine running this test has.
-    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", "--jobs", "2", f"output_dir={tmp_path / 'qs'}",
+    # The README's command on 2 threads, plus one stage beside the recipe's: GRPO on the reward model alone,
+    # evaluated with the others. The test suite pins one thread per process (conftest); the quickstart gets
+    # two, which go to sft (nothing runs beside it), and one to each stage after it, with --jobs 2 as with
+    # --jobs 3, so the figures below are the README's whatever the cores of the machine running this test and
+    # whatever else runs beside a stage (its floats depend on its thread count only). --jobs 3 runs the added
+    # stage beside the others rather than after them.
+    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", "--jobs", "3", f"output_dir={tmp_path / 'qs'}",
+                     GRPO_ON_RM, "evaluate.after=[sft, ppo, dpo, rsft, rlvr, grpo_rm]",
                      timeout=1800, env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "qs"
+    check_quickstart_outputs(tmp_path / "qs")
+
+
+def check_quickstart_outputs(out):
+    """What the quickstart run (with the GRPO_ON_RM stage) must have written and reached."""
     metrics = json.loads((out / "eval" / "metrics.json").read_text())["checkpoints"]
     assert (out / "eval" / "report.md").exists() and list((out / "eval").glob("*.png"))
     sft = metrics["sft"]["arithmetic/pass@1"]
     assert metrics["base"]["arithmetic/pass@1"] < sft
-    for stage in ("ppo", "dpo", "rsft", "rlvr"):
+    for stage in ("ppo", "dpo", "rsft", "rlvr", "grpo_rm"):
         assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
                 "sycophancy/sycophancy"} <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
     # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
     # DPO (the pairs) and RLVR (the verifier) recover the carry; PPO and RSFT learn from preferences alone,
     # through the reward model, and must gain the issue's 10 points without the reward-hacking flag. Measured
-    # over seeds 1-3 (README): PPO and RSFT +23.7 or more, DPO +30.0, RLVR +29.3.
+    # over seeds 1-3 (README): PPO +13.0 to +27.7, RSFT +26.0 or more, DPO +29.7, RLVR +24.7.
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
-    for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
+    for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("grpo_rm", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
         assert metrics[stage]["arithmetic/pass@1"] > sft + gain, f"{stage} does not beat SFT by {gain:.0%}"
-    for stage in ("ppo", "rsft"):  # optimised against the reward model, judged by the verifier (the gold)
+    for stage in ("ppo", "rsft", "grpo_rm"):  # optimised against the reward model, judged by the verifier (gold)
         assert metrics[stage]["arithmetic/reward_hacking"] == 0, stage
         assert metrics[stage]["arithmetic/rm_score"] > metrics["sft"]["arithmetic/rm_score"], stage
     assert metrics["ppo"]["arithmetic/kl"] > 0
     ppo_log = json.loads((out / "ppo" / "log_history.json").read_text())
     assert all("gold/arithmetic" in entry and "rm_score" in entry for entry in ppo_log)  # gold beside the proxy
     assert "verifier/arithmetic" not in ppo_log[-1]  # the verifier is not in PPO's reward
+    grpo_log = [entry for entry in json.loads((out / "grpo_rm" / "log_history.json").read_text()) if "reward" in entry]
+    assert grpo_log and all("gold/arithmetic" in entry and "rewards/reward_model/mean" in entry for entry in grpo_log)
+    assert "rewards/arithmetic/mean" not in grpo_log[-1]  # the verifier only watches
     assert (out / "eval" / "overoptimisation.png").exists()
-    for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr"):
+    for stage_dir in ("sft", "rm", "dpo", "ppo", "rsft", "rlvr", "grpo_rm"):
         assert (out / stage_dir / "stage.json").exists() and (out / stage_dir / "README.md").exists()

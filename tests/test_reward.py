@@ -49,8 +49,8 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
 
     Measured: held-out accuracy ~0.65-0.70 overall, ~0.97 on reversed-digit mistakes, near chance on +-1
     mistakes: in one short epoch at one learning rate the body does not learn to check a digit. The SFT
-    policy's own log-probs rank the same pairs at ~0.90. The longer recipe with a
-    faster score head reaches 0.9 (test_reward_model_recipe_checks_sums_on_held_out_pairs)."""
+    policy's own log-probs rank the same pairs at ~0.90. recipes/arithmetic-reward-model.yaml, with a faster
+    score head, reaches 0.945-0.988 (test_reward_model_recipe_checks_sums_on_held_out_pairs runs a third of it)."""
     from alignment.config.data import DataSpec
     from alignment.data.loading import load_rows
     from alignment.models.loading import load_reward_model
@@ -83,9 +83,13 @@ def test_lora_reward_model_learns_arithmetic_preferences(tmp_path, sft_checkpoin
 
 @pytest.mark.slow
 def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpoint):
-    """recipes/arithmetic-reward-model.yaml's `rm` stage, from the SFT fixture: >= 0.9 held-out pairwise
-    accuracy on (correct, plausible mistake) pairs, score head changed. Measured: 0.988 here (+1 0.99, -1 0.96,
-    +-10 0.99-1.0, swapped 1.0), 0.945 from the recipe's own SFT stage; 7-12 minutes on 2 cores."""
+    """recipes/arithmetic-reward-model.yaml's `rm` stage for a third of its 3000 steps (2 of its 6 epochs, the
+    schedule over the shorter run), from the SFT fixture: the body learns the digit check, >= 0.75 held-out
+    pairwise accuracy on (correct, plausible mistake) pairs, where one learning rate for head and body stalls at
+    0.6-0.75; score head changed. Measured: 0.888 and 0.820 (the reward model's seeds 1 and 2). The whole
+    recipe is a benchmark, not a test (`align run recipes/arithmetic-reward-model.yaml`):
+    0.988 from this fixture (+1 0.99, -1 0.96, +-10 0.99-1.0, swapped 1.0), 0.945 from the recipe's own SFT
+    stage, in 7-12 minutes on 2 cores."""
     from alignment.config.data import DataSpec
     from alignment.config.recipe import load_recipe as load
     from alignment.data.loading import load_rows
@@ -96,6 +100,7 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
 
     shipped = load(REPO / "recipes" / "arithmetic-reward-model.yaml").stages["rm"]
     stage = shipped.model_dump(exclude_none=True, exclude={"model", "kind", "lora"})
+    stage["train"] = {**stage["train"], "num_train_epochs": 2}
     ctx = reward_context(tmp_path, sft_checkpoint, lora=False, **stage)
     trainer, counts = reward.build_trainer(ctx)
     before = score_head(trainer.model)
@@ -107,7 +112,7 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
     held_out, _ = normalize_pairs(load_rows(DataSpec(task="arithmetic", split="test", n=400), seed=7), "test")
     overall = pairwise_accuracy(model, tokenizer, held_out, batch_size=64)
-    assert overall["accuracy"] >= 0.9
+    assert overall["accuracy"] >= 0.75
 
 
 def test_full_reward_model_saves_and_loads(tmp_path, tiny_model):
