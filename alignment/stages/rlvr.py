@@ -79,12 +79,7 @@ from ..training.rewards import (
 )
 from ..training.scoring import check_reward_model
 from ..training.tool_rollouts import ToolRollouts
-from ..training.trainer import (
-    final_metrics,
-    save_model,
-    train,
-    trainer_callbacks,
-)
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 DEFAULT_BETA = 0.04  # KL coefficient to the starting policy (TRL's GRPO default 0 would drop the reference)
 
