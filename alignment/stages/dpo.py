@@ -53,12 +53,7 @@ from ..training.pairs import (
     stage_pairs,
 )
 from ..training.rows import count_truncated, drop_overlong
-from ..training.trainer import (
-    final_metrics,
-    save_model,
-    train,
-    trainer_callbacks,
-)
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 # The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
 LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",

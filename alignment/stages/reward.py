@@ -46,12 +46,7 @@ from ..training.pairs import (
     split_eval,
     stage_pairs,
 )
-from ..training.trainer import (
-    final_metrics,
-    save_model,
-    train,
-    trainer_callbacks,
-)
+from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 log = logging.getLogger(__name__)
 
