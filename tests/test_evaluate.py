@@ -337,7 +337,7 @@ def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
 @pytest.mark.parametrize("evaluate, message", [
     ({**EVALUATE_BLOCK, "refrence": "sft"}, "did you mean 'reference'"),
     ({**EVALUATE_BLOCK, "baseline": "${sfft}"}, "did you mean 'sft'"),
-    ({**EVALUATE_BLOCK, "reward_model": "${sft}"}, "must be a reward stage"),
+    ({**EVALUATE_BLOCK, "reward_model": "${sft}"}, "must be a reward or dpo stage"),
     ({**EVALUATE_BLOCK, "reference": "rm"}, "must be a policy stage"),
     ({**EVALUATE_BLOCK, "after": ["sft", "rm"]}, "'rm', a reward model"),
     ({**EVALUATE_BLOCK, "suites": ["arithmetic", "arithmetic-sycophantic"]}, "did you mean 'arithmetic-sycophancy'"),

@@ -106,7 +106,7 @@ class EvaluateSpec(Strict):
     include_base: bool = Field(False, description="also evaluate the recipe's base model, labelled `base`")
     suites: list[SuiteSpec] = Field(min_length=1, description="suite mappings or names of built-in suites ("
                               "arithmetic, arithmetic-sycophancy, arithmetic-chat, arithmetic-chat-sycophancy)")
-    reward_model: str | None = Field(None, description="'${rm}', a path or hub id of a reward model "
+    reward_model: str | None = Field(None, description="'${rm}' (a reward or dpo stage), a path or hub id of a reward model "
                                       "that scores the main completions (rm_score; win_rate with a baseline)")
     baseline: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: win rate is against it")
     reference: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: the `kl` "
@@ -152,8 +152,11 @@ def validate_evaluate_block(recipe, path: Path) -> EvaluateSpec:
                             "and give the reward model as evaluate.reward_model.")
     for key in ("baseline", "reference", "reward_model"):
         stage_id = named_stage(recipe, getattr(spec, key), f"{path}: evaluate.{key}")
-        if stage_id is not None and recipe.stages[stage_id].produces_policy == (key == "reward_model"):
-            wanted = "a reward stage (kind: reward)" if key == "reward_model" else "a policy stage"
+        if stage_id is None:
+            continue
+        stage = recipe.stages[stage_id]
+        if not (stage.scores_as_reward if key == "reward_model" else stage.produces_policy):
+            wanted = "a reward or dpo stage (kind: reward, dpo)" if key == "reward_model" else "a policy stage"
             raise UserError(f"{path}: evaluate.{key} names stage '{stage_id}' (kind {recipe.stages[stage_id].kind}); "
                             f"it must be {wanted}.")
     return spec

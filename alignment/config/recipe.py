@@ -322,6 +322,11 @@ def _check_references(recipe: Recipe, path: Path) -> None:
             if ref == sid or _reaches(graph, ref, sid):
                 cycle = " -> ".join([sid, ref] + ([sid] if ref != sid else []))
                 raise UserError(f"{path}: '{key}' creates a reference cycle ({cycle}); a stage can only use earlier stages.")
+            if key == f"stages.{sid}.reward_model" and not recipe.stages[ref].scores_as_reward:
+                raise UserError(
+                    f"{path}: '{key}' names stage '{ref}' (kind {recipe.stages[ref].kind}), which makes no reward "
+                    "model; name a `reward` stage (a Bradley-Terry classifier) or a `dpo` stage (its implicit reward)."
+                )
             if order.index(ref) > order.index(sid):
                 raise UserError(
                     f"{path}: '{key}' refers to '${{{ref}}}', which runs later; stages run in the order written, so "

@@ -25,6 +25,7 @@ from transformers import (
 
 from ..errors import UserError
 from ..runtime.dist import full_weights
+from .implicit_reward import ImplicitRewardModel, is_implicit_reward_model, read_marker
 
 
 def is_cuda() -> bool:
@@ -113,8 +114,13 @@ def _load_policy(name: str, trust_remote_code: bool, dtype):
 
 def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model); a reward
-    adapter folder is merged into its base, score head included (peft keeps the trained head). Whole on every
-    process: it scores, it is never wrapped by an engine."""
+    adapter folder is merged into its base, score head included (peft keeps the trained head); or a `dpo`
+    stage's output read as its implicit reward (`implicit_reward.ImplicitRewardModel`: the policy and the
+    reference it names). Whole on every process: it scores, it is never wrapped by an engine."""
+    if is_implicit_reward_model(name):
+        reference, beta = read_marker(name)
+        return ImplicitRewardModel(load_policy(name, trust_remote_code, dtype),
+                                   load_policy(reference, trust_remote_code, dtype), beta)
     with full_weights():
         return _load_reward_model(name, trust_remote_code, dtype)
 
@@ -130,7 +136,7 @@ def _load_reward_model(name: str, trust_remote_code: bool, dtype):
         raise UserError(
             f"'{name}' is not a reward model: its architecture is {architectures or 'unknown'} with "
             f"{config.num_labels} label(s); a reward model is a *ForSequenceClassification with one label "
-            "(the output of a `reward` stage)."
+            "(the output of a `reward` stage), or a `dpo` stage's output, read as its implicit reward."
         )
     model = AutoModelForSequenceClassification.from_pretrained(
         name, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code, use_safetensors=True

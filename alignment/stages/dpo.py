@@ -19,6 +19,9 @@ ids exactly as the samplers feed them, then each answer's, which ends with one e
 TRL takes those ids as they are (`pretokenized`), so it appends no EOS of its own either.
 `beta`, `loss_type` and every other `trl.DPOConfig` knob go under `train:`.
 
+The output is also a reward model: `implicit_reward.json` names the reference and beta, and a later
+stage's `reward_model: ${dpo}` scores answers by beta * (log pi - log ref) (`models.implicit_reward`).
+
 When chosen and rejected differ in a token or two (arithmetic answers), plain DPO lowers the chosen
 answer's likelihood along with the rejected one and greedy decoding drifts to a third answer
 (likelihood displacement, Razin et al. 2024); adding the NLL of the chosen answer (RPO, Pang et al.
@@ -39,6 +42,7 @@ from trl import DPOConfig, DPOTrainer
 from ..config.base import did_you_mean
 from ..data.formatting import eos_as_end_of_turn
 from ..errors import UserError
+from ..models.implicit_reward import write_marker
 from ..models.loading import load_policy
 from ..models.lora import peft_config
 from ..runtime.dist import loads_partitioned
@@ -162,4 +166,6 @@ def run(ctx: StageContext) -> dict:
     trainer, tokenizer, counts = build_trainer(ctx)
     train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
+    if ctx.is_main:  # what `reward_model: ${dpo}` reads (models.implicit_reward)
+        write_marker(ctx.out_dir, ctx.start_model, trainer.args.beta, ctx.recipe.stage_dir(ctx.stage_id))
     return final_metrics(trainer, **counts)

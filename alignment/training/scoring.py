@@ -1,7 +1,9 @@
 """Reward-model scoring: the scalar reward of (prompt, completion) pairs, read by the score head at the
 last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
-by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it). Used by ppo, rsft and
-evaluation; rlvr through `rewards.RewardModelReward`."""
+by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it), or, for a dpo stage's
+output (`models.implicit_reward`), summed as beta * (log pi - log ref) over the completion's tokens of the
+same text, split where the dpo stage's pairs split prompt and answer. Used by ppo, rsft and evaluation;
+rlvr through `rewards.RewardModelReward`."""
 
 from __future__ import annotations
 
@@ -18,11 +20,19 @@ from ..data.formatting import (
     render_prompt,
 )
 from ..errors import UserError
+from ..models.implicit_reward import (
+    ImplicitRewardModel,
+    is_implicit_reward_model,
+    read_marker,
+)
 from ..models.loading import check_model_source
 
 
 def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
-    """Scalar reward of already rendered texts, each tokenized whole."""
+    """Scalar reward of already rendered texts, each tokenized whole (a classifier's: an implicit reward needs
+    to know where the answer starts, `score_texts`)."""
+    if isinstance(reward_model, ImplicitRewardModel):
+        raise ValueError("an implicit reward model scores (prompt, completion) pairs: use score_texts")
     return score_ids(reward_model, tokenizer, [encode(tokenizer, t) for t in texts], batch_size)
 
 
@@ -66,19 +76,26 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
     for p, c, done in zip(prompts, completions, finished):
         prompt_ids, completion_ids = encode_prompt_completion(
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
-        encoded.append(prompt_ids + completion_ids)
-    return score_ids(reward_model, tokenizer, encoded, batch_size)
+        encoded.append((prompt_ids, completion_ids))
+    if isinstance(reward_model, ImplicitRewardModel):
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
+    return score_ids(reward_model, tokenizer, [p + c for p, c in encoded], batch_size)
 
 
 def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
     """`align check` of a stage's `reward_model:` (`ref` as written, `path` resolved): it resolves, and it is a
-    one-label sequence classifier. An earlier stage's output that does not exist yet is checked when it does."""
+    one-label sequence classifier or a dpo stage's output whose reference resolves. An earlier stage's output
+    that does not exist yet is checked when it does (the recipe's loading checked that stage's kind)."""
     if stage_ref(ref) and not (Path(path) / "config.json").exists():
         return  # produced by an earlier stage that has not run yet
     check_model_source(path, where, trust_remote_code)
+    if is_implicit_reward_model(path):
+        check_model_source(read_marker(path)[0], f"{where} (the reference of '{ref}')", trust_remote_code)
+        return
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     architectures = getattr(config, "architectures", None) or []
     if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
         raise UserError(f"{where}: '{ref}' is not a reward model (architecture {architectures or 'unknown'}, "
-                        f"{config.num_labels} label(s)); give the output of a `reward` stage or a "
+                        f"{config.num_labels} label(s)); give the output of a `reward` or `dpo` stage or a "
                         "*ForSequenceClassification checkpoint with one label.")

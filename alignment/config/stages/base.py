@@ -34,6 +34,9 @@ class StageConfig(Strict):
     # False for kinds whose output is a scoring model (reward): never the implicit start of a later
     # stage, never evaluated as a policy.
     produces_policy: ClassVar[bool] = True
+    # True for kinds whose output a later stage's `reward_model:` may name: a reward stage's classifier, and
+    # a dpo stage's policy read as its implicit reward (models/implicit_reward.py).
+    scores_as_reward: ClassVar[bool] = False
 
     # What to turn down when the stage runs out of accelerator memory (the runner's error lists them).
     # Gradient checkpointing is on by default only where the memory estimate says the stage would not

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -15,6 +15,7 @@ class Config(StageConfig):
     kind: Literal["dpo"] = Field("dpo", description="dpo: direct preference optimisation (Rafailov et al. 2023, "
                                  "arXiv:2305.18290) with trl.DPOTrainer against the frozen start policy; beta and "
                                  "loss_type go under train:")
+    scores_as_reward: ClassVar[bool] = True  # `reward_model: ${dpo}`: beta * (log pi - log ref) of an answer
     data: DataSpec = Field(description="preference pairs in any usual format (as the reward stage reads them); with "
                            "on_policy, prompts and the verifier's columns")
     on_policy: OnPolicySpec | None = Field(None, description="build pairs from the start policy's graded samples "

@@ -90,7 +90,7 @@ class Config(StageConfig):
         "`rollout.batch_size` or `rollout.max_new_tokens`", LORA_KNOB)
     policy: str | None = Field(None, description="the start policy and KL reference: '${stage}', a local path or hub "
                                "id; default: the previous policy stage's output, or the recipe's model")
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id of a one-label "
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id of a one-label "
                                      "sequence classifier scoring prompt + completion; give this, verifiers or both")
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers whose weighted rewards are added "
                                           "to the reward model's score")

@@ -16,6 +16,7 @@ class Config(StageConfig):
                                     "arXiv:2203.02155, eq. 1) trained with trl.RewardTrainer: the start policy with a "
                                     "fresh one-label score head, scoring prompt + completion")
     produces_policy: ClassVar[bool] = False  # a scoring model: no later stage starts from it
+    scores_as_reward: ClassVar[bool] = True
     data: DataSpec = Field(description="preference pairs: `prompt` + `chosen`/`rejected` strings, chat `chosen`/"
                            "`rejected` message lists, or full texts sharing their prompt; with on_policy, prompts and the "
                            "verifier's columns")

@@ -27,7 +27,7 @@ class Config(StageConfig, ToolUse):
                                                "2024, arXiv:2402.14740)")
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="reward = weighted sum of these verifiers "
                                           "(and of the reward model's score, if given)")
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id: its score of "
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id: its score of "
                                      "the rendered conversation is a reward (as ppo's)")
     reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")
     gold: list[VerifierSpec] = gold_field()

@@ -27,7 +27,7 @@ class Config(StageConfig, ToolUse):
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers scoring each sample (weighted "
                                           "sum); without a threshold a sample must pass every one; give these or "
                                           "reward_model")
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage), a local path or hub id that scores "
+    reward_model: str | None = Field(None, description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id that scores "
                                      "each sample; give this or verifiers")
     gold: list[VerifierSpec] = gold_field()
     rounds: int = Field(1, gt=0, description="rounds of sample, select, fine-tune; each samples from the policy the "
