@@ -211,6 +211,29 @@ def sequence_logprobs(
     return torch.cat(parts, dim=0)
 
 
+@torch.no_grad()
+def completion_logprob_sums(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                            pad: int, batch_size: int = 16) -> list[float]:
+    """log p(completion | prompt) under `model` at temperature 1, summed over each completion's tokens.
+
+    Lists of B token-id lists -> B floats (an empty completion: 0). Rows are batched by length
+    (`prompt_completion_batch`, `sequence_logprobs`), so padding changes nothing but float ordering.
+    """
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompt_ids)), key=lambda i: -(len(prompt_ids[i]) + len(completion_ids[i])))
+    sums = [0.0] * len(prompt_ids)
+    for start in range(0, len(order), batch_size):
+        batch = [i for i in order[start : start + batch_size] if completion_ids[i]]
+        if not batch:
+            continue
+        ids, attention, mask = prompt_completion_batch([prompt_ids[i] for i in batch],
+                                                       [completion_ids[i] for i in batch], pad, device)
+        logprobs = sequence_logprobs(model, ids, attention, mask.shape[1])
+        for row, value in zip(batch, (logprobs * mask).sum(-1).tolist()):
+            sums[row] = value
+    return sums
+
+
 # ---------------------------------------------------------------------------------------------------
 # KL estimators and KL-penalised rewards
 # ---------------------------------------------------------------------------------------------------

@@ -165,6 +165,15 @@ def test_sequence_logprobs_is_differentiable_and_validates(tiny_qwen2):
         rl.sequence_logprobs(tiny_qwen2, ids, mask, ids.shape[1])
 
 
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_completion_logprob_sums_match_the_naive_forward_and_an_empty_completion_is_zero(tiny_qwen2, batch_size):
+    prompts, completions, _, _ = padded_batch()
+    sums = rl.completion_logprob_sums(tiny_qwen2, prompts + [[11, 12]], completions + [[]], pad=0, batch_size=batch_size)
+    with torch.no_grad():
+        expected = [float(naive_completion_logprobs(tiny_qwen2, p, c).sum()) for p, c in zip(prompts, completions)]
+    assert sums == pytest.approx(expected + [0.0], abs=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # KL estimators and penalised rewards
 # --------------------------------------------------------------------------------------------------

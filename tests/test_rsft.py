@@ -10,6 +10,7 @@ SFT fixture raises held-out accuracy.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import (
@@ -22,6 +23,7 @@ from conftest import (
 )
 
 from alignment.errors import UserError
+from alignment.tasks.arithmetic import verify
 
 FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": ["arithmetic"],
         "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
@@ -56,6 +58,19 @@ def test_selection_rules():
     assert select_samples(unparsed, "threshold", 1, 1.0, by_verifier=True) == []
 
 
+def test_regularized_best_of_n_ranks_by_score_plus_kl_coef_times_logprob():
+    """score + kl_coef * log p: b (3 - 0.5 * 8 = -1) loses to c (1 - 0.5 * 2 = 0) and a (-2 - 0.5 * 1 = -2.5)
+    stays last; at kl_coef 0 the score alone ranks, and the threshold still reads the score."""
+    from alignment.stages.rsft import select_samples
+
+    group = [{**candidate(t, score), "logprob": lp} for t, score, lp in [("a", -2.0, -1.0), ("b", 3.0, -8.0),
+                                                                         ("c", 1.0, -2.0)]]
+    texts = lambda kept: [c["completion"] for c in kept]
+    assert texts(select_samples(group, "top_k", 3, None, by_verifier=False, kl_coef=0.5)) == ["c", "b", "a"]
+    assert texts(select_samples(group, "best_of_n", 1, None, by_verifier=False)) == ["b"]
+    assert texts(select_samples(group, "top_k", 2, 0.0, by_verifier=False, kl_coef=0.5)) == ["c", "b"]
+
+
 @pytest.mark.parametrize("stage, message", [
     ({"verifiers": []}, "exactly one of 'verifiers'"),
     ({"reward_model": "x"}, "exactly one of 'verifiers'"),
@@ -64,6 +79,8 @@ def test_selection_rules():
     ({"rounds": 0}, "rounds"),
     ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
     ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
+    ({"kl_coef": 0.1, "select": "threshold", "threshold": 0.0}, "'kl_coef' ranks candidates"),
+    ({"kl_coef": -0.1}, "kl_coef"),
 ])
 def test_config_errors(tmp_path, stage, message):
     from alignment.config.recipe import load_recipe
@@ -109,7 +126,8 @@ def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
 
 def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):
     """`gold:` scores every sample of a round (`gold/<name>` in the log history, `round<k>/gold/<name>` in the
-    metrics) and takes no part in the selection: with a gold verifier of weight 1e6 the same rows are kept."""
+    metrics) and the kept ones (`selected_gold/<name>`), and takes no part in the selection: with a gold verifier
+    of weight 1e6 the same rows are kept."""
     kept = {}
     for name, stage in [("plain", {}), ("gold", {"gold": [{"name": "numeric", "weight": 1.0e6}, "arithmetic"]})]:
         recipe, result, _ = run(tmp_path / name, "rsft", {**FAST, **stage})
@@ -119,6 +137,11 @@ def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):
     assert kept["gold"] == kept["plain"] and kept["plain"]
     assert rounds and 0.0 <= rounds[0]["gold/arithmetic"] <= 1.0 and "gold/numeric" in rounds[0]
     assert "round1/gold/arithmetic" in result["metrics"]
+    # selected_gold: the gold verifier's mean over the kept samples alone, computed here by hand
+    rows = [json.loads(line) for line in kept["gold"].splitlines()]
+    right = [verify(r["completion"], str(eval(re.search(r"\d+[-+*]\d+", r["prompt"]).group()))) for r in rows]
+    assert rounds[0]["selected_gold/arithmetic"] == pytest.approx(sum(right) / len(rows))
+    assert result["metrics"]["round1/selected_gold/arithmetic"] == rounds[0]["selected_gold/arithmetic"]
 
 
 def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpoint):
@@ -157,10 +180,11 @@ def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {"model": str(sft_checkpoint), "verifiers": [], "reward_model": str(rm_dir), "select": "top_k", "k": 2,
-             "threshold": None}
+             "threshold": None, "kl_coef": 0.1}
     recipe, result, _ = run(tmp_path / "run", "rsft", {**FAST, **stage})
     rows = [json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
     assert rows and all(isinstance(r["score"], float) for r in rows)
+    assert all(r["logprob"] < 0 for r in rows)  # kl_coef: each kept sample's log-prob under the sampling policy
     per_prompt = {}
     for r in rows:
         per_prompt.setdefault(r["prompt"], []).append(r)

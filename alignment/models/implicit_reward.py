@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..rl import prompt_completion_batch, sequence_logprobs
+from ..rl import completion_logprob_sums
 
 MARKER = "implicit_reward.json"
 
@@ -79,22 +79,9 @@ class ImplicitRewardModel(torch.nn.Module):
     def config(self):
         return self.policy.config
 
-    @torch.no_grad()
     def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int,
               batch_size: int = 16) -> list[float]:
         """The implicit reward of each (prompt ids, completion ids); an empty completion scores 0."""
-        device = next(self.policy.parameters()).device
-        order = sorted(range(len(prompt_ids)), key=lambda i: -(len(prompt_ids[i]) + len(completion_ids[i])))
-        scores = [0.0] * len(prompt_ids)
-        for start in range(0, len(order), batch_size):
-            batch = [i for i in order[start : start + batch_size] if completion_ids[i]]
-            if not batch:
-                continue
-            ids, attention, mask = prompt_completion_batch([prompt_ids[i] for i in batch],
-                                                           [completion_ids[i] for i in batch], pad, device)
-            width = mask.shape[1]
-            ratio = (sequence_logprobs(self.policy, ids, attention, width)
-                     - sequence_logprobs(self.reference, ids, attention, width))
-            for row, value in zip(batch, (self.beta * (ratio * mask).sum(-1)).tolist()):
-                scores[row] = value
-        return scores
+        policy = completion_logprob_sums(self.policy, prompt_ids, completion_ids, pad, batch_size)
+        reference = completion_logprob_sums(self.reference, prompt_ids, completion_ids, pad, batch_size)
+        return [self.beta * (p - r) for p, r in zip(policy, reference)]

@@ -12,9 +12,15 @@ teach the model to stop mid-answer) and duplicate completions:
   - With verifiers, a completion must pass every verifier unless `threshold` is set, in which case it
     must parse and score (weighted sum) at least `threshold`. With a reward model, `threshold` (if set)
     is the minimum score.
+  - `kl_coef` > 0 ranks by score + kl_coef * log p(y|x) instead, p the policy that sampled the round at
+    temperature 1 (regularized best-of-n, Jinnai et al. 2024): the candidate most probable under the
+    KL-regularised optimum p * exp(score / kl_coef). A reward model's highest scores can go to the policy's
+    odd samples, which the log-prob term discounts (measured on SmolLM2: docs/results.md).
 
 `gold:` verifiers score every sample of a round as well (`gold/<name>`, the round's mean, in the log
-history and as `round<k>/gold/<name>` in the metrics) and never take part in the selection.
+history and as `round<k>/gold/<name>` in the metrics) and the selected ones (`selected_gold/<name>`: how
+often what the reward model chose is right, the quality of the data the round trains on); they never take
+part in the selection.
 
 Rounds and LoRA: every round loads the policy the previous round produced (merged weights), trains a
 fresh adapter (with LoRA) or all weights, and saves merged weights. The stage output is the last
@@ -52,10 +58,11 @@ from accelerate import PartialState
 from transformers import set_seed
 
 from ..config.base import stage_ref
-from ..data.formatting import render_pair, render_prompt
+from ..data.formatting import encode, render_pair, render_prompt
 from ..models.loading import check_model_source, load_policy, load_reward_model
 from ..models.saving import save_checkpoint
 from ..models.tokenizer import load_tokenizer
+from ..rl import completion_logprob_sums
 from ..runtime.files import write_atomic
 from ..sampling import generate
 from ..training.context import StageContext
@@ -88,10 +95,13 @@ def sft_args(ctx: StageContext, folder: Path):
 # Selection (pure)
 
 
-def select_samples(candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool) -> list[dict]:
-    """The kept candidates of ONE prompt. A candidate: {'completion', 'score', 'parsed', 'passed', 'finished'}."""
+def select_samples(candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool,
+                   kl_coef: float = 0.0) -> list[dict]:
+    """The kept candidates of ONE prompt. A candidate: {'completion', 'score', 'parsed', 'passed', 'finished'},
+    and with `kl_coef` its 'logprob' (summed over its tokens): ranked by score + kl_coef * logprob."""
     eligible, seen = [], set()
-    for c in sorted(candidates, key=lambda c: -c["score"]):  # stable: ties keep sampling order
+    rank = (lambda c: -c["score"] - kl_coef * c["logprob"]) if kl_coef else (lambda c: -c["score"])
+    for c in sorted(candidates, key=rank):  # stable: ties keep sampling order
         text = c["completion"].strip()
         if not text or not c["finished"] or text in seen:
             continue
@@ -139,6 +149,14 @@ def _device():
     return PartialState().device
 
 
+def sample_logprobs(model, tokenizer, prompts: list, samples: list, batch_size: int) -> list[float]:
+    """log p(y|x) of each sample's token ids under the policy that sampled it, at temperature 1 (`kl_coef`)."""
+    encoded = [encode(tokenizer, render_prompt(tokenizer, p)) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return completion_logprob_sums(model, [encoded[s.prompt_index] for s in samples],
+                                   [s.token_ids for s in samples], pad, batch_size)
+
+
 def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> list[dict]:
     """All rows, or the round's slice of `per_round` rows (wrapping around the data)."""
     if not per_round or per_round >= len(rows):
@@ -162,17 +180,21 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     else:
         samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
                            progress=progress)
+    logprobs = sample_logprobs(model, tokenizer, prompts, samples, cfg.sampling.batch_size) if cfg.kl_coef else None
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
-    selected, covered = [], 0
+    selected, sources, covered = [], [], 0  # sources: each selected sample's row, for its gold score
     for i, prompt in enumerate(prompts):
         group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j],
-                  **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {})}
+                  **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {}),
+                  **({"logprob": logprobs[i * cfg.sampling.n + j]} if logprobs else {})}
                  for j, s in enumerate(samples[i * cfg.sampling.n:(i + 1) * cfg.sampling.n])]
-        kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers))
+        kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers),
+                              kl_coef=cfg.kl_coef)
         covered += bool(kept)
         selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"],
-                      **{k: c[k] for k in TRAJECTORY_KEYS if k in c}} for c in kept]
+                      **{k: c[k] for k in (*TRAJECTORY_KEYS, "logprob") if k in c}} for c in kept]
+        sources += [{**batch[i], "prompt": prompt}] * len(kept)
     n = max(len(samples), 1)
     stats = {
         "round": round_index, "prompts": len(prompts), "samples": len(samples), "selected": len(selected),
@@ -190,6 +212,9 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
                                                                      "truncated_tool_outputs")})
     stats.update(gold_means(list(gold), [s.text for s in samples],
                             [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples]))
+    if selected:  # how good the selection is by the gold measure: the data the round trains on
+        stats.update({f"selected_{key}": value for key, value in
+                      gold_means(list(gold), [s["completion"] for s in selected], sources).items()})
     log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
              f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
              f"mean score {stats['mean_score']:.3f})")
@@ -300,12 +325,12 @@ def stage_result(records: list[dict], rewards) -> dict:
     for record in records:
         k, stats = record["round"], record["stats"]
         history += record["log_history"]
-        history.append({"round": k, **{key if key.startswith("gold/") else f"rsft/{key}": v
+        history.append({"round": k, **{key if key.startswith(("gold/", "selected_gold/")) else f"rsft/{key}": v
                                        for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
                         ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
                          "tool_call_rate", "tool_errors", "parse_failures")
-                        or key.startswith("gold/")})
+                        or key.startswith(("gold/", "selected_gold/"))})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)

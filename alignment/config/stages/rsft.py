@@ -44,6 +44,10 @@ class Config(StageConfig, ToolUse):
                                     "sum, and it must parse, instead of passing every one); required for select: "
                                     "threshold with a reward model")
     rm_batch_size: int = Field(16, gt=0, description="sequences per reward-model forward pass when scoring samples")
+    kl_coef: float = Field(0.0, ge=0, description="regularized best-of-n (Jinnai et al. 2024, arXiv:2404.01054): "
+                           "candidates are ranked by score + kl_coef * log p(y|x), p the policy that sampled them at "
+                           "temperature 1 (the mode of the KL-regularised optimum p * exp(score / kl_coef) among them), "
+                           "so an unlikely sample needs a higher score to win; 0: by the score alone")
 
     @model_validator(mode="after")
     def _one_scorer(self):
@@ -53,6 +57,12 @@ class Config(StageConfig, ToolUse):
             raise ValueError("select: threshold with a reward model needs 'threshold' (the minimum score)")
         if "k" in self.model_fields_set and self.select != "top_k":
             raise ValueError(f"'k' only applies to select: top_k (select is {self.select})")
+        if self.kl_coef and self.select == "threshold":
+            raise ValueError("'kl_coef' ranks candidates, and select: threshold keeps every one above the threshold "
+                             "whatever its rank; use best_of_n or top_k")
+        if self.kl_coef and self.uses_tools:
+            raise ValueError("'kl_coef' is not implemented for rollouts with tools (their log-probs cover the model's "
+                             "own turns only); leave it at 0 there")
         return self
 
     @model_validator(mode="after")
