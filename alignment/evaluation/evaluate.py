@@ -51,7 +51,7 @@ from ..data.loading import load_rows
 from ..errors import UserError
 from ..models.gguf import convert_gguf
 from ..models.loading import check_model_source, load_policy, load_reward_model
-from ..models.tokenizer import load_tokenizer
+from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import prompt_completion_batch, sequence_logprobs
 from ..runtime.dist import distributed_state, get_logger
 from ..sampling import generate
@@ -349,7 +349,7 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     the reference runs a forward pass; it equals the policy's re-score to 2e-5 per token (SmolLM2, fp32, CPU;
     tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
     the policy re-scored as well."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     encoded = [encode(tokenizer, p) for p in prompts]
     own = all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples)
     order = sorted(range(len(samples)), key=lambda i: len(encoded[samples[i].prompt_index]) + len(samples[i].token_ids))

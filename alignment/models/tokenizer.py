@@ -33,6 +33,11 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, template: Templat
     return tokenizer
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id batches are padded with: the pad token's, else the EOS token's (a checkpoint that ships none)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def jinja_literal(value) -> str:
     if isinstance(value, bool) or value is None:
         return {True: "true", False: "false", None: "none"}[value]

@@ -61,7 +61,7 @@ from ..config.base import stage_ref
 from ..data.formatting import encode, render_pair, render_prompt
 from ..models.loading import check_model_source, load_policy, load_reward_model
 from ..models.saving import save_checkpoint
-from ..models.tokenizer import load_tokenizer
+from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import completion_logprob_sums
 from ..runtime.files import write_atomic
 from ..sampling import generate
@@ -152,7 +152,7 @@ def _device():
 def sample_logprobs(model, tokenizer, prompts: list, samples: list, batch_size: int) -> list[float]:
     """log p(y|x) of each sample's token ids under the policy that sampled it, at temperature 1 (`kl_coef`)."""
     encoded = [encode(tokenizer, render_prompt(tokenizer, p)) for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     return completion_logprob_sums(model, [encoded[s.prompt_index] for s in samples],
                                    [s.token_ids for s in samples], pad, batch_size)
 

@@ -26,6 +26,7 @@ from ..models.implicit_reward import (
     read_marker,
 )
 from ..models.loading import check_model_source
+from ..models.tokenizer import pad_token_id
 
 
 def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 16) -> list[float]:
@@ -38,7 +39,7 @@ def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 
 
 def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int = 16) -> list[float]:
     """Scalar reward of token sequences (right-padded batches; the head reads the last real token)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     if getattr(reward_model.config, "pad_token_id", None) is None:
         reward_model.config.pad_token_id = pad
     device = next(reward_model.parameters()).device
@@ -78,7 +79,7 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
         encoded.append((prompt_ids, completion_ids))
     if isinstance(reward_model, ImplicitRewardModel):
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_token_id(tokenizer)
         return reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
     return score_ids(reward_model, tokenizer, [p + c for p, c in encoded], batch_size)
 
