@@ -71,6 +71,29 @@ def test_regularized_best_of_n_ranks_by_score_plus_kl_coef_times_logprob():
     assert texts(select_samples(group, "top_k", 2, 0.0, by_verifier=False, kl_coef=0.5)) == ["c", "b"]
 
 
+def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_otherwise(sft_checkpoint):
+    """The sampler's own log-probs (engine: loop) and a forward pass give the same log p(y|x) at temperature 1;
+    at another temperature the sampler's are tempered, so the stage re-scores."""
+    import dataclasses
+
+    from alignment.config.sampling import SamplingSpec
+    from alignment.data.formatting import render_prompt
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.sampling import generate
+    from alignment.stages.rsft import sample_logprobs
+
+    model, tokenizer = load_policy(str(sft_checkpoint)), load_tokenizer(str(sft_checkpoint))
+    prompts = ["What is 12+7?", "What is 48+37?"]
+    for temperature in (1.0, 0.5):
+        samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts],
+                           SamplingSpec(n=3, temperature=temperature, max_new_tokens=6))
+        assert all(s.logprobs is not None for s in samples)
+        bare = [dataclasses.replace(s, logprobs=None) for s in samples]
+        rescored = sample_logprobs(model, tokenizer, prompts, bare, 4, temperature)
+        assert sample_logprobs(model, tokenizer, prompts, samples, 4, temperature) == pytest.approx(rescored, abs=1e-4)
+
+
 @pytest.mark.parametrize("stage, message", [
     ({"verifiers": []}, "exactly one of 'verifiers'"),
     ({"reward_model": "x"}, "exactly one of 'verifiers'"),

@@ -149,8 +149,12 @@ def _device():
     return PartialState().device
 
 
-def sample_logprobs(model, tokenizer, prompts: list, samples: list, batch_size: int) -> list[float]:
-    """log p(y|x) of each sample's token ids under the policy that sampled it, at temperature 1 (`kl_coef`)."""
+def sample_logprobs(model, tokenizer, prompts: list, samples: list, batch_size: int, temperature: float) -> list[float]:
+    """log p(y|x) of each sample's token ids under the policy that sampled it, at temperature 1 (`kl_coef`).
+    Samples drawn at temperature 1 that carry the sampler's own log-probs (`engine: loop`: log-softmax of the
+    logits before any truncation) are summed as they are, as evaluation's KL does; the rest are re-scored."""
+    if temperature == 1.0 and all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples):
+        return [sum(s.logprobs) for s in samples]
     encoded = [encode(tokenizer, render_prompt(tokenizer, p)) for p in prompts]
     pad = pad_token_id(tokenizer)
     return completion_logprob_sums(model, [encoded[s.prompt_index] for s in samples],
@@ -180,7 +184,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     else:
         samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
                            progress=progress)
-    logprobs = sample_logprobs(model, tokenizer, prompts, samples, cfg.sampling.batch_size) if cfg.kl_coef else None
+    logprobs = (sample_logprobs(model, tokenizer, prompts, samples, cfg.sampling.batch_size, cfg.sampling.temperature)
+                if cfg.kl_coef else None)
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
     selected, sources, covered = [], [], 0  # sources: each selected sample's row, for its gold score
