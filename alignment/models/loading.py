@@ -112,6 +112,12 @@ def _load_policy(name: str, trust_remote_code: bool, dtype):
         raise UserError(f"could not load model '{name}': {str(error).strip().splitlines()[0]}") from None
 
 
+def is_reward_classifier(config) -> bool:
+    """Whether a checkpoint's config is a reward model's: a *ForSequenceClassification with one label."""
+    architectures = getattr(config, "architectures", None) or []
+    return any(a.endswith("ForSequenceClassification") for a in architectures) and config.num_labels == 1
+
+
 def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model); a reward
     adapter folder is merged into its base, score head included (peft keeps the trained head); or a `dpo`
@@ -132,7 +138,7 @@ def _load_reward_model(name: str, trust_remote_code: bool, dtype):
         return PeftModel.from_pretrained(base, name).merge_and_unload().eval().requires_grad_(False)
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
+    if not is_reward_classifier(config):
         raise UserError(
             f"'{name}' is not a reward model: its architecture is {architectures or 'unknown'} with "
             f"{config.num_labels} label(s); a reward model is a *ForSequenceClassification with one label "

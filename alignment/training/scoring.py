@@ -25,7 +25,7 @@ from ..models.implicit_reward import (
     is_implicit_reward_model,
     read_marker,
 )
-from ..models.loading import check_model_source
+from ..models.loading import check_model_source, is_reward_classifier
 from ..models.tokenizer import pad_token_id
 
 
@@ -95,8 +95,8 @@ def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool 
         check_model_source(read_marker(path)[0], f"{where} (the reference of '{ref}')", trust_remote_code)
         return
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    architectures = getattr(config, "architectures", None) or []
-    if not any(a.endswith("ForSequenceClassification") for a in architectures) or config.num_labels != 1:
+    if not is_reward_classifier(config):
+        architectures = getattr(config, "architectures", None) or []
         raise UserError(f"{where}: '{ref}' is not a reward model (architecture {architectures or 'unknown'}, "
                         f"{config.num_labels} label(s)); give the output of a `reward` or `dpo` stage or a "
                         "*ForSequenceClassification checkpoint with one label.")
