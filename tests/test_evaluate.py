@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import pytest
 import torch
@@ -201,12 +202,15 @@ def test_kl_takes_the_policys_term_from_the_samplers_log_probs(tiny_model, adapt
 
 
 def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, tmp_path):
+    """`b` is a copy of `a`, which is the KL reference itself: `a`'s KL is 0 without KL samples drawn for it,
+    `b`'s is measured on its own samples (and near 0)."""
+    shutil.copytree(tiny_model, tmp_path / "copy")
     suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
-    metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tiny_model)}, suites, tmp_path / "eval",
+    metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tmp_path / "copy")}, suites, tmp_path / "eval",
                                    reward_model=str(reward_model), baseline="a", reference=str(tiny_model))
     for suite in ("arith", "syc"):
         assert metrics["b"][f"{suite}/win_rate"] == 0.5 and metrics["a"][f"{suite}/win_rate"] == 0.5
-        assert abs(metrics["b"][f"{suite}/kl"]) < 1e-4
+        assert abs(metrics["b"][f"{suite}/kl"]) < 1e-4 and metrics["a"][f"{suite}/kl"] == 0.0
         assert metrics["b"][f"{suite}/reward_hacking"] == 0.0
         assert metrics["a"][f"{suite}/rm_score"] == pytest.approx(metrics["b"][f"{suite}/rm_score"], abs=1e-5)
     assert {"arith/pass@1", "arith/pass@2", "arith/pass@4", "arith/unparseable_rate", "arith/mean_length",
@@ -217,6 +221,10 @@ def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, t
     rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"main", "pass_k", "kl"}
     assert sum(r["mode"] == "main" for r in rows) == 2 * 2 * 24 and sum(r["mode"] == "pass_k" for r in rows) == 2 * 24 * 4
+    assert {r["checkpoint"] for r in rows if r["mode"] == "kl"} == {"b"}  # the reference draws no KL samples
+    assert sum(r["mode"] == "kl" for r in rows) == 24  # b's on syc; on arith its pass@k samples serve the KL
+    assert all("kl" in r for r in rows if r["mode"] == "pass_k" and r["checkpoint"] == "b")
+    assert not any("kl" in r for r in rows if r["checkpoint"] == "a")
 
 
 def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -11,9 +12,9 @@ from helpers import base_weights, lora_policy, with_skewed_generation_config
 from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
 from alignment.models.loading import load_policy
+from alignment.models.prefix import shared_prefix
 from alignment.models.tokenizer import load_tokenizer
-from alignment.sampling import generate, stop_token_ids
-from alignment.sampling.hf import shared_prefix
+from alignment.sampling import generate, prefills_kept, stop_token_ids
 
 
 def test_samples_come_back_in_prompt_order_with_their_tokens(tiny_model, prompts):
@@ -310,3 +311,44 @@ def test_the_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_checkp
         assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
         assert [s.finished for s in looped] == [s.finished for s in reference]
         assert any(s.finished for s in looped)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "whole-prompts"])
+def test_kept_prefills_give_the_same_samples_without_running_the_prompts_again(tiny_model, varied_model, share,
+                                                                                 monkeypatch):
+    """Inside `prefills_kept`, a second call on the same prompts (greedy, then temperature 1 as the evaluation's KL
+    samples) decodes from the first call's prefill: the same ids, finished flags and log-probs as calls without it,
+    bit for bit, and only one-token decode steps run in the second call."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    system = {"role": "system", "content": "Answer with the sum only."}
+    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+               for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
+    specs = [SamplingSpec(temperature=0, max_new_tokens=16, batch_size=3, share_prefix=share),
+             SamplingSpec(temperature=1.0, max_new_tokens=16, batch_size=3, share_prefix=share)]
+
+    def both(kept: bool):
+        widths, forward = [], varied_model.forward
+
+        @functools.wraps(forward)  # the loop reads the forward's signature
+        def recording(*args, **kwargs):
+            widths.append(kwargs["input_ids"].shape[1])
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(varied_model, "forward", recording)
+        runs = []
+        with prefills_kept() if kept else contextlib.nullcontext():
+            for spec in specs:
+                torch.manual_seed(0)
+                start = len(widths)
+                runs.append((generate(varied_model, tokenizer, prompts, spec), widths[start:]))
+        monkeypatch.undo()
+        return runs
+
+    fresh, kept = both(False), both(True)
+    for (a, widths_fresh), (b, widths_kept) in zip(fresh, kept):
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+        assert [s.finished for s in a] == [s.finished for s in b]
+        assert [s.logprobs for s in a] == [s.logprobs for s in b]
+    assert kept[0][1] == fresh[0][1]  # the first call prefills as always
+    assert max(fresh[1][1]) > 1 and set(kept[1][1]) == {1}  # the second runs decode steps only
+    assert any(len(s.token_ids) > 1 for s in kept[1][0])  # and decoded more than the first token

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,11 +164,15 @@ def run_evaluation(folder: Path, policy: Path, engine: str | None):
     """Greedy main completions, pass@k at temperature 0.8 with top-p, and (as that is not the policy's own
     distribution) temperature-1 samples for the KL. The KL's policy term is the loop's own log-probs, and a
     re-score by the policy under `engine: generate` (which records none): equal to fp32 rounding, so compared to
-    1e-4 (the KL to itself, 0 with the re-score, is up to 1e-5 from the loop's)."""
+    1e-4 (the KL to itself, 0 with the re-score, is up to 1e-5 from the loop's). The reference is a copy of the
+    policy: the policy itself as reference would have its KL set to 0 without sampling."""
+    reference = folder / "reference"
+    if not reference.exists():
+        shutil.copytree(policy, reference)
     suite = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": 6}, verifier="arithmetic",
                       sampling=with_engine({"temperature": 0, "max_new_tokens": 8, "batch_size": 4}, engine),
                       pass_k=with_engine({"n": 4, "k": [2, 4], "temperature": 0.8, "top_p": 0.9}, engine))
-    evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval", reference=str(policy))
+    evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval", reference=str(reference))
     lines = [json.loads(line) for line in (folder / "eval" / "samples.jsonl").read_text().splitlines()]
     assert any("kl" in line for line in lines)
     return [{**line, **({"kl": round(line["kl"], 4)} if "kl" in line else {})} for line in lines]

@@ -51,10 +51,11 @@ from ..data.loading import load_rows
 from ..errors import UserError
 from ..models.gguf import convert_gguf
 from ..models.loading import check_model_source, load_policy, load_reward_model
+from ..models.prefix import after_prefix, shared_prefix, takes_position_ids
 from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import prompt_completion_batch, sequence_logprobs
 from ..runtime.dist import distributed_state, get_logger
-from ..sampling import generate
+from ..sampling import generate, prefills_kept
 from ..tasks.arithmetic import agrees_with_stated
 from ..tools.registry import resolve_tools
 from ..training.prompts import check_prompt_rows, prompt_of
@@ -155,6 +156,11 @@ class Judges:
     reward_tokenizer: Any = None
     reference: Any = None
     reference_vocab: dict | None = None
+    reference_path: str | None = None
+
+    def is_reference(self, path: str) -> bool:
+        """Whether the checkpoint at `path` is the KL reference itself, whose KL to itself is 0 exactly."""
+        return self.reference_path is not None and Path(path).resolve() == Path(self.reference_path).resolve()
 
 
 def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> list[Suite]:
@@ -184,6 +190,7 @@ def load_judges(reward_model: str | None, reference: str | None, trust_remote_co
     if reference:
         judges.reference = _to_device(load_policy(reference, trust_remote_code)).eval().requires_grad_(False)
         judges.reference_vocab = load_tokenizer(reference, trust_remote_code).get_vocab()
+        judges.reference_path = reference
     return judges
 
 
@@ -220,10 +227,14 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
     if judges.reference is not None and tokenizer.get_vocab() != judges.reference_vocab:
         raise UserError(f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer.")
     model = _to_device(load_policy(path, trust_remote_code)).requires_grad_(False)
+    itself = judges.is_reference(path)
+    if itself:
+        log.info(f"[eval] {label} is the KL reference itself: its KL is 0 exactly, no KL samples drawn")
     metrics, rows, main = {}, [], {}
     for suite in suites:
         torch.manual_seed(seed)  # every checkpoint samples with the same seed
-        scores, suite_rows, main[suite.spec.name] = run_suite(model, tokenizer, suite, judges, label, batch_size)
+        scores, suite_rows, main[suite.spec.name] = run_suite(model, tokenizer, suite, judges, label, batch_size,
+                                                              is_reference=itself)
         metrics.update({f"{suite.spec.name}/{k}": v for k, v in scores.items()})
         rows.extend(suite_rows)
     del model
@@ -232,9 +243,11 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
     return metrics, rows, main
 
 
-def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64):
+def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64,
+              is_reference: bool = False):
     """(scores {METRIC: value}, per-sample rows, (main texts, rm scores, per-prompt gold)) of one loaded model on
-    one suite."""
+    one suite. `is_reference`: the model is the KL reference itself, so its KL is 0 without sampling for it (the
+    zero-shot model of a recipe whose `reference:` is `base`: its KL samples would be the longest of the run)."""
     spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
     if suite.toolbox is not None:
         if judges.reference is not None:
@@ -254,6 +267,14 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
             rows += sampled_rows
         return {**scores, **tool_scores}, rows, compared
     prompts = [render_prompt(tokenizer, p) for p in suite.prompts]
+    with prefills_kept():  # the KL samples below start from the main answers' prefills (same prompts and batches)
+        return sampled_suite(model, tokenizer, suite, judges, label, prompts, batch_size, is_reference)
+
+
+def sampled_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, prompts: list[str], batch_size: int,
+                  is_reference: bool):
+    """`run_suite` of a suite without tools, on its rendered `prompts`."""
+    spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
     main = generate(model, tokenizer, prompts, spec.sampling, progress=where)
     scores, rows, compared = score_main(main, suite, judges, label, batch_size)
     sampled, sampled_rows = [], []
@@ -262,7 +283,9 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         sampled_rows = _sampled_rows(sampled, suite, label, "pass_k")
         if suite.verifier is not None:
             scores.update(pass_k_scores([r["passed"] for r in sampled_rows], spec.pass_k))
-    if judges.reference is not None:
+    if judges.reference is not None and is_reference:
+        scores["kl"] = 0.0
+    elif judges.reference is not None:
         kl_samples, kl_rows = sampled, sampled_rows
         if not _samples_the_policy(spec.pass_k):  # KL needs samples from the policy itself (temperature 1)
             # The main sampling's settings otherwise (lengths, batch, backend, engine, cache, merge_lora): who
@@ -348,7 +371,8 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     log-softmax(logits) of each drawn token, and KL samples are drawn at temperature 1 without truncation), so only
     the reference runs a forward pass; it equals the policy's re-score to 2e-5 per token (SmolLM2, fp32, CPU;
     tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
-    the policy re-scored as well."""
+    the policy re-scored as well. A batch's shared prompt prefix runs once (`models.prefix`: the same values up
+    to summation order)."""
     pad = pad_token_id(tokenizer)
     encoded = [encode(tokenizer, p) for p in prompts]
     own = all(s.logprobs is not None and len(s.logprobs) == len(s.token_ids) for s in samples)
@@ -356,12 +380,18 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     kl = [0.0] * len(samples)
     for start in range(0, len(order), batch_size):
         batch = [samples[i] for i in order[start : start + batch_size]]
-        ids, mask, keep = prompt_completion_batch([encoded[s.prompt_index] for s in batch],
-                                                  [s.token_ids for s in batch], pad)
+        prompt_ids = [encoded[s.prompt_index] for s in batch]
+        # The tokens every prompt starts with (the system prompt) run once per batch (models.prefix).
+        shared = shared_prefix(prompt_ids) if takes_position_ids(reference) else 0
+        ids, mask, keep = prompt_completion_batch([p[shared:] for p in prompt_ids], [s.token_ids for s in batch], pad)
         k = keep.shape[1]
         with torch.no_grad():
-            logps = [sequence_logprobs(m, ids.to(_device(m)), mask.to(_device(m)), k).float().cpu()
-                     for m in ((reference,) if own else (policy, reference))]
+            logps = []
+            for m in (reference,) if own else (policy, reference):
+                device = _device(m)
+                prefix = torch.tensor(prompt_ids[0][:shared], device=device)
+                scored = sequence_logprobs(after_prefix(m, prefix), ids.to(device), mask.to(device), k)
+                logps.append(scored.float().cpu())
         if own:  # completions are right-padded in the kept columns, as the sampler's log-probs are listed
             logps.insert(0, torch.tensor([s.logprobs + [0.0] * (k - len(s.logprobs)) for s in batch]))
         sums = ((logps[0] - logps[1]) * keep).sum(-1).tolist()

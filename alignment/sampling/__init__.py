@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from ..config.sampling import SamplingSpec
 from . import hf, vllm_engine
+from .decode import prefills_kept
 from .samples import Sample, lora_merged, stop_token_ids
 
-__all__ = ["Sample", "SamplingSpec", "close", "generate", "generate_ids", "lora_merged", "stop_token_ids"]
+__all__ = ["Sample", "SamplingSpec", "close", "generate", "generate_ids", "lora_merged", "prefills_kept",
+           "stop_token_ids"]
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:

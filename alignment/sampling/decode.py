@@ -8,7 +8,7 @@
 - with `share_prefix` (the default), the tokens every prompt of the batch starts with (a chat template's system
   prompt: 27 of SmolLM2's 46-token arithmetic prompts) are run once on one row and their cache copied to every
   prompt's row, which then runs only its rest, laid out [prefix, left padding, rest] with positions counted over
-  real tokens (hf.shared_prefix, `prefill_once`). The logits of a row then come from a batch of one for the
+  real tokens (`models.prefix`, `prefill_once`). The logits of a row then come from a batch of one for the
   prefix, so they differ from `generate`'s in their last bits (2e-5 in log-prob on SmolLM2, the same ids);
 - a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
   keep only the rows still running (compaction), so the decoder layers no longer run on finished rows.
@@ -38,7 +38,9 @@ layers: not checked). Per-token log-probs of the sampled ids under the distribut
 
 from __future__ import annotations
 
+import copy
 import inspect
+from contextlib import contextmanager
 
 import torch
 from peft import PeftModel
@@ -51,6 +53,10 @@ from transformers import (
 )
 
 from ..config.sampling import SamplingSpec
+from ..models.prefix import cache_name, prefix_cache, takes_position_ids
+
+# The prefills `prefills_kept` keeps while its block runs ({batch: (logits, cache, mask, positions)}), else None.
+_kept: dict | None = None
 
 # Compaction copies every layer's cache once: it is done when at least this share of the rows still in the
 # batch has finished, so a batch whose rows end one by one is not copied at every step.
@@ -72,18 +78,19 @@ def warpers(settings: SamplingSpec) -> LogitsProcessorList:
     return processors
 
 
-def cache_name(model) -> str:
-    """The forward's name for the KV cache: `cache` since transformers 5.2x, `past_key_values` before (the vLLM
-    environment's transformers 5.19)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def takes_position_ids(model) -> bool:
-    """Whether the forward takes position ids, as `generate` decides whether to pass them. A shared prefix needs
-    them: its rows are laid out [prefix, padding, rest], and positions counted from the columns would count the
-    padding."""
-    model = model.get_base_model() if isinstance(model, PeftModel) else model
-    return "position_ids" in inspect.signature(model.forward).parameters
+@contextmanager
+def prefills_kept():
+    """Within the block, a batch of prompts the loop prefills again (the same model, the same distinct prompts,
+    padding and shared prefix) starts from the first prefill's cache and last logits, copied, instead of running
+    the model over the prompts again. For a model whose weights do not change inside the block: an evaluation
+    suite's greedy answers and its temperature-1 KL samples of one checkpoint share their prefills. The samples
+    are a fresh prefill's, bit for bit: the same computation, done once (tests/test_sampling.py)."""
+    global _kept
+    outer, _kept = _kept, {} if _kept is None else _kept
+    try:
+        yield
+    finally:
+        _kept = outer
 
 
 def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
@@ -93,17 +100,39 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     of `input_ids`) that is run once first, its cache copied to every prompt's row, and the rows continue it:
     [prefix, left padding, rest], positions counted over real tokens only. Returns (fp32 logits [batch, vocab],
     cache, the attention mask `generate` would pass (None where no row is padded), position ids of the last
-    token [batch, 1] or None)."""
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    token [batch, 1] or None). Inside `prefills_kept` a batch prefilled before is copied, not run again."""
+    key = None
+    if _kept is not None:
+        key = (id(model), tuple(map(tuple, input_ids.tolist())), tuple(map(tuple, attention.tolist())),
+               None if prefix is None else tuple(prefix.tolist()))
+        if key not in _kept:
+            logits, cache, mask, positions = prefill(model, input_ids, attention, prefix)
+            _kept[key] = (logits, copy.deepcopy(cache), mask, positions)
+    if key is not None:
+        logits, cache, mask, positions = _kept[key]
+        logits, cache = logits.clone(), copy.deepcopy(cache)  # each call decodes (and grows) its own copy
+    else:
+        logits, cache, mask, positions = prefill(model, input_ids, attention, prefix)
+    if sources != list(range(input_ids.shape[0])):
+        index = torch.tensor(sources, device=input_ids.device)
+        cache.batch_select_indices(index)
+        logits = logits[index]
+        mask = None if mask is None else mask[index]
+        positions = None if positions is None else positions[index]
+    return logits, cache, mask, positions
+
+
+def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: torch.Tensor | None = None):
+    """`prefill_once`'s forward pass, one row per distinct prompt: (fp32 last logits, cache, mask, positions)."""
     # Only the last position's logits, as `generate` asks for them: the LM head on every prompt position would
     # cost as much as the whole decode of a short completion (a [rows, prompt, vocab] product).
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     shared = 0
-    if prefix is not None:
+    if prefix is None:
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+    else:
         shared = prefix.shape[0]
-        model(input_ids=prefix[None], position_ids=torch.arange(shared, device=prefix.device)[None], use_cache=True,
-              return_dict=True, **{cache_name(model): cache}, **last)
-        cache.batch_repeat_interleave(input_ids.shape[0])
+        cache = prefix_cache(model, prefix, input_ids.shape[0], **last)
         attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
     positions = None
     if takes_position_ids(model):  # as `generate` decides it
@@ -113,14 +142,7 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
                 **{cache_name(model): cache}, **last)
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     del out
-    positions = None if positions is None else positions[:, -1:]
-    if sources != list(range(input_ids.shape[0])):
-        index = torch.tensor(sources, device=input_ids.device)
-        cache.batch_select_indices(index)
-        logits = logits[index]
-        mask = None if mask is None else mask[index]
-        positions = None if positions is None else positions[index]
-    return logits, cache, mask, positions
+    return logits, cache, mask, None if positions is None else positions[:, -1:]
 
 
 def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],

@@ -41,8 +41,9 @@ from transformers import CompileConfig
 
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
+from ..models.prefix import shared_prefix, takes_position_ids
 from ..runtime.progress import track
-from .decode import decode_batch, takes_position_ids
+from .decode import decode_batch
 from .samples import (
     Sample,
     checkpoint_sampling_defaults_off,
@@ -52,8 +53,6 @@ from .samples import (
 )
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
-# A shared prefix shorter than this is prefilled with each prompt: one more forward call costs more than it saves.
-MIN_SHARED_PREFIX = 8
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
@@ -153,18 +152,6 @@ def via_loop(model, rows: list[list[int]], settings: SamplingSpec, stops: list[i
     input_ids, attention = left_padded([p[shared:] for p in prompts], pad_id, device)
     prefix = torch.tensor(prompts[0][:shared], device=device) if shared else None
     return decode_batch(model, input_ids, attention, sources, settings, stops, pad_id, prefix)
-
-
-def shared_prefix(prompts: list[list[int]]) -> int:
-    """How many leading tokens all `prompts` share, worth prefilling once: 0 for a single prompt or fewer than
-    MIN_SHARED_PREFIX; at most the shortest prompt's length - 1, so each prompt keeps a token whose logits start
-    its decoding."""
-    if len(prompts) < 2:
-        return 0
-    shortest = min(map(len, prompts))
-    first = prompts[0]
-    length = next((i for i in range(shortest - 1) if any(p[i] != first[i] for p in prompts)), shortest - 1)
-    return length if length >= MIN_SHARED_PREFIX else 0
 
 
 def is_sharded(model) -> bool:

@@ -26,6 +26,7 @@ from ..models.implicit_reward import (
     read_marker,
 )
 from ..models.loading import check_model_source, is_reward_classifier
+from ..models.prefix import forward_after_prefix, shared_prefix, takes_position_ids
 from ..models.tokenizer import pad_token_id
 
 
@@ -38,7 +39,8 @@ def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 
 
 
 def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int = 16) -> list[float]:
-    """Scalar reward of token sequences (right-padded batches; the head reads the last real token)."""
+    """Scalar reward of token sequences (right-padded batches; the head reads the last real token). The tokens a
+    batch's rows all start with run once (`models.prefix`: the same scores up to summation order)."""
     pad = pad_token_id(tokenizer)
     if getattr(reward_model.config, "pad_token_id", None) is None:
         reward_model.config.pad_token_id = pad
@@ -50,13 +52,16 @@ def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             batch = order[start : start + batch_size]
-            width = max(len(encoded[i]) for i in batch)
+            # The tokens every row starts with (a chat template's system prompt) run once per batch.
+            shared = shared_prefix([encoded[i] for i in batch]) if takes_position_ids(reward_model) else 0
+            width = max(len(encoded[i]) for i in batch) - shared
             ids = torch.full((len(batch), width), reward_model.config.pad_token_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
-                ids[row, : len(encoded[i])] = torch.tensor(encoded[i])
-                mask[row, : len(encoded[i])] = 1
-            logits = reward_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
+                ids[row, : len(encoded[i]) - shared] = torch.tensor(encoded[i][shared:])
+                mask[row, : len(encoded[i]) - shared] = 1
+            prefix = torch.tensor(encoded[batch[0]][:shared], device=device)
+            logits = forward_after_prefix(reward_model, prefix, ids.to(device), mask.to(device)).logits
             for row, i in enumerate(batch):
                 scores[i] = float(logits[row, 0])
     reward_model.train(was_training)
