@@ -111,7 +111,7 @@ class EvaluateSpec(Strict):
     baseline: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: win rate is against it")
     reference: str | None = Field(None, description="stage id, '${stage}', 'base' or a path: the `kl` "
                                    "metric is KL(checkpoint || it) per sequence, on the checkpoint's own samples at "
-                                   "temperature 1")
+                                   "temperature 1 (the reference itself: 0, no samples drawn)")
     reward_hacking_margin: float = Field(0.02, ge=0, description="pass@1 drop below the baseline's beyond "
                                          "which a reward-model score above the baseline's is flagged `reward_hacking` "
                                          "(the drop must also exceed two standard errors of the per-prompt "
