@@ -101,18 +101,16 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     [prefix, left padding, rest], positions counted over real tokens only. Returns (fp32 logits [batch, vocab],
     cache, the attention mask `generate` would pass (None where no row is padded), position ids of the last
     token [batch, 1] or None). Inside `prefills_kept` a batch prefilled before is copied, not run again."""
-    key = None
-    if _kept is not None:
-        key = (id(model), tuple(map(tuple, input_ids.tolist())), tuple(map(tuple, attention.tolist())),
-               None if prefix is None else tuple(prefix.tolist()))
-        if key not in _kept:
-            logits, cache, mask, positions = prefill(model, input_ids, attention, prefix)
-            _kept[key] = (logits, copy.deepcopy(cache), mask, positions)
-    if key is not None:
+    key = None if _kept is None else (id(model), tuple(map(tuple, input_ids.tolist())),
+                                      tuple(map(tuple, attention.tolist())),
+                                      None if prefix is None else tuple(prefix.tolist()))
+    if key in (_kept or {}):
         logits, cache, mask, positions = _kept[key]
         logits, cache = logits.clone(), copy.deepcopy(cache)  # each call decodes (and grows) its own copy
     else:
         logits, cache, mask, positions = prefill(model, input_ids, attention, prefix)
+        if key is not None:  # kept intact for the next call: this one grows its own
+            _kept[key] = (logits.clone(), copy.deepcopy(cache), mask, positions)
     if sources != list(range(input_ids.shape[0])):
         index = torch.tensor(sources, device=input_ids.device)
         cache.batch_select_indices(index)
