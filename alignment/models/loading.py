@@ -26,6 +26,8 @@ from transformers import (
 from ..errors import UserError
 from ..runtime.dist import full_weights
 from .implicit_reward import ImplicitRewardModel, is_implicit_reward_model, read_marker
+from .reward_ensemble import RewardEnsemble, is_reward_ensemble
+from .reward_ensemble import read_marker as read_ensemble
 
 
 def is_cuda() -> bool:
@@ -122,7 +124,12 @@ def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     """A scalar-head sequence classifier (output of a `reward` stage, or any hub/local reward model); a reward
     adapter folder is merged into its base, score head included (peft keeps the trained head); or a `dpo`
     stage's output read as its implicit reward (`implicit_reward.ImplicitRewardModel`: the policy and the
-    reference it names). Whole on every process: it scores, it is never wrapped by an engine."""
+    reference it names); or a reward stage's ensemble (`reward_ensemble.RewardEnsemble`: every member). Whole on
+    every process: it scores, it is never wrapped by an engine."""
+    if is_reward_ensemble(name):
+        members, combine, penalty = read_ensemble(name)
+        with full_weights():
+            return RewardEnsemble([_load_reward_model(m, trust_remote_code, dtype) for m in members], combine, penalty)
     if is_implicit_reward_model(name):
         reference, beta = read_marker(name)
         return ImplicitRewardModel(load_policy(name, trust_remote_code, dtype),

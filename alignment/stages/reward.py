@@ -24,16 +24,24 @@ is merged weights (`models.load_reward_model` loads it) with the adapter in `ada
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import datasets
 import transformers
+from accelerate import PartialState
 from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer
 from trl.trainer.reward_trainer import suppress_seqcls_warning
 
 from ..errors import UserError
-from ..models.loading import default_dtype, is_adapter_dir, load_policy
+from ..models.loading import (
+    default_dtype,
+    is_adapter_dir,
+    load_policy,
+    load_reward_model,
+)
 from ..models.lora import peft_config
+from ..models.reward_ensemble import member_dir, write_marker
 from ..models.saving import save_checkpoint
 from ..runtime.dist import log_share
 from ..training.buckets import training_dataset, with_length_sampling
@@ -46,6 +54,7 @@ from ..training.pairs import (
     split_eval,
     stage_pairs,
 )
+from ..training.scoring import score_ids
 from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 log = logging.getLogger(__name__)
@@ -65,12 +74,12 @@ def check(ctx: StageContext) -> None:
     check_stage_data(ctx)
 
 
-def load_classifier(ctx: StageContext, tokenizer):
+def load_classifier(ctx: StageContext, tokenizer, seed: int | None = None):
     """The start model with a one-label head (fresh for a policy, kept for a reward model)."""
     if is_adapter_dir(ctx.start_model):
         raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
                         "(`align merge`) and start the reward model from the merged checkpoint.")
-    transformers.set_seed(ctx.seed)  # the fresh head's initialisation
+    transformers.set_seed(ctx.seed if seed is None else seed)  # the fresh head's initialisation
     with suppress_seqcls_warning():
         model = AutoModelForSequenceClassification.from_pretrained(
             ctx.start_model, num_labels=1, dtype=default_dtype(), trust_remote_code=ctx.recipe.trust_remote_code,
@@ -88,27 +97,46 @@ def datasets_for(ctx: StageContext, tokenizer) -> tuple[list[dict], list[dict], 
     return train, held_out, stats
 
 
-def build_trainer(ctx: StageContext):
-    """The RewardTrainer, ready to train, and the pair counts."""
+@dataclass
+class Pairs:
+    """The tokenized pairs every member of the stage trains and is measured on, and their counts."""
+
+    train: list[dict]
+    held_out: list[dict]
+    counts: dict
+
+
+def tokenized_pairs(ctx: StageContext, tokenizer, max_length: int | None) -> Pairs:
+    train, held_out, stats = datasets_for(ctx, tokenizer)
+    train_ids, dropped_train = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, train)),
+                                                 max_length, f"{ctx.where}.data")
+    eval_ids, dropped_eval = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
+                                               max_length, f"{ctx.where} held-out pairs")
+    return Pairs(train_ids, eval_ids, {**stats, "pairs_train": len(train_ids), "pairs_eval": len(eval_ids),
+                                       "pairs_dropped_too_long": dropped_train + dropped_eval})
+
+
+def build_trainer(ctx: StageContext, pairs: Pairs | None = None, member: int = 0):
+    """The RewardTrainer of ensemble member `member` (0: the stage's only or first reward model), ready to train,
+    and the pair counts. Member i starts from seed recipe seed + i (head initialisation, batch order) and keeps
+    its trainer checkpoints in a folder of its own, so a resumed stage resumes each member where it stopped."""
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
-    train, held_out, stats = datasets_for(ctx, tokenizer)
-
-    train_ids, dropped_train = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, train)),
-                                                 args.max_length, f"{ctx.where}.data")
-    eval_ids, dropped_eval = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
-                                               args.max_length, f"{ctx.where} held-out pairs")
-    if not eval_ids:
+    pairs = pairs or tokenized_pairs(ctx, tokenizer, args.max_length)
+    if member:
+        args.seed = args.data_seed = ctx.seed + member
+        args.output_dir = f"{args.output_dir}-member-{member}"
+    if not pairs.held_out:
         args.eval_strategy = "no"
     trainer = trainer_class(with_length_sampling(RewardTrainer), ctx.config.score_learning_rate)(
-        model=load_classifier(ctx, tokenizer), args=args, processing_class=tokenizer,
-        train_dataset=training_dataset(train_ids, args, lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"]))),
-        eval_dataset=datasets.Dataset.from_list(eval_ids) if eval_ids else None,
+        model=load_classifier(ctx, tokenizer, args.seed), args=args, processing_class=tokenizer,
+        train_dataset=training_dataset(pairs.train, args,
+                                       lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"]))),
+        eval_dataset=datasets.Dataset.from_list(pairs.held_out) if pairs.held_out else None,
         peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),
     )
-    return trainer, {**stats, "pairs_train": len(train_ids), "pairs_eval": len(eval_ids),
-                     "pairs_dropped_too_long": dropped_train + dropped_eval}
+    return trainer, pairs.counts
 
 
 def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> tuple[list[dict], int]:
@@ -173,7 +201,31 @@ def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
 
 
 def run(ctx: StageContext) -> dict:
-    trainer, counts = build_trainer(ctx)
+    ensemble = ctx.config.ensemble
+    pairs = tokenized_pairs(ctx, ctx.load_tokenizer(), trl_config(ctx).max_length)
+    trainer, counts = build_trainer(ctx, pairs)
+    result = train_member(ctx, trainer, counts, ctx.out_dir)
+    if ensemble is None:
+        return result
+    members = {f"member_0/{k}": v for k, v in result["metrics"].items() if k.startswith("eval_")}
+    for member in range(1, ensemble.members):
+        del trainer
+        trainer, _ = build_trainer(ctx, pairs, member)
+        if ctx.is_main:
+            log.info(f"[{ctx.where}] ensemble member {member + 1} of {ensemble.members} (seed {trainer.args.seed})")
+        done = train_member(ctx, trainer, counts, member_dir(ctx.out_dir, member))
+        members.update({f"member_{member}/{k}": v for k, v in done["metrics"].items() if k.startswith("eval_")})
+    if ctx.is_main:
+        write_marker(ctx.out_dir, ensemble.members, ensemble.combine, ensemble.penalty)
+    result["metrics"].update(members)
+    PartialState().wait_for_everyone()  # the members and the marker are on disk
+    if pairs.held_out and ctx.is_main:
+        result["metrics"].update(ensemble_accuracy(ctx, pairs.held_out))
+    return result
+
+
+def train_member(ctx: StageContext, trainer, counts: dict, out_dir) -> dict:
+    """Train one reward model, measure it on the held-out pairs, save it to `out_dir`."""
     train(ctx, trainer)
     held_out = {}
     if trainer.eval_dataset is not None:
@@ -182,5 +234,19 @@ def run(ctx: StageContext) -> dict:
         if ctx.is_main:
             log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
                      f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
-    save_model(trainer, trainer.processing_class, ctx.out_dir, ctx.save_dtype(), save=save_reward_model)
+    save_model(trainer, trainer.processing_class, out_dir, ctx.save_dtype(), save=save_reward_model)
     return final_metrics(trainer, **counts, **held_out)
+
+
+def ensemble_accuracy(ctx: StageContext, held_out: list[dict]) -> dict:
+    """The combined score's held-out pairwise accuracy and mean margin (`eval_accuracy`, `eval_margin`: the
+    stage's headline figures are the ensemble's; each member's are under `member_<i>/`)."""
+    model = load_reward_model(str(ctx.out_dir), ctx.recipe.trust_remote_code)
+    tokenizer = ctx.load_tokenizer()
+    chosen = score_ids(model, tokenizer, [p["chosen_ids"] for p in held_out])
+    rejected = score_ids(model, tokenizer, [p["rejected_ids"] for p in held_out])
+    margins = [c - r for c, r in zip(chosen, rejected)]
+    accuracy, margin = sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins)
+    log.info(f"[{ctx.where}] ensemble of {ctx.config.ensemble.members} ({ctx.config.ensemble.combine}): held-out "
+             f"pairwise accuracy {accuracy:.3f}, mean margin {margin:.3f} ({len(margins)} pairs)")
+    return {"eval_accuracy": accuracy, "eval_margin": margin}

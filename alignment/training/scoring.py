@@ -2,8 +2,9 @@
 last token of `render_prompt(p) + render_completion(p, c)` (the convention of `formatting.py`, tokenized
 by `formatting.encode_prompt_completion`, exactly as the reward stage trains on it), or, for a dpo stage's
 output (`models.implicit_reward`), summed as beta * (log pi - log ref) over the completion's tokens of the
-same text, split where the dpo stage's pairs split prompt and answer. Used by ppo, rsft and evaluation;
-rlvr through `rewards.RewardModelReward`."""
+same text, split where the dpo stage's pairs split prompt and answer; a reward stage's ensemble
+(`models.reward_ensemble`) scores with every member and combines. Used by ppo, rsft and evaluation; rlvr
+through `rewards.RewardModelReward`."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from ..models.implicit_reward import (
 )
 from ..models.loading import check_model_source, is_reward_classifier
 from ..models.prefix import forward_after_prefix, shared_prefix, takes_position_ids
+from ..models.reward_ensemble import RewardEnsemble, is_reward_ensemble
+from ..models.reward_ensemble import read_marker as read_ensemble
 from ..models.tokenizer import pad_token_id
 
 
@@ -41,6 +44,8 @@ def score_rendered(reward_model, tokenizer, texts: list[str], batch_size: int = 
 def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int = 16) -> list[float]:
     """Scalar reward of token sequences (right-padded batches; the head reads the last real token). The tokens a
     batch's rows all start with run once (`models.prefix`: the same scores up to summation order)."""
+    if isinstance(reward_model, RewardEnsemble):
+        return reward_model.combined([score_ids(m, tokenizer, encoded, batch_size) for m in reward_model.members])
     pad = pad_token_id(tokenizer)
     if getattr(reward_model.config, "pad_token_id", None) is None:
         reward_model.config.pad_token_id = pad
@@ -83,6 +88,9 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
         prompt_ids, completion_ids = encode_prompt_completion(
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
         encoded.append((prompt_ids, completion_ids))
+    if isinstance(reward_model, RewardEnsemble):
+        return reward_model.combined([score_ids(m, tokenizer, [p + c for p, c in encoded], batch_size)
+                                      for m in reward_model.members])
     if isinstance(reward_model, ImplicitRewardModel):
         pad = pad_token_id(tokenizer)
         return reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
@@ -91,14 +99,23 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
 
 def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
     """`align check` of a stage's `reward_model:` (`ref` as written, `path` resolved): it resolves, and it is a
-    one-label sequence classifier or a dpo stage's output whose reference resolves. An earlier stage's output
-    that does not exist yet is checked when it does (the recipe's loading checked that stage's kind)."""
+    one-label sequence classifier, a reward stage's ensemble whose members are, or a dpo stage's output whose
+    reference resolves. An earlier stage's output that does not exist yet is checked when it does (the recipe's
+    loading checked that stage's kind)."""
     if stage_ref(ref) and not (Path(path) / "config.json").exists():
         return  # produced by an earlier stage that has not run yet
     check_model_source(path, where, trust_remote_code)
+    if is_reward_ensemble(path):
+        for member in read_ensemble(path)[0]:
+            check_classifier(member, member, f"{where} (a member of the ensemble '{ref}')", trust_remote_code)
+        return
     if is_implicit_reward_model(path):
         check_model_source(read_marker(path)[0], f"{where} (the reference of '{ref}')", trust_remote_code)
         return
+    check_classifier(ref, path, where, trust_remote_code)
+
+
+def check_classifier(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if not is_reward_classifier(config):
         architectures = getattr(config, "architectures", None) or []

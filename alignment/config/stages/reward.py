@@ -4,11 +4,30 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from ..base import Strict
 from ..data import DataSpec
 from ..sampling import OnPolicySpec
 from .base import StageConfig
+
+
+class EnsembleSpec(Strict):
+    """`ensemble:` — train the reward model `members` times on the same pairs, each from its own seed, and
+    read it as one reward (Coste et al. 2023, arXiv:2310.02743; alignment/models/reward_ensemble.py)."""
+
+    members: int = Field(gt=1, le=16, description="reward models trained, each with seed recipe seed + i (its "
+                         "score head's initialisation and its batch order); the stage takes about members x as long")
+    combine: Literal["mean", "min", "uwo"] = Field("mean", description="how a reader combines the members' "
+                                                   "scores: mean; min (worst-case optimisation); uwo (mean minus "
+                                                   "`penalty` x the members' variance: uncertainty-weighted)")
+    penalty: float = Field(1.0, ge=0, description="uwo: the weight of the members' variance subtracted from their mean")
+
+    @model_validator(mode="after")
+    def _penalty_for_uwo(self):
+        if "penalty" in self.model_fields_set and self.combine != "uwo":
+            raise ValueError(f"'penalty' weighs the members' variance in combine: uwo (combine is {self.combine})")
+        return self
 
 
 class Config(StageConfig):
@@ -28,3 +47,6 @@ class Config(StageConfig):
         None, gt=0, description="learning rate of the freshly initialised score head (default: train.learning_rate); "
         "a head that learns faster than the pretrained body it reads from: 3e-2 over 2e-4 took the arithmetic pairs from "
         "0.6-0.75 to 0.945 held-out accuracy (alignment/stages/reward.py)")
+    ensemble: EnsembleSpec | None = Field(None, description="train several reward models on the same pairs and score "
+                                          "with their combination wherever `${this stage}` is a reward_model "
+                                          "(over-optimisation: Coste et al. 2023)")
