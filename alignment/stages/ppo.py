@@ -83,6 +83,7 @@ from ..training.actor_critic import (
 )
 from ..training.buckets import bucketed_order
 from ..training.context import StageContext
+from ..training.early_stop import GoldWatch
 from ..training.memory import StepShape, needs_checkpointing
 from ..training.prompts import prompt_of
 from ..training.rewards import build_gold, build_rewards, gold_means, resolve_all
@@ -208,6 +209,10 @@ class PPOLoop:
         self.acc.register_for_checkpointing(self.scheduler, self.kl_ctl)
         self.update, self.history, self.reward_stats = 0, [], {"count": 0.0, "mean": 0.0, "m2": 0.0}
         self._orders: dict[int, list[int]] = {}
+        stop = self.cfg.early_stop
+        self.watch = GoldWatch(gold_key(ctx, self.scorer.gold), stop.window, stop.patience) if stop else None
+        self.best_policy: dict | None = None  # the policy state at the watch's best (main process, CPU)
+        self.stopped_at: int | None = None
 
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
@@ -390,9 +395,12 @@ class PPOLoop:
 
     # -- one update, metrics ------------------------------------------------------------------------
 
-    def one_update(self) -> dict:
+    def one_update(self) -> dict | None:
+        """One rollout and its training; None when `early_stop` ends the run at this rollout (not trained on)."""
         set_seed((self.ctx.seed * 1_000_003 + self.update * 1_009 + self.acc.process_index) % 2**32)
         rollout, rollout_stats = self.rollout()
+        if self.watch is not None and self.watch_gold(rollout_stats):
+            return None
         rollout, stats = self.advantages(rollout)
         started = time.time()
         stats.update(self.train_on(rollout))
@@ -400,6 +408,30 @@ class PPOLoop:
         entry = self.metrics(rollout, rollout_stats, stats, train_time)
         self.kl_ctl.update(entry["kl"], self.cfg.rollout.batch_size * self.acc.num_processes)
         return entry
+
+    def watch_gold(self, rollout_stats: RolloutStats) -> bool:
+        """`early_stop`: record this rollout's gold mean (over all processes); on a new best window average keep a
+        copy of the policy that sampled it; True once `patience` updates have passed without one."""
+        local = torch.tensor(float(rollout_stats.reward_means[self.watch.key]), device=self.acc.device)
+        update = self.update + 1
+        if self.watch.observe(update, self.acc.reduce(local, "mean").item()):
+            self.best_policy = self.policy_copy()
+        if not self.watch.exhausted(update):
+            return False
+        self.stopped_at = update
+        log.info(f"[{self.ctx.stage_id}] early stop at update {update}: the {self.watch.key} average over "
+                 f"{self.watch.window} updates has not passed {self.watch.best:.4g} (update {self.watch.best_update}) "
+                 f"for {update - self.watch.best_update} updates; this rollout is not trained on")
+        return True
+
+    def policy_copy(self) -> dict | None:
+        """The policy's gathered state, copied to CPU on the main process (every process takes part in the
+        gather; the others get None)."""
+        state = self.acc.get_state_dict(self.model)
+        if not self.acc.is_main_process:
+            return None
+        _, policy = policy_state(self.acc.unwrap_model(self.model), state)
+        return {k: v.detach().to("cpu", copy=True) for k, v in policy.items()}
 
     def metrics(self, rollout: Rollout, rollout_stats: RolloutStats, stats: dict, train_time: float) -> dict:
         """Per-update metrics averaged over processes (scores over the gathered batch)."""
@@ -426,6 +458,8 @@ class PPOLoop:
         for _ in track(range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)",
                        total=self.total - self.update):
             entry = self.one_update()
+            if entry is None:
+                break
             self.history.append(entry)
             self.update += 1
             self.acc.log(entry, step=self.update)
@@ -441,6 +475,10 @@ class PPOLoop:
         metrics = dict(self.history[-1]) if self.history else {}
         metrics.update(updates=self.update, prompts=len(self.rows),
                        start_score=self.history[0]["score"] if self.history else None)
+        if self.watch is not None:
+            metrics.update({"early_stop/best_update": self.watch.best_update or None,
+                            "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
+                            "early_stop/stopped_at": self.stopped_at})
         return {"metrics": metrics, "log_history": self.history}
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -449,17 +487,43 @@ class PPOLoop:
         """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
         process, written by rank 0 (`sharding.save_trained`)."""
         self.acc.wait_for_everyone()
-        save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=policy_state)
+        pick = policy_state
+        if self.watch is not None and self.watch.best_update:  # the same on every process (reduced gold means)
+            log.info(f"[{self.ctx.stage_id}] saving the policy that sampled update {self.watch.best_update}'s rollouts "
+                     f"(best {self.watch.key} average {self.watch.best:.4g}), not the last one")
+            pick = lambda actor_critic, _: (actor_critic.policy, self.best_policy)  # noqa: E731
+        save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=pick)
 
     def save_state(self) -> None:
-        save_loop_state(self.acc, Path(self.ctx.work_dir), self.update,
-                        {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history})
+        state = {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history}
+        files = {}
+        if self.watch is not None:
+            state["early_stop"] = self.watch.state()
+            files = {BEST_POLICY: self.best_policy} if self.best_policy is not None else {}
+        save_loop_state(self.acc, Path(self.ctx.work_dir), self.update, state, files)
 
     def resume(self) -> None:
         state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
         if state is not None:
             self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
+            if self.watch is not None and "early_stop" in state:
+                self.watch.restore(state["early_stop"])
+                if self.watch.best_update and self.acc.is_main_process:
+                    self.best_policy = torch.load(path / BEST_POLICY, weights_only=True)
             log.info(f"[{self.ctx.stage_id}] resuming from update {self.update} ({path})")
+
+
+BEST_POLICY = "best_policy.pt"  # early_stop's kept policy state, in a loop checkpoint
+
+
+def gold_key(ctx: StageContext, gold: list) -> str:
+    """The logged name of the gold verifier `early_stop.gold` watches."""
+    names = [g.__name__ for g in gold]
+    key = f"gold/{ctx.config.early_stop.gold}"
+    if key not in names:
+        raise UserError(f"{ctx.where}.early_stop.gold: '{ctx.config.early_stop.gold}' is logged under another name; "
+                        f"the gold verifiers are logged as {', '.join(names)}: name one of those (without gold/).")
+    return key
 
 
 LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
@@ -475,6 +539,8 @@ def check(ctx: StageContext) -> None:
     tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
                 resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"))
+    if ctx.config.early_stop is not None:
+        gold_key(ctx, build_gold(ctx.config.gold, [ctx.recipe.base_dir], ctx.where))
     ref = ctx.config.reward_model
     if ref is not None:
         check_reward_model(ref, ctx.resolve_model(ref), f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)

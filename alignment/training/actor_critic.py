@@ -262,10 +262,11 @@ def checkpoints(work_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found) if (p / "state.json").exists()]
 
 
-def save_loop_state(accelerator, work_dir: Path, update: int, state: dict) -> None:
+def save_loop_state(accelerator, work_dir: Path, update: int, state: dict, files: dict | None = None) -> None:
     """`accelerator.save_state` (model, optimizer and what is registered for checkpointing: scheduler, KL
-    controller; under FSDP2 and DeepSpeed every process writes its own shards) and `state` as state.json, into
-    `checkpoint-<update>.tmp`, which rank 0 renames when every process is done, then drops older ones."""
+    controller; under FSDP2 and DeepSpeed every process writes its own shards), `state` as state.json and rank
+    0's `files` ({name: object}, `torch.save`d), into `checkpoint-<update>.tmp`, which rank 0 renames when every
+    process is done, then drops older ones."""
     tmp, final = work_dir / f"checkpoint-{update}.tmp", work_dir / f"checkpoint-{update}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -275,6 +276,8 @@ def save_loop_state(accelerator, work_dir: Path, update: int, state: dict) -> No
     accelerator.wait_for_everyone()  # every process has written its part (its RNG state at least)
     if accelerator.is_main_process:
         (tmp / "state.json").write_text(json.dumps(state))
+        for name, value in (files or {}).items():
+            torch.save(value, tmp / name)
         os.replace(tmp, final)
         for old in checkpoints(work_dir):
             if old != final:

@@ -80,6 +80,17 @@ class TrainSpec(Strict):
         None, description="recompute layers in the backward pass; default: only where the estimate says the "
         "step would not fit on the GPU without it (memory.py); never on CPU")
 
+class EarlyStopSpec(Strict):
+    """`early_stop:` — keep the policy where a gold measure peaked, and stop once it has not improved for a while
+    (early stopping against over-optimisation of a reward model: Gao et al. 2022, arXiv:2210.10760)."""
+
+    gold: str = Field(description="the `gold:` verifier to watch (its name as logged, gold/<name>)")
+    window: int = Field(4, gt=0, description="updates whose gold means are averaged: one update's rollout mean is "
+                        "noisy (a few points at 256 rollouts), the average of the last `window` is compared")
+    patience: int | None = Field(10, gt=0, description="stop after this many updates without a new best average; "
+                                 "null: train every update and still keep the best")
+
+
 class Config(StageConfig):
     kind: Literal["ppo"] = Field("ppo", description="ppo: RLHF with PPO in our own loop on accelerate: rollouts scored "
                                  "by a reward model and/or verifiers, a per-token KL penalty to the start policy, GAE, "
@@ -95,6 +106,9 @@ class Config(StageConfig):
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers whose weighted rewards are added "
                                           "to the reward model's score")
     gold: list[VerifierSpec] = gold_field()
+    early_stop: EarlyStopSpec | None = Field(None, description="save the policy of the update where a `gold:` "
+                                             "verifier's average peaked, not the last, and stop training `patience` "
+                                             "updates after it (the policy at the best average is kept in memory)")
     data: DataSpec = Field(description="prompts (`prompt` or chat `messages`) and the columns the verifiers read")
     kl_coef: float = Field(0.05, ge=0, description="beta of the per-token KL penalty: r_t = -beta KL_t, plus the score "
                            "at the last token (Ziegler et al. 2019, arXiv:1909.08593, eq. 2); the start value with "
@@ -145,4 +159,7 @@ class Config(StageConfig):
                              f"train.gradient_accumulation_steps ({t.gradient_accumulation_steps})")
         if t.total_updates is not None and t.total_episodes is not None:
             raise ValueError("give train.total_updates or train.total_episodes, not both")
+        if self.early_stop is not None and self.early_stop.gold not in [g.name for g in self.gold]:
+            raise ValueError(f"early_stop.gold '{self.early_stop.gold}' is not one of the stage's `gold:` verifiers "
+                             f"({', '.join(g.name for g in self.gold) or 'none given'}); it watches one of them")
         return self
