@@ -18,8 +18,9 @@ One update's tensors travel as a `Rollout` (`alignment/training/rollout.py`): ea
 when built, and sliced together for minibatches; the reward-part means and sampling time as `RolloutStats`.
 
 Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
-path/hub id), `verifiers: [{name, weight, options}]`, `gold:` (verifiers scored and logged as `gold/<name>`,
-never rewarded), `data` (a `prompt` or `messages` column, plus
+path/hub id; a reward stage's `ensemble:` is scored as its combination), `verifiers: [{name, weight, options}]`,
+`gold:` (verifiers scored and logged as `gold/<name>`, never rewarded), `early_stop:` (keep the policy where a
+gold measure peaked: `training/early_stop.py`), `data` (a `prompt` or `messages` column, plus
 the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estimator`, `rollout`,
 `missing_eos_penalty` and `train` (see `TrainSpec`; unknown keys are errors with a "did you mean").
 Warm the learning rate up (`train.warmup_steps`, `lr_scheduler_type: cosine`): in the quickstart, PPO

@@ -15,7 +15,10 @@ gives the fresh head its own, higher learning rate than the pretrained body: on 
 (recipes/arithmetic-reward-model.yaml), where one rate for both stalled at 0.6-0.75 whatever the
 rate, epochs or LoRA rank. Pairwise accuracy
 and mean margin are measured on `eval_data`, or on `eval_fraction` of the pairs held out. The output
-is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`.
+is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`. With `ensemble:
+{members: k}` the pairs are built once and k reward models train on them, member i from seed `seed + i`;
+member 0 is the stage's checkpoint, the others go to `members/`, and `reward_ensemble.json` tells readers to
+combine them (`models/reward_ensemble.py`).
 
     stages:
       rm: {kind: reward, model: "${sft}", data: {task: arithmetic, n: 8000}, train: {learning_rate: 1.0e-3}}
