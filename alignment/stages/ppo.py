@@ -492,8 +492,12 @@ class PPOLoop:
         if self.watch is not None and self.watch.best_update:  # the same on every process (reduced gold means)
             log.info(f"[{self.ctx.stage_id}] saving the policy that sampled update {self.watch.best_update}'s rollouts "
                      f"(best {self.watch.key} average {self.watch.best:.4g}), not the last one")
-            pick = lambda actor_critic, _: (actor_critic.policy, self.best_policy)  # noqa: E731
+            pick = self.kept_policy
         save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=pick)
+
+    def kept_policy(self, actor_critic, _gathered: dict) -> tuple:
+        """`save_trained`'s pick under `early_stop`: the policy module, with the state kept at the best."""
+        return actor_critic.policy, self.best_policy
 
     def save_state(self) -> None:
         state = {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history}
