@@ -88,9 +88,6 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
         prompt_ids, completion_ids = encode_prompt_completion(
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
         encoded.append((prompt_ids, completion_ids))
-    if isinstance(reward_model, RewardEnsemble):
-        return reward_model.combined([score_ids(m, tokenizer, [p + c for p, c in encoded], batch_size)
-                                      for m in reward_model.members])
     if isinstance(reward_model, ImplicitRewardModel):
         pad = pad_token_id(tokenizer)
         return reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
