@@ -210,14 +210,14 @@ def run(ctx: StageContext) -> dict:
     result = train_member(ctx, trainer, counts, ctx.out_dir)
     if ensemble is None:
         return result
-    members = {f"member_0/{k}": v for k, v in result["metrics"].items() if k.startswith("eval_")}
+    members = member_metrics(0, result["metrics"])
     for member in range(1, ensemble.members):
         del trainer
         trainer, _ = build_trainer(ctx, pairs, member)
         if ctx.is_main:
             log.info(f"[{ctx.where}] ensemble member {member + 1} of {ensemble.members} (seed {trainer.args.seed})")
         done = train_member(ctx, trainer, counts, member_dir(ctx.out_dir, member))
-        members.update({f"member_{member}/{k}": v for k, v in done["metrics"].items() if k.startswith("eval_")})
+        members.update(member_metrics(member, done["metrics"]))
     if ctx.is_main:
         write_marker(ctx.out_dir, ensemble.members, ensemble.combine, ensemble.penalty)
     result["metrics"].update(members)
@@ -225,6 +225,11 @@ def run(ctx: StageContext) -> dict:
     if pairs.held_out and ctx.is_main:
         result["metrics"].update(ensemble_accuracy(ctx, pairs.held_out))
     return result
+
+
+def member_metrics(member: int, metrics: dict) -> dict:
+    """One member's held-out figures, named `member_<i>/eval_accuracy` and `member_<i>/eval_margin`."""
+    return {f"member_{member}/{k}": metrics[k] for k in ("eval_accuracy", "eval_margin") if k in metrics}
 
 
 def train_member(ctx: StageContext, trainer, counts: dict, out_dir) -> dict:
