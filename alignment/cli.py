@@ -57,13 +57,27 @@ def run(
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the recipe's evaluate block"),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="run up to this many independent stages at once, each in "
                              "its own process with its share of the CPU threads or a GPU of its own"),
+    eval_only: Optional[List[str]] = typer.Option(None, "--eval-only", hidden=True, help="score only this checkpoint "
+                                                  "of the evaluate block and hand its results to the run that started "
+                                                  "this process (an evaluation process of --jobs; repeatable)"),
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
+    import os
+
     from .config.recipe import load_recipe
+    from .evaluation.evaluate import run_evaluate_block
+    from .evaluation.handoff import RUN_ENV
     from .run.runner import close_process_group, run_recipe
 
     _setup()
     loaded = load_recipe(recipe, overrides or [])
+    if eval_only:
+        if loaded.evaluate is None or not os.environ.get(RUN_ENV):
+            raise UserError("--eval-only is the evaluation process of `align run --jobs N` and runs only under it "
+                            "(the recipe's evaluate block, the run's id in the environment); run `align run RECIPE` "
+                            "or `align eval` instead.")
+        run_evaluate_block(loaded, labels=eval_only, run=os.environ[RUN_ENV])
+        return
     try:
         run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
                    evaluate=not no_eval, jobs=jobs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 
 import pytest
@@ -12,7 +14,9 @@ from safetensors.torch import load_file
 
 from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.run import jobs
+from alignment.evaluation import evaluate
+from alignment.evaluation.handoff import Handoff
+from alignment.run import jobs, runner
 from alignment.run.runner import run_recipe
 
 TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
@@ -107,7 +111,7 @@ stage, out, seconds, partner = sys.argv[1], pathlib.Path(sys.argv[2]), float(sys
 events = out / "events.txt"
 with open(events, "a") as f: f.write(f"start {stage}\\n")
 deadline = time.monotonic() + 300  # generous: only a scheduler that never runs the partner beside it waits it out
-while partner and f"start {partner}" not in events.read_text().splitlines():
+while partner and not any(line.startswith(f"start {partner}") for line in events.read_text().splitlines()):
     if time.monotonic() > deadline:
         sys.exit(f"{stage} never saw {partner} start while it ran: the two did not run at once")
     time.sleep(0.01)
@@ -140,6 +144,107 @@ def test_scheduler_respects_dependencies_and_the_job_limit_and_starts_unblocking
     started = [m.split("]")[0][1:] for m in caplog.messages if " started in its own process (1 CPU thread" in m]
     assert started[:3] == ["sft", "rm", "rlvr"]  # rm unblocks ppo, so it goes before the first leaf
     assert sorted(started) == sorted(recipe.stages)
+
+
+FAKE_EVALUATION = """
+import pathlib, sys, time
+out, labels = pathlib.Path(sys.argv[1]), sys.argv[2:]
+with open(out / "events.txt", "a") as f: f.write(f"start eval {','.join(labels)}\\n")
+time.sleep(0.1)
+with open(out / "events.txt", "a") as f: f.write(f"end eval {','.join(labels)}\\n")
+"""
+
+
+def test_evaluations_start_in_free_slots_while_stages_still_run_once_their_inputs_exist(tmp_path, caplog):
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
+    planned = runner.planned_evaluations(recipe, list(recipe.stages))
+    # Each checkpoint waits for its own stage, the reward model (rm) and the KL reference (sft).
+    assert planned == {"base": {"rm", "sft"}, "sft": {"rm", "sft"}, "ppo": {"ppo", "rm", "sft"},
+                       "dpo": {"dpo", "rm", "sft"}, "rsft": {"rsft", "rm", "sft"}, "rlvr": {"rlvr", "rm", "sft"}}
+    seconds = {"sft": 0.3, "rm": 0.3, "ppo": 0.2, "rlvr": 0.2, "dpo": 0.2, "rsft": 0.2}
+    # rlvr ends only once it has seen an evaluation start: they run at once, or rlvr waits out its deadline.
+    partner = {"rlvr": "eval"}
+    command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s]), partner.get(s, "")]
+    evaluation = lambda _, labels: [sys.executable, "-c", FAKE_EVALUATION, str(tmp_path), *labels]
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02, evaluations=planned, run="r1",
+                             eval_command_for=evaluation)
+    events = [tuple(line.split()) for line in (tmp_path / "events.txt").read_text().splitlines()]
+    scored = [(i, label) for i, (kind, what, *rest) in enumerate(events) if kind == "start" and what == "eval"
+              for label in rest[0].split(",")]
+    assert sorted(label for _, label in scored) == sorted(planned)  # each checkpoint once
+    for i, label in scored:
+        assert all(events.index(("end", needed)) < i for needed in planned[label]), label
+    assert min(i for i, _ in scored) < events.index(("end", "rlvr"))
+    running, most = set(), 0
+    for kind, *what in events:
+        running = running | {tuple(what)} if kind == "start" else running - {tuple(what)}
+        most = max(most, len(running))
+    assert most == 2
+    assert any(m.startswith("[eval ") and "started in its own process (1 CPU thread)" in m for m in caplog.messages)
+
+
+def test_a_failed_evaluation_process_stops_nothing_and_its_checkpoints_are_scored_at_the_end(tmp_path, caplog):
+    recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
+    command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), "0.05", ""]
+    broken = lambda _, labels: [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with caplog.at_level(logging.INFO, logger="alignment"):
+        results = jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02, run="r1",
+                                       evaluations=runner.planned_evaluations(recipe, list(recipe.stages)),
+                                       eval_command_for=broken)
+    assert sorted(results) == sorted(recipe.stages)
+    assert any("failed (exit code 3" in m and "scores these checkpoints itself" in m for m in caplog.messages)
+
+
+def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(tmp_path):
+    """A recipe with an evaluate block under --jobs 2: its checkpoints are scored in evaluation processes, the
+    report reads their results, and they equal an evaluation in one process on the same thread count."""
+    recipe = branching_recipe(tmp_path, "ev")
+    recipe["stages"]["sft"]["data"]["n"] = 64
+    recipe["evaluate"] = {"include_base": True, "reference": "sft", "suites": [
+        {"name": "arith", "data": {"task": "arithmetic", "split": "test", "n": 12}, "verifier": "arithmetic",
+         "sampling": {"temperature": 0, "max_new_tokens": 6}}]}
+    path = write_recipe(tmp_path, recipe)
+    result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "ev"
+    scored = [label for p in (out / "logs").glob("eval-*.log") for label in p.stem.split("-")[1:]]
+    assert sorted(scored) == ["a", "b", "base", "sft"]  # each checkpoint in one evaluation process
+    assert "scored by this run's evaluation process" in result.stdout
+    assert not (out / ".work" / "eval").exists()  # the handed-on results are gone once the report is written
+    parallel = json.loads((out / "eval" / "metrics.json").read_text())
+    assert sorted(parallel["checkpoints"]) == ["a", "b", "base", "sft"]
+    assert parallel["checkpoints"]["sft"]["arith/kl"] == 0.0 and parallel["checkpoints"]["a"]["arith/kl"] != 0.0
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # what each evaluation process had
+        alone = evaluate.run_evaluate_block(load_recipe(path))
+    finally:
+        torch.set_num_threads(threads)
+    assert alone == parallel["checkpoints"]
+
+    rerun = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # nothing to train: scored again
+    assert rerun.returncode == 0 and "finished earlier" in rerun.stdout and "[eval base" in rerun.stdout
+
+
+def test_a_handed_on_result_is_read_only_by_its_own_run_and_for_the_checkpoint_as_it_was(tmp_path):
+    checkpoint = tmp_path / "ppo"
+    checkpoint.mkdir()
+    (checkpoint / "stage.json").write_text("{}")
+    result = ({"arith/pass@1": 0.5}, [{"completion": "7"}], {"arith": (["7"], None, [1.0])})
+    Handoff(tmp_path / "eval", "run-1").save("ppo", str(checkpoint), *result)
+    assert Handoff(tmp_path / "eval", "run-1").load("ppo", str(checkpoint)) == result
+    assert Handoff(tmp_path / "eval", "run-2").load("ppo", str(checkpoint)) is None  # another run scores again
+    assert Handoff(tmp_path / "eval", "run-1").load("sft", str(checkpoint)) is None
+    stamp = (checkpoint / "stage.json").stat().st_mtime_ns
+    os.utime(checkpoint / "stage.json", ns=(stamp + 10**9, stamp + 10**9))  # the stage was written again
+    assert Handoff(tmp_path / "eval", "run-1").load("ppo", str(checkpoint)) is None
+
+
+def test_eval_only_outside_a_jobs_run_is_refused(tmp_path):
+    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path}", "--eval-only", "sft")
+    assert result.returncode == 2 and "--eval-only is the evaluation process of `align run --jobs N`" in result.stderr
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

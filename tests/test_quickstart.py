@@ -41,7 +41,7 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-# GRPO on the reward model alone (issue #29 item 4): the quickstart's rlvr settings for half its steps, the
+# GRPO on the reward model alone (issue #29 item 4): the quickstart's rlvr settings for 150 steps, the
 # verifier only as gold; with a reward model in the reward, rlvr centres each group's rewards without dividing
 # by their spread (`scale_rewards: none`). Measured over seeds 1-3 with this command: +23.3, +24.7 and +25.3
 # points over SFT, no flag (docs/results.md).

@@ -61,6 +61,7 @@ from ..tools.registry import resolve_tools
 from ..training.prompts import check_prompt_rows, prompt_of
 from ..training.scoring import score_texts
 from ..verifiers import is_pass, resolve
+from .handoff import Handoff
 from .metrics import (
     mean,
     paired_noise,
@@ -105,7 +106,10 @@ def check_evaluate_block(recipe) -> None:
             check_model_source(model_of(recipe, value)[1], f"evaluate.{key}", recipe.trust_remote_code)
 
 
-def run_evaluate_block(recipe) -> dict:
+def run_evaluate_block(recipe, labels: list[str] | None = None, run: str | None = None) -> dict:
+    """Evaluate the block's checkpoints and write the report. With `labels`, score only those checkpoints and
+    hand their results on (`handoff.py`) under the run id `run`, writing no report: an evaluation process of
+    `align run --jobs`. With `run` alone, reuse what that run's evaluation processes handed on."""
     if not distributed_state().is_main_process:
         return {}
     spec: EvaluateSpec = recipe.evaluate
@@ -117,17 +121,35 @@ def run_evaluate_block(recipe) -> dict:
             return False
         return True
 
-    checkpoints = {label: path for label, path in checkpoints_of(recipe).items() if ready(path)}
+    checkpoints = {label: path for label, path in checkpoints_of(recipe).items()
+                   if (labels is None or label in labels) and ready(path)}
     baseline, reference, judge = (model_of(recipe, v) for v in (spec.baseline, spec.reference, spec.reward_model))
+    handoff = Handoff(recipe.out / ".work" / "eval", run) if run else None
     metrics = evaluate_checkpoints(
         checkpoints, spec.suites, recipe.out / spec.output, seed=recipe.seed, base_dir=recipe.base_dir,
         reward_model=judge[1] if judge and ready(judge[1]) else None,
         baseline=baseline[0] if baseline and baseline[0] in checkpoints else None,
         reference=reference[1] if reference and ready(reference[1]) else None,
         trust_remote_code=recipe.trust_remote_code, batch_size=spec.batch_size,
-        hacking_margin=spec.reward_hacking_margin, curves={s: recipe.stage_dir(s) for s in recipe.stages})
-    log.info(markdown_table(metrics))
+        hacking_margin=spec.reward_hacking_margin, curves={s: recipe.stage_dir(s) for s in recipe.stages},
+        handoff=handoff, score_only=labels is not None)
+    if labels is None:
+        log.info(markdown_table(metrics))
+        if handoff is not None:
+            handoff.clear()
     return metrics
+
+
+def evaluation_inputs(recipe, label: str, path: str) -> set[str]:
+    """The stages whose outputs the evaluation of checkpoint `label` reads: its own stage, the reward model's
+    and the KL reference's (the baseline is compared with only when the report is written)."""
+    spec: EvaluateSpec = recipe.evaluate
+    stages = {label} if label in recipe.stages and path == str(recipe.stage_dir(label)) else set()
+    for value in (spec.reward_model, spec.reference):
+        stage = named_stage(recipe, value, "evaluate") if value is not None else None
+        if stage is not None:
+            stages.add(stage)
+    return stages
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,22 +219,34 @@ def load_judges(reward_model: str | None, reference: str | None, trust_remote_co
 def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], out_dir: Path, *,
                          reward_model: str | None = None, baseline: str | None = None, reference: str | None = None,
                          seed: int = 42, base_dir: Path | None = None, trust_remote_code: bool = False,
-                         batch_size: int = 64, hacking_margin: float = 0.02, curves: dict | None = None) -> dict:
+                         batch_size: int = 64, hacking_margin: float = 0.02, curves: dict | None = None,
+                         handoff: Handoff | None = None, score_only: bool = False) -> dict:
     """Score every checkpoint ({label: path}) on every suite; write metrics.json, samples.jsonl, report.md
-    and plots into `out_dir`. `baseline` is a label of `checkpoints`; `reward_model`, `reference` are paths."""
-    if baseline is not None and baseline not in checkpoints:
+    and plots into `out_dir`. `baseline` is a label of `checkpoints`; `reward_model`, `reference` are paths.
+    With a `handoff`, a checkpoint it holds a result for is not scored again, and one scored here is saved to it;
+    `score_only`: score and save, no comparisons and no outputs (an evaluation process of `align run --jobs`)."""
+    if baseline is not None and baseline not in checkpoints and not score_only:
         raise UserError(f"baseline '{baseline}' is not one of the evaluated checkpoints: {', '.join(checkpoints)}.")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     loaded = load_suites(suites, seed, base_dir)
-    judges = load_judges(reward_model, reference, trust_remote_code)
+    judges = None  # loaded once a checkpoint needs scoring: none does where every result was handed on
     metrics, samples, main = {}, [], {}
     for label, path in checkpoints.items():
-        log.info(f"[eval] {label} ({path})")
-        metrics[label], rows, main[label] = evaluate_checkpoint(label, path, loaded, judges, seed, batch_size,
-                                                                trust_remote_code)
+        found = handoff.load(label, path) if handoff is not None and not score_only else None
+        if found is None:
+            log.info(f"[eval] {label} ({path})")
+            judges = judges or load_judges(reward_model, reference, trust_remote_code)
+            found = evaluate_checkpoint(label, path, loaded, judges, seed, batch_size, trust_remote_code)
+            if handoff is not None and score_only:
+                handoff.save(label, path, *found)
+        else:
+            log.info(f"[eval] {label}: scored by this run's evaluation process ({handoff.folder / label}.json)")
+        metrics[label], rows, main[label] = found
         samples.extend(rows)
-    if baseline is not None and judges.reward_model is not None:
+    if score_only:
+        return metrics
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if baseline is not None and reward_model is not None:
         add_comparisons(metrics, main, baseline, hacking_margin)
     write_outputs(out_dir, metrics, samples, checkpoints, baseline, hacking_margin, curves)
     log.info(f"[eval] metrics, samples, report and plots written to {out_dir}")

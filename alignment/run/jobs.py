@@ -15,7 +15,14 @@ one-thread processes ran side by side each as fast as alone. A stage that can ne
 the threads instead. That is read from the recipe's graph, never from timing, so a stage trains on the
 same number of threads in every run with the same `--jobs` (also `--only` one stage), and its floats come
 out the same. A child's output goes to
-`<output_dir>/logs/<stage>.log`. When a stage fails, no new stage starts; the stages already running
+`<output_dir>/logs/<stage>.log`.
+
+The evaluate block's checkpoints are scored the same way, in evaluation processes (`align run RECIPE
+[overrides] --eval-only LABEL ...`, logs `logs/eval-<labels>.log`): a checkpoint as soon as it and its judges
+(reward model, KL reference) exist and a slot is free of stages, so that most of the evaluation runs while
+the last stages train. The evaluate block at the end reads what they handed on (evaluation/handoff.py) and
+writes the report; the quickstart's evaluation of six checkpoints took about 50 s after its last stage
+without them. When a stage fails, no new stage starts; the stages already running
 finish (their work is kept) and the run stops with the failed stage's error and the end of its log.
 """
 
@@ -34,6 +41,7 @@ import torch
 
 from ..config.recipe import Recipe
 from ..errors import UserError
+from ..evaluation.handoff import RUN_ENV
 from ..runtime.dist import get_logger
 
 log = get_logger(__name__)
@@ -100,18 +108,32 @@ def stage_command(recipe: Recipe, stage_id: str) -> list[str]:
             "--no-eval"]
 
 
+def eval_command(recipe: Recipe, labels: list[str]) -> list[str]:
+    """What an evaluation process runs: this recipe, with the same overrides, scoring `labels` only."""
+    return [sys.executable, "-m", "alignment", "run", str(recipe.path), *recipe.overrides,
+            *(arg for label in labels for arg in ("--eval-only", label))]
+
+
 def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
                     command_for: Callable[[Recipe, str], list[str]] = stage_command,
-                    poll_s: float = 0.2) -> dict[str, dict]:
+                    poll_s: float = 0.2, evaluations: dict[str, set[str]] | None = None, run: str = "",
+                    eval_command_for: Callable[[Recipe, list[str]], list[str]] = eval_command) -> dict[str, dict]:
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
     finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
-    stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line."""
+    stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line.
+
+    `evaluations` ({checkpoint label: the stages its evaluation reads}): each checkpoint of the evaluate block
+    is scored in an evaluation process once those stages have finished, in a slot no startable stage needs;
+    the checkpoints ready at that moment are shared out among the free slots. Such a process hands its results
+    to the evaluate block at the end of the run under the run id `run` (evaluation/handoff.py). One that fails
+    stops nothing: the evaluate block scores its checkpoints itself, where their error shows."""
     envs = slot_environments(jobs)
     alone = whole_machine(envs[0])
     solo = {s for s in stage_ids if runs_alone(recipe, s)}
     log_dir = recipe.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     pending, running, results, failed = list(stage_ids), {}, {}, []
+    waiting = dict(evaluations or {})  # checkpoints not yet handed to an evaluation process
     # Stages that others wait on start first (they unblock more work), then recipe order.
     unblocking = {needed for s in stage_ids for needed in recipe.dependencies(s)}
 
@@ -119,17 +141,28 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
         unfinished = set(pending) | {job.stage_id for job in running.values()}
         return not (set(recipe.dependencies(stage_id)) & unfinished)
 
-    def start(stage_id: str, slot: int) -> Job:
-        log_path = log_dir / f"{stage_id}.log"
-        share = alone if stage_id in solo else envs[slot]
-        env = {**os.environ, **share, "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
+    def launch(name: str, command: list[str], share: dict[str, str], extra: dict[str, str], file: str) -> Job:
+        log_path = log_dir / f"{file}.log"
+        env = {**os.environ, **share, **extra, "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
         with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
-            process = subprocess.Popen(command_for(recipe, stage_id), stdout=out, stderr=subprocess.STDOUT, env=env)
-        log.info(f"[{stage_id}] started in its own process ({describe(share)}); log: {log_path}")
-        return Job(stage_id, process, log_path)
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        log.info(f"[{name}] started in its own process ({describe(share)}); log: {log_path}")
+        return Job(name, process, log_path)
+
+    def start(stage_id: str, slot: int) -> Job:
+        return launch(stage_id, command_for(recipe, stage_id), alone if stage_id in solo else envs[slot], {}, stage_id)
+
+    def start_evaluations(free: list[int]) -> None:
+        labels = [label for label, needs in waiting.items() if needs <= set(results)]
+        shares = [labels[i::len(free)] for i in range(min(len(free), len(labels)))]
+        for slot, share in zip(free, shares):
+            for label in share:
+                del waiting[label]
+            running[slot] = launch(f"eval {', '.join(share)}", eval_command_for(recipe, share), envs[slot],
+                                   {RUN_ENV: run}, "eval-" + "-".join(share))
 
     try:
-        while pending or running:
+        while pending or running or (waiting and not failed):
             startable = [] if failed else sorted((s for s in pending if ready(s)), key=lambda s: s not in unblocking)
             for stage_id in startable:
                 free = [slot for slot in range(jobs) if slot not in running]
@@ -137,6 +170,9 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
                     break
                 pending.remove(stage_id)
                 running[free[0]] = start(stage_id, free[0])
+            free = [slot for slot in range(jobs) if slot not in running]
+            if free and waiting and not failed:
+                start_evaluations(free)
             if not running:
                 break  # only after a failure: what is left waits on it
             time.sleep(poll_s)
@@ -145,7 +181,11 @@ def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
                 if code is None:
                     continue
                 del running[slot]
-                if code == 0:
+                if job.stage_id.startswith("eval "):
+                    log.info(f"[{job.stage_id}] " + ("done" if code == 0 else
+                             f"failed (exit code {code}; log: {job.log_path}): the evaluation at the end of the run "
+                             "scores these checkpoints itself"))
+                elif code == 0:
                     results[job.stage_id] = finished_record(recipe, job.stage_id)
                     log.info(f"[{job.stage_id}] done in {results[job.stage_id]['wall_time_s']:.1f}s -> "
                              f"{recipe.stage_dir(job.stage_id)}")

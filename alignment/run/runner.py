@@ -18,6 +18,7 @@ import os
 import resource
 import shutil
 import time
+import uuid
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -28,7 +29,12 @@ from .. import sampling
 from ..config.base import did_you_mean
 from ..config.recipe import GgufSpec, Recipe, TinyModel
 from ..errors import UserError
-from ..evaluation.evaluate import check_evaluate_block, run_evaluate_block
+from ..evaluation.evaluate import (
+    check_evaluate_block,
+    checkpoints_of,
+    evaluation_inputs,
+    run_evaluate_block,
+)
 from ..models.gguf import convert_gguf
 from ..models.loading import check_model_source
 from ..models.lora import check_lora_targets
@@ -143,14 +149,28 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
         else:
             to_run.append(stage_id)
     check_inputs_produced(recipe, to_run)
-    if jobs > 1 and to_run:  # even one stage: under --jobs its threads are those it gets in a whole run
-        results = run_in_parallel(recipe, to_run, jobs)
+    evaluating = evaluate and recipe.evaluate is not None
+    run = uuid.uuid4().hex if jobs > 1 and evaluating else None
+    if jobs > 1 and (to_run or evaluating):  # under --jobs a stage (or an evaluation) gets the threads it gets in a
+        results = run_in_parallel(recipe, to_run, jobs,  # whole run, even alone
+                                  evaluations=planned_evaluations(recipe, to_run) if evaluating else None, run=run or "")
     else:
         results = {stage_id: run_stage(recipe, stage_id, state) for stage_id in to_run}
-    if evaluate and recipe.evaluate is not None:
-        run_evaluate_block(recipe)
+    if evaluating:
+        run_evaluate_block(recipe, run=run)
     state.wait_for_everyone()
     return results
+
+
+def planned_evaluations(recipe: Recipe, to_run: list[str]) -> dict[str, set[str]]:
+    """{label: the stages among `to_run` it waits for} of each evaluate-block checkpoint that will exist once they
+    have run: under --jobs each is scored in an evaluation process as soon as they have (`jobs.py`)."""
+    planned = {}
+    for label, path in checkpoints_of(recipe).items():
+        needs = evaluation_inputs(recipe, label, path)
+        if all(s in to_run or is_finished(recipe, s) for s in needs):
+            planned[label] = needs & set(to_run)
+    return planned
 
 
 def check_inputs_produced(recipe: Recipe, stage_ids: list[str]) -> None:
