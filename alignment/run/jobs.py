@@ -21,8 +21,8 @@ The evaluate block's checkpoints are scored the same way, in evaluation processe
 [overrides] --eval-only LABEL ...`, logs `logs/eval-<labels>.log`): a checkpoint as soon as it and its judges
 (reward model, KL reference) exist and a slot is free of stages, so that most of the evaluation runs while
 the last stages train. The evaluate block at the end reads what they handed on (evaluation/handoff.py) and
-writes the report; the quickstart's evaluation of six checkpoints took about 50 s after its last stage
-without them. When a stage fails, no new stage starts; the stages already running
+writes the report: the quickstart's evaluation of six checkpoints ends 20 s after its last stage, where in
+one process after the stages it took about 50 s (docs/performance.md). When a stage fails, no new stage starts; the stages already running
 finish (their work is kept) and the run stops with the failed stage's error and the end of its log.
 """
 
