@@ -61,11 +61,15 @@ def mean(values: list[float]) -> float:
 
 
 def test_a_tiny_model_learns_to_call_the_tool_it_needs(tmp_path):
-    """Seeds 1, 2, 3 measured (first 3 steps -> last 5): call rate 0.31 -> 0.93, 0.10 -> 0.74, 0.27 -> 0.81;
-    reward 0.35 -> 0.82, 0.21 -> 0.75, 0.33 -> 0.81. The margins (0.3) are below the smallest rise (0.48)."""
+    """The SFT policy (the first 3 steps) against the policy of the second half (steps 16-30, 240 rollouts): a
+    window, not the last few steps, because at a constant learning rate of 1e-3 and no KL penalty a run that has
+    learned the tool can drop for a few steps and recover, and where that happens moves with the float ordering
+    of the machine's kernels. Seeds 1, 2, 3 on a 2-core AVX2 host: call rate 0.31 -> 0.78, 0.10 -> 0.78,
+    0.27 -> 0.68; reward 0.35 -> 0.73, 0.21 -> 0.78, 0.33 -> 0.70 (seed 1 learned by step 12, dropped to 0.25 at
+    steps 25-27, back to 0.81 at step 30). The margins (0.3) are below the smallest rise (0.37)."""
     calls, rewards = learning_curve(tmp_path, seed=1)
-    start_calls, end_calls = mean(calls[:3]), mean(calls[-5:])
-    start_reward, end_reward = mean(rewards[:3]), mean(rewards[-5:])
+    start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2:])
+    start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2:])
     assert start_calls < 0.6, f"the SFT policy already calls in {start_calls:.0%} of rollouts: no room to learn"
     assert end_calls >= start_calls + 0.3, (calls, rewards)
     assert end_reward >= start_reward + 0.3, (calls, rewards)
