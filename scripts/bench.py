@@ -47,6 +47,9 @@ from pathlib import Path
 # evaluation suites (greedy, 128 new tokens, batch 64), GRPO-style rollouts (8 prompts x n=8 at temperature 1),
 # a PPO rollout batch.
 RECIPE_SHAPES = [("evaluation", 64, 1, 0.0, 128, 64), ("rollouts", 8, 8, 1.0, 128, 64), ("ppo", 32, 1, 1.0, 32, 32)]
+# A suite larger than a batch (a real benchmark's test split at the default batch size): greedy rows then stream
+# (sampling/stream.py), where batches of fixed rows each pay for their longest answer. Run with `--shapes`.
+LARGE_SUITE = ("evaluation-large", 128, 1, 0.0, 128, 64)
 
 SIZES = {
     "micro": dict(decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
@@ -602,6 +605,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--shapes", help="decode section: comma-separated shape names to run, of the size's and "
+                        f"{LARGE_SUITE[0]!r} (default: the size's)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
                         help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
     parser.add_argument("--model", help="a local checkpoint instead of a random-init shape (vllm section)")
@@ -623,6 +628,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if key not in size or not value.isdigit():
             parser.error(f"--set {setting}: expected KEY=N with KEY one of {', '.join(size)}")
         size[key] = int(value)
+    if args.shapes:
+        known = {shape[0]: shape for shape in [*size["decode"], LARGE_SUITE]}
+        unknown = [name for name in args.shapes.split(",") if name not in known]
+        if unknown:
+            parser.error(f"--shapes {','.join(unknown)}: not a decode shape; known: {', '.join(known)}")
+        size["decode"] = [known[name] for name in args.shapes.split(",")]
     real = size.get("real")
     sections = (args.sections or ("decode" if real else "rollout,static,sft,dpo,ppo,decode")).split(",")
     if real and set(sections) - {"decode", "vllm"}:

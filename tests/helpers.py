@@ -296,3 +296,13 @@ def assert_fed_turn_by_turn(trajectories, requests: list) -> None:
                 turn += 1
             fed += ids
     assert [sorted(e) for e in expected] == [sorted(r) for r in requests]
+
+
+def shaken(model, seed: int = 1, scale: float = 0.5):
+    """`model` with every weight moved by Gaussian noise (in place): a random-init model then stops at different
+    steps when decoding greedily (some rows at once), which exercises rows leaving the batch."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * scale)
+    return model

@@ -42,3 +42,15 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
     assert len(roofs) == len(shapes) and all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 for r in roofs)
     header = capsys.readouterr().out
     assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s"))
+
+
+def test_bench_shapes_picks_decode_shapes_and_names_an_unknown_one(capsys):
+    import pytest
+
+    bench = load_bench()
+    results = bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts"])
+    assert results and all(", rollouts:" in r["variant"] for r in results if not r["variant"].startswith("roofline"))
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts,evals"])
+    assert exit_info.value.code == 2
+    assert "--shapes evals: not a decode shape" in capsys.readouterr().err

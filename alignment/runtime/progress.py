@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from typing import Iterable, TypeVar
 
 from rich.console import Console
@@ -28,3 +29,16 @@ def track(items: Iterable[T], description: str, disable: bool = False, total: in
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
         yield from progress.track(items, total=total, description=description)
+
+
+@contextmanager
+def counting(description: str, total: int, disable: bool = False):
+    """A progress bar of `total` items advanced by calls to the yielded `advance(k)`: for loops that finish items
+    out of step with their iterations (a sampler whose rows end at different steps)."""
+    if disable or not is_main_process() or os.environ.get("ALIGN_NO_PROGRESS"):
+        yield lambda k=1: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(file=sys.stderr), transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda k=1: progress.advance(task, k)

@@ -10,7 +10,10 @@ so RL code can score the exact tokens that were sampled.
 prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
 handling and random draws as `generate` (one `model.generate` call per batch, the reference:
 tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test models), plus each
-sampled token's raw log-prob. On SmolLM2 (2 CPU cores) the loop decodes 1.0-1.7x the useful tokens/s of
+sampled token's raw log-prob. Greedy calls with more rows than `batch_size` go through `stream.py` instead: one
+stream of at most `batch_size` rows in which the waiting rows take the places of finished ones (continuous
+batching), where batches of fixed rows each pay for their longest answer; sampled calls keep fixed batches, whose
+random draws are `generate`'s. On SmolLM2 (2 CPU cores) the loop decodes 1.0-1.7x the useful tokens/s of
 plain `generate` at the recipes' shapes: as much as the rows `generate` runs after they stopped
 (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go through `generate`, which keeps
 every process in step and the shapes fixed.
@@ -42,7 +45,7 @@ from transformers import CompileConfig
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
 from ..models.prefix import shared_prefix, takes_position_ids
-from ..runtime.progress import track
+from ..runtime.progress import counting, track
 from .decode import decode_batch
 from .samples import (
     Sample,
@@ -51,6 +54,7 @@ from .samples import (
     stop_token_ids,
     to_sample,
 )
+from .stream import decode_stream, streamable
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
 
@@ -81,14 +85,20 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
     looped = settings.engine == "loop" and settings.cache == "dynamic" and not synced
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
-        for batch in track(batches, description=progress or "generating", disable=progress is None):
-            if looped:
-                rows, scores = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
-            else:
-                rows, scores = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device,
-                                            synced, logprobs)
-            for (i, j), ids, score in zip(batch, rows, scores):
-                results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
+        if looped and streamable(model, settings, len(jobs)):  # greedy: waiting rows take finished rows' places
+            with counting(progress or "generating", len(jobs), disable=progress is None) as done:
+                rows, scores = decode_stream(model, [encoded[i] for i, _ in jobs], settings, stops, pad_id, done)
+            results = {job: to_sample(job[0], ids, stops, tokenizer, score)
+                       for job, ids, score in zip(jobs, rows, scores)}
+        else:
+            for batch in track(batches, description=progress or "generating", disable=progress is None):
+                if looped:
+                    rows, scores = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+                else:
+                    rows, scores = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
+                                                device, synced, logprobs)
+                for (i, j), ids, score in zip(batch, rows, scores):
+                    results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(encoded)) for j in range(settings.n)]
 
