@@ -5,7 +5,7 @@
     python scripts/bench.py --size 0.5b --json bench.json   # GPU: random-init Qwen2.5-0.5B shape, no download
     python scripts/bench.py --size 0.5b --sections ppo --set seq=128 batch=2 updates=1   # that shape, small, on CPU
 
-Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
+Sections (`--sections rollout,static,sft,dpo,ppo,decode`, the default):
   rollout  tokens/s of `sampling.generate` (prompts grouped by length, one big batch) against plain
            `model.generate` called per small batch (how TRL's GRPO samples: per-device batch of 8; on the
            first `plain_prompts` prompts only, as its rate hardly depends on how many batches it runs);
@@ -20,6 +20,11 @@ Sections (`--sections rollout,static,sft,dpo,ppo`, the default):
            as the reward, so no reward model), prompts of half the sequence length as in `dpo`. TRL 1.16
            has no PPO to compare with; on a GPU the table adds its peak memory over `dpo`'s (the
            goal: at most 1.5x).
+  decode   (`--size smollm2`: the only default) useful tokens/s of each sampler at the recipes' sampling shapes
+           (RECIPE_SHAPES) beside this machine's matmul rate at the decode's shapes (the roofline): plain
+           `model.generate`, our loop and `engine: generate`, vLLM where installed; on a model that is not bf16
+           already, also our loop with `dtype: bfloat16` and plain `generate` on bf16 weights beside the bf16
+           roofline (`--no-bf16` leaves them out); sampled shapes add `draw: inverse_cdf`;
   vllm     (not in the default list: needs vLLM, e.g. the environment of scripts/vllm_env.sh) tokens/s of
            `backend: vllm` (an engine in this process, the policy's weights pushed before each call, 8 samples
            re-scored by the policy after it), our HF sampler and plain `model.generate` (the whole batch in one
@@ -383,10 +388,20 @@ def decode_row(shape: str, variant: str, tokens: int, peak, params: int, rooflin
             "gflops": round(gflops, 3), "of_roofline": round(gflops / roofline, 4)}
 
 
+def roofline_row(batch: int, dtype, rate: float, peak) -> dict:
+    kind = str(dtype).removeprefix("torch.")
+    return {"section": "decode", "variant": f"roofline: torch.matmul at the decode shapes, batch {batch}, {kind}",
+            "rate": round(rate, 2), "unit": "GFLOP/s", "peak_mib": round(peak.mib, 1), "seconds": round(peak.seconds, 2),
+            "mfu": None, "gflops": round(rate, 3), "of_roofline": 1.0}
+
+
 def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     """Each sampling shape of the recipes (`decode` of the size): plain `model.generate`, our sampler (`engine:
-    generate`, the default, and `engine: loop`), vLLM where it is installed; beside
-    this machine's matmul rate at the shape's batch (`matmul_roofline`). Rates count useful tokens only."""
+    loop`, the default, and `engine: generate`), vLLM where it is installed; beside this machine's matmul rate at
+    the shape's batch (`matmul_roofline`). Where the model is not bf16 already (CPU), the same again with bf16
+    weights: our loop with `dtype: bfloat16` and plain `generate` on the model cast to bf16, beside the bf16
+    matmul rate (each row's "of roofline" is against the roofline of the type it computes in; "vs plain" in the
+    docs is against the fp32 plain `generate`). Rates count useful tokens only."""
     import importlib.util
 
     import torch
@@ -400,6 +415,7 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     params = sum(p.numel() for p in model.parameters())
     has_vllm = importlib.util.find_spec("vllm") is not None
+    half = model.dtype != torch.bfloat16 and not args.no_bf16
     if not has_vllm:
         print("decode: vLLM is not installed here, so it has no rows (bash scripts/vllm_env.sh builds its "
               "environment; run this command in it)", flush=True)
@@ -409,16 +425,16 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         spec = SamplingSpec(n=n, temperature=temperature, max_new_tokens=new_tokens, batch_size=batch)
         mode = "greedy" if temperature == 0 else f"temperature {temperature:g}"
         shape = f"{name}: {count} prompts x n={n}, {mode}, {new_tokens} new tokens, batch {batch}"
+        shown = len(results)
         with Peak() as peak:
             roofline = matmul_roofline(model.config, batch, model.dtype, model.device)
-        results.append({"section": "decode", "variant": f"roofline: torch.matmul at the decode shapes, batch {batch}",
-                        "rate": round(roofline, 2), "unit": "GFLOP/s", "peak_mib": round(peak.mib, 1),
-                        "seconds": round(peak.seconds, 2), "mfu": None, "gflops": round(roofline, 3),
-                        "of_roofline": 1.0})
+        results.append(roofline_row(batch, model.dtype, roofline, peak))
         warm_up(model, tokenizer, prompts, spec)
         default = SamplingSpec.model_fields["engine"].default
         variants = [(f"ours: engine {engine}" + (" (default)" if engine == default else ""),
                      spec.model_copy(update={"engine": engine})) for engine in ("loop", "generate")]
+        if temperature > 0:
+            variants.append(("ours: engine loop, draw inverse_cdf", spec.model_copy(update={"draw": "inverse_cdf"})))
         if has_vllm:
             engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
             variants.append(("vLLM", SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})))
@@ -431,10 +447,44 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         with Peak() as peak:
             tokens = plain_generate(model, tokenizer, prompts, spec)
         results.append(decode_row(shape, "plain: model.generate", tokens, peak, params, roofline))
-        for r in results[-len(variants) - 2:]:
+        if half:
+            results += bench_bf16(model, tokenizer, prompts, spec, shape, params)
+        for r in results[shown:]:
             print(json.dumps(r), flush=True)
     vllm_engine.close()
     return results
+
+
+def bench_bf16(model, tokenizer, prompts, spec, shape: str, params: int) -> list[dict]:
+    """The shape with bf16 weights: the bf16 roofline, our loop with `dtype: bfloat16` (a bf16 copy of the weights
+    for the call; sampled shapes also with `draw: inverse_cdf`) and plain `generate` on the model cast to bf16
+    (cast back after)."""
+    import torch
+
+    from alignment.sampling import generate
+
+    with Peak() as peak:
+        roofline = matmul_roofline(model.config, spec.batch_size, torch.bfloat16, model.device)
+    rows = [roofline_row(spec.batch_size, torch.bfloat16, roofline, peak)]
+    variants = [("ours: engine loop, dtype bfloat16", {"dtype": "bfloat16"})]
+    if spec.temperature > 0:
+        variants.append(("ours: engine loop, dtype bfloat16, draw inverse_cdf", {"dtype": "bfloat16", "draw": "inverse_cdf"}))
+    warm_up(model, tokenizer, prompts, spec.model_copy(update=variants[0][1]))
+    for variant, update in variants:
+        torch.manual_seed(0)
+        with Peak() as peak:
+            samples = generate(model, tokenizer, prompts, spec.model_copy(update=update))
+        rows.append(decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline))
+    own = model.dtype
+    model.to(torch.bfloat16)
+    try:
+        torch.manual_seed(0)
+        with Peak() as peak:
+            tokens = plain_generate(model, tokenizer, prompts, spec)
+    finally:
+        model.to(own)
+    rows.append(decode_row(shape, "plain: model.generate, bf16 weights", tokens, peak, params, roofline))
+    return rows
 
 
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
@@ -614,6 +664,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="BATCHxNEW_TOKENS,... of the vllm section")
     parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
+    parser.add_argument("--no-bf16", action="store_true", help="decode section: leave out the bf16 rows (a CPU "
+                        "without AMX or AVX512-BF16 computes bf16 slowly)")
     parser.add_argument("--compile", action="store_true",
                         help="static section on CPU: add `compile: true` (torch.compile of the decode step); "
                         "the first call compiles, which may take minutes")

@@ -27,19 +27,24 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
 
 
 def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(capsys):
-    """The decode section at micro size: for every recipe shape, the roofline row and each sampler's useful
-    tokens/s, GFLOP/s and share of the roofline. No speed is asserted (the machine may be loaded)."""
+    """The decode section at micro size: for every recipe shape, the roofline rows (fp32 and bf16: the test model is
+    fp32 on CPU) and each sampler's useful tokens/s, GFLOP/s and share of the roofline, the sampled shapes with the
+    inverse-CDF draws too. No speed is asserted (the machine may be loaded)."""
     bench = load_bench()
     results = bench.main(["--size", "micro", "--sections", "decode"])
-    shapes = {name for name, *_ in bench.SIZES["micro"]["decode"]}
-    for name in shapes:
-        rows = {r["variant"].split(",")[0]: r for r in results if f", {name}:" in r["variant"]}
-        samplers = {"ours: engine loop (default)", "ours: engine generate", "plain: model.generate"}
-        assert samplers <= set(rows)
+    shapes = {name: temperature for name, _, _, temperature, *_ in bench.SIZES["micro"]["decode"]}
+    for name, temperature in shapes.items():
+        rows = {r["variant"].split(f", {name}:")[0]: r for r in results if f", {name}:" in r["variant"]}
+        samplers = {"ours: engine loop (default)", "ours: engine generate", "plain: model.generate",
+                    "ours: engine loop, dtype bfloat16", "plain: model.generate, bf16 weights"}
+        if temperature > 0:
+            samplers |= {"ours: engine loop, draw inverse_cdf", "ours: engine loop, dtype bfloat16, draw inverse_cdf"}
+        assert set(rows) == samplers
         for r in rows.values():
             assert r["unit"] == "tokens/s" and r["rate"] > 0 and r["gflops"] > 0 and 0 < r["of_roofline"]
-    roofs = [r for r in results if r["variant"].startswith("roofline")]
-    assert len(roofs) == len(shapes) and all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 for r in roofs)
+    roofs = [r["variant"].rsplit(", ", 1)[-1] for r in results if r["variant"].startswith("roofline")]
+    assert sorted(roofs) == sorted(["float32", "bfloat16"] * len(shapes))
+    assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 for r in results if r["variant"].startswith("roof"))
     header = capsys.readouterr().out
     assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s"))
 

@@ -177,15 +177,24 @@ def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varie
     assert len({len(s.token_ids) for s in looped}) > 1 and any(s.finished for s in looped)  # rows left the batch
 
 
+@pytest.mark.parametrize("compaction", [False, True], ids=["rows-stay", "rows-leave"])
 @pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled"])
-def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec):
-    """The reference is model.generate's own per-step logits (output_logits) for the same left-padded batch."""
+def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec,
+                                                            compaction, monkeypatch):
+    """The reference is model.generate's own per-step logits (output_logits) for the same left-padded batch. While
+    every row stays in the batch the log-probs are those bit for bit; once finished rows leave it, the BLAS kernels
+    of a smaller batch may sum in another order (seen on an AVX512 host: 1.5e-6 on this model; bit for bit on an
+    AMD EPYC), so they are held to 1e-5 there, the ids still exactly."""
+    from alignment.sampling import decode
     from alignment.sampling.hf import left_padded
     from alignment.sampling.samples import checkpoint_sampling_defaults_off
 
+    if not compaction:
+        monkeypatch.setattr(decode, "COMPACT_SHARE", 2.0)  # a share of the rows no batch reaches: none leaves
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
     looped = generate(varied_model, tokenizer, varied_prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
+    assert len({len(s.token_ids) for s in looped}) > 1  # rows stop at different steps (and leave, with compaction)
     stops = stop_token_ids(tokenizer, varied_model)
     order = sorted(range(len(looped)), key=lambda k: -len(tokenizer(varied_prompts[k // spec.get("n", 1)],
                                                                         add_special_tokens=False)["input_ids"]))
@@ -202,7 +211,10 @@ def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_m
         sample = looped[k]
         expected = [steps[t][row, token].item() for t, token in enumerate(sample.token_ids)]
         assert out.sequences[row, input_ids.shape[1]:][: len(sample.token_ids)].tolist() == sample.token_ids
-        assert sample.logprobs == expected  # bit for bit
+        if compaction:
+            assert sample.logprobs == pytest.approx(expected, abs=1e-5, rel=0)
+        else:
+            assert sample.logprobs == expected  # bit for bit
 
 
 def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, varied_prompts,

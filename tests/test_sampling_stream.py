@@ -13,12 +13,15 @@ import functools
 import pytest
 import torch
 from helpers import lora_policy, shaken
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
 from alignment.models.loading import load_policy
 from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate
+from alignment.sampling.kv_cache import ReservedLayer
 from alignment.sampling.stream import join, streamable, trim
 
 
@@ -113,21 +116,43 @@ def test_greedy_with_lora_streams_the_same_merged_and_unmerged(tiny_model):
     assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]] == [s.token_ids for s in runs[2]]
 
 
-def test_sampled_calls_and_single_batches_do_not_stream(tiny_model, shaken_model, monkeypatch):
-    """Sampling keeps batches of fixed rows (a row's random draw depends on its batch); so does a call that fits
-    one batch (nothing waits)."""
+def test_sampled_calls_with_generates_draws_and_single_batches_do_not_stream(tiny_model, shaken_model):
+    """Sampling with `generate`'s draws keeps batches of fixed rows (a row's random draw depends on its batch); so
+    does a call that fits one batch (nothing waits). Inverse-CDF draws stream."""
     assert not streamable(shaken_model, SamplingSpec(temperature=1.0, batch_size=2), 10)
     assert not streamable(shaken_model, SamplingSpec(temperature=0, batch_size=10), 10)
     assert streamable(shaken_model, SamplingSpec(temperature=0, batch_size=9), 10)
+    assert streamable(shaken_model, SamplingSpec(temperature=1.0, batch_size=9, draw="inverse_cdf"), 10)
 
 
-def cache_of(rows: list[list[float]]):
+def test_inverse_cdf_rows_stream_within_the_batch_and_a_seed_repeats_them(tiny_model, shaken_model, monkeypatch):
+    """Sampled rows (temperature 0.7, top-k) stream: never more than batch_size rows, waiting rows prefilled as
+    places come free, the same samples from the same seed, and each token's log-prob that of a fresh forward over
+    prompt + completion under the distribution drawn from (logits / temperature)."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    prompts = arithmetic_prompts(tokenizer, system=True)
+    spec = SamplingSpec(temperature=0.7, top_k=20, n=4, max_new_tokens=24, batch_size=3, draw="inverse_cdf")
+    calls = forwards(shaken_model, monkeypatch)
+    torch.manual_seed(0)
+    samples = generate(shaken_model, tokenizer, prompts, spec)
+    assert max(rows for rows, _, _ in calls) <= 3
+    assert len([rows for rows, width, _ in calls if width > 1]) >= 2  # admitted rows were prefilled
+    assert any(s.finished for s in samples) and len({len(s.token_ids) for s in samples}) > 2  # rows left early
+    torch.manual_seed(0)
+    assert [s.token_ids for s in generate(shaken_model, tokenizer, prompts, spec)] == [s.token_ids for s in samples]
+    for sample in samples[::5]:
+        ids = torch.tensor([tokenizer(prompts[sample.prompt_index], add_special_tokens=False)["input_ids"]
+                            + sample.token_ids])
+        with torch.no_grad():
+            logits = shaken_model(input_ids=ids).logits[0, -len(sample.token_ids) - 1 : -1].float() / 0.7
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(sample.logprobs), expected, atol=1e-4)
+
+
+def cache_of_layers(rows: list[list[float]], layer_class=DynamicLayer):
     """A one-layer DynamicCache whose keys and values [rows, 1 head, columns, 1] hold `rows`."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
     cache = DynamicCache()
-    layer = DynamicLayer()
+    layer = layer_class()
     states = torch.tensor(rows)[:, None, :, None]
     layer.lazy_initialization(states, states)
     layer.update(states, states.clone())
@@ -135,9 +160,12 @@ def cache_of(rows: list[list[float]]):
     return cache
 
 
-def test_join_pads_the_shorter_side_after_the_prefix_and_trim_drops_columns_nobody_attends():
+@pytest.mark.parametrize("layer_class", [DynamicLayer, ReservedLayer], ids=["transformers", "reserved"])
+def test_join_pads_the_shorter_side_after_the_prefix_and_trim_drops_columns_nobody_attends(layer_class):
     """Prefix of 2 columns [p, q]. Running rows: 4 columns after it; admitted rows: 2. The admitted rows get 2 zero
-    columns after the prefix; then a column no row attends (the first after the prefix) is dropped."""
+    columns after the prefix; then a column no row attends (the first after the prefix) is dropped. The same on the
+    sampler's own cache layer (sampling/kv_cache.py), whose keys and values are views of reserved room."""
+    cache_of = functools.partial(cache_of_layers, layer_class=layer_class)
     running = cache_of([[1, 2, 0, 3, 4, 5], [1, 2, 6, 7, 8, 9]])
     running_mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 0, 1, 1, 1]])
     admitted = cache_of([[1, 2, 10, 11]])

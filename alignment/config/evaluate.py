@@ -44,7 +44,8 @@ class PassAtKSpec(SamplingSpec):
 
 
 # What a suite's pass_k block takes from its `sampling` block unless it sets it: the length, the batch and the sampler.
-INHERITED_BY_PASS_K = ("max_new_tokens", "batch_size", "backend", "vllm", "engine", "cache", "compile", "merge_lora")
+INHERITED_BY_PASS_K = ("max_new_tokens", "batch_size", "backend", "vllm", "engine", "cache", "compile", "merge_lora",
+                       "dtype", "draw")
 
 
 class SuiteSpec(ToolUse):
@@ -63,7 +64,7 @@ class SuiteSpec(ToolUse):
                                   "greedy, temperature 0, max_new_tokens 16)")
     pass_k: PassAtKSpec | None = Field(None, description="also sample n completions per prompt for pass@k (unbiased "
                                        "estimator, Chen et al. 2021, arXiv:2107.03374); max_new_tokens, batch_size and "
-                                       "the sampler (backend, vllm, engine, cache, compile, merge_lora) default to "
+                                       "the sampler (backend, vllm, engine, cache, compile, merge_lora, dtype, draw) default to "
                                        "`sampling`'s")
 
     @model_validator(mode="after")

@@ -80,11 +80,37 @@ class SamplingSpec(Strict):
     merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
                              "(faster decoding, one temporary copy of the adapted weights); vLLM always "
                              "receives merged weights")
+    draw: Literal["generate", "inverse_cdf"] = Field(
+        "generate", description="`engine: loop`, temperature > 0: how a token is drawn from its probabilities. "
+        "`generate`: as transformers' generate draws it (torch.multinomial: an exponential random number per "
+        "vocabulary entry and row of the batch), the samples today's bit for bit. `inverse_cdf`: one uniform number "
+        "per row, looked up in the cumulative probabilities: the same distribution, other samples, and on CPU "
+        "1.6-2x the sampled tokens/s at a 49k vocabulary (docs/performance.md)")
+    dtype: Literal["model", "bfloat16"] = Field(
+        "model", description="transformers backend: the weights' type while sampling. `model`: as loaded (fp32 on "
+        "CPU, bf16 on a GPU), the samples exactly today's. `bfloat16`: a bf16 copy of the weights for the call, the "
+        "model's own put back after it: 1.4-1.8x the tokens/s of fp32 on a CPU with AMX or AVX512-BF16 (slower on "
+        "one without), other samples, their log-probs the bf16 model's (docs/performance.md)")
 
     @model_validator(mode="after")
     def _compile_needs_static(self):
         if self.compile and self.cache != "static":
             raise ValueError("`compile: true` compiles the decode step of the static cache: set `cache: static` too")
+        return self
+
+    @model_validator(mode="after")
+    def _draw_is_the_loops(self):
+        if self.draw != "generate" and (self.backend == "vllm" or self.engine == "generate" or self.cache == "static"):
+            raise ValueError("`draw: inverse_cdf` is how our decode loop draws a token (`engine: loop`, backend "
+                             "transformers, dynamic cache); `engine: generate`, `cache: static` (which goes through "
+                             "generate) and vLLM draw their own way: drop `draw` or use the loop")
+        return self
+
+    @model_validator(mode="after")
+    def _dtype_is_the_transformers_backends(self):
+        if self.dtype != "model" and self.backend == "vllm":
+            raise ValueError("`dtype` sets the weights' type of the transformers backend; a vLLM engine takes its "
+                             "type from the policy's config: drop `dtype` or use `backend: transformers`")
         return self
 
     @field_validator("backend")

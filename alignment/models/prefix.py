@@ -50,10 +50,11 @@ def takes_position_ids(model) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
-def prefix_cache(model, prefix: torch.Tensor, rows: int, **kwargs) -> DynamicCache:
-    """The KV cache of `prefix` [P] run once (positions 0..P-1), repeated for `rows` rows. `kwargs` go to the
-    forward (`logits_to_keep=1` spares a causal LM's head the prefix's positions)."""
-    cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | None = None, **kwargs) -> DynamicCache:
+    """The KV cache of `prefix` [P] run once (positions 0..P-1), repeated for `rows` rows, in `cache` (empty; by
+    default a new `DynamicCache`; the sampler passes one that grows without copying, `sampling.kv_cache`).
+    `kwargs` go to the forward (`logits_to_keep=1` spares a causal LM's head the prefix's positions)."""
+    cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     model(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0], device=prefix.device)[None],
           use_cache=True, return_dict=True, **{cache_name(model): cache}, **kwargs)
     cache.batch_repeat_interleave(rows)

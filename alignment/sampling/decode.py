@@ -11,7 +11,9 @@
   real tokens (`models.prefix`, `prefill_once`). The logits of a row then come from a batch of one for the
   prefix, so they differ from `generate`'s in their last bits (2e-5 in log-prob on SmolLM2, the same ids);
 - a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
-  keep only the rows still running (compaction), so the decoder layers no longer run on finished rows.
+  keep only the rows still running (compaction), so the decoder layers no longer run on finished rows;
+- each layer's keys and values grow into reserved room (`kv_cache.ReservedLayer`) where transformers' dynamic
+  cache concatenates, copying the whole cache at every step; attention reads the same numbers.
 
 What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the dynamic
 cache; the left-padded attention mask grown by a column of ones per step, or none where no row is padded; position
@@ -45,7 +47,6 @@ from contextlib import contextmanager
 import torch
 from peft import PeftModel
 from transformers import (
-    DynamicCache,
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -54,6 +55,7 @@ from transformers import (
 
 from ..config.sampling import SamplingSpec
 from ..models.prefix import cache_name, prefix_cache, takes_position_ids
+from .kv_cache import reserved_cache
 
 # The prefills `prefills_kept` keeps while its block runs ({batch: (logits, cache, mask, positions)}), else None.
 _kept: dict | None = None
@@ -101,7 +103,7 @@ def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     [prefix, left padding, rest], positions counted over real tokens only. Returns (fp32 logits [batch, vocab],
     cache, the attention mask `generate` would pass (None where no row is padded), position ids of the last
     token [batch, 1] or None). Inside `prefills_kept` a batch prefilled before is copied, not run again."""
-    key = None if _kept is None else (id(model), tuple(map(tuple, input_ids.tolist())),
+    key = None if _kept is None else (id(model), next(model.parameters()).dtype, tuple(map(tuple, input_ids.tolist())),
                                       tuple(map(tuple, attention.tolist())),
                                       None if prefix is None else tuple(prefix.tolist()))
     if key in (_kept or {}):
@@ -126,11 +128,10 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
     # cost as much as the whole decode of a short completion (a [rows, prompt, vocab] product).
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     shared = 0
-    if prefix is None:
-        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    else:
+    cache = reserved_cache(model)
+    if prefix is not None:
         shared = prefix.shape[0]
-        cache = prefix_cache(model, prefix, input_ids.shape[0], **last)
+        cache = prefix_cache(model, prefix, input_ids.shape[0], cache, **last)
         attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
     positions = None
     if takes_position_ids(model):  # as `generate` decides it
@@ -164,9 +165,10 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     running = torch.ones(batch, dtype=torch.bool, device=device)  # over `live`: not finished yet
     for step in range(steps):
         rows = live[running]
-        tokens = next_tokens(process, logits, rows, batch, sample, pad_id)
+        tokens = next_tokens(process, logits, rows, batch, sample, pad_id, settings.draw)
         ids[rows, step] = tokens
-        logprobs[rows, step] = torch.log_softmax(logits / scale, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        scaled = logits if scale == 1.0 else logits / scale  # x / 1.0 is x: the division is skipped, not changed
+        logprobs[rows, step] = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         lengths[rows] += 1
         ended = torch.isin(tokens, stop_ids)
         running[running.clone()] = ~ended
@@ -196,14 +198,29 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
 
 
 def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int, sample: bool,
-                pad_id: int) -> torch.Tensor:
+                pad_id: int, draw: str = "generate") -> torch.Tensor:
     """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch).
-    Sampling draws over the whole batch's shape, finished rows standing in as a one-hot on `pad_id`, so the
-    running rows get the random numbers `generate` would have given them."""
+    `draw: generate` draws over the whole batch's shape, finished rows standing in as a one-hot on `pad_id`, so the
+    running rows get the random numbers `generate` would have given them; `draw: inverse_cdf` draws one uniform
+    number per running row (`inverse_cdf`)."""
     scores = process(None, logits)
     if not sample:
         return scores.argmax(dim=-1)
+    if draw == "inverse_cdf":
+        return inverse_cdf(torch.softmax(scores, dim=-1))
     probs = torch.zeros((batch, logits.shape[-1]), dtype=scores.dtype, device=scores.device)
     probs[:, pad_id] = 1.0
     probs[rows] = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
+
+
+def inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], drawn with one uniform number u per row: the token whose span of
+    the cumulative probabilities (fp64, so 49k small terms add up without drift) holds u x the row's total. Token t
+    is drawn with probability probs[t] / total; a token of probability 0 (cut by top-k or top-p) has an empty span
+    and is never drawn (the search returns the first bound above u x total). `torch.multinomial`, as `generate`
+    calls it, draws an exponential number per token instead: on CPU that is most of a sampled step's time at a
+    large vocabulary (58 ms of a bf16 SmolLM2 step at batch 64, docs/performance.md)."""
+    cumulative = probs.double().cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

@@ -10,10 +10,10 @@ so RL code can score the exact tokens that were sampled.
 prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
 handling and random draws as `generate` (one `model.generate` call per batch, the reference:
 tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test models), plus each
-sampled token's raw log-prob. Greedy calls with more rows than `batch_size` go through `stream.py` instead: one
-stream of at most `batch_size` rows in which the waiting rows take the places of finished ones (continuous
-batching), where batches of fixed rows each pay for their longest answer; sampled calls keep fixed batches, whose
-random draws are `generate`'s. On SmolLM2 (2 CPU cores) the loop decodes 0.9-1.5x the useful tokens/s of
+sampled token's raw log-prob. Calls with more rows than `batch_size`, greedy or drawn with `draw: inverse_cdf`, go
+through `stream.py` instead: one stream of at most `batch_size` rows in which the waiting rows take the places of
+finished ones (continuous batching), where batches of fixed rows each pay for their longest answer; sampled calls
+with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the loop decodes 0.9-1.5x the useful tokens/s of
 plain `generate` at the recipes' shapes: as much as the rows `generate` runs after they stopped
 (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go through `generate`, which keeps
 every process in step and the shapes fixed.
@@ -44,6 +44,7 @@ from transformers import CompileConfig
 
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
+from ..errors import UserError
 from ..models.prefix import shared_prefix, takes_position_ids
 from ..runtime.progress import counting, track
 from .decode import decode_batch
@@ -53,6 +54,7 @@ from .samples import (
     lora_merged,
     stop_token_ids,
     to_sample,
+    weights_as,
 )
 from .stream import decode_stream, streamable
 
@@ -84,8 +86,13 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
     synced = is_sharded(model)
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
     looped = settings.engine == "loop" and settings.cache == "dynamic" and not synced
-    with torch.no_grad(), checkpoint_sampling_defaults_off(model), lora_merged(model) if settings.merge_lora else nullcontext():
-        if looped and streamable(model, settings, len(jobs)):  # greedy: waiting rows take finished rows' places
+    if synced and settings.draw != "generate":
+        raise UserError("`draw: inverse_cdf` is how this toolkit's decode loop draws tokens, and a sharded (FSDP2) model "
+                        "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
+                        "stage's sampling block.")
+    merged = lora_merged(model) if settings.merge_lora else nullcontext()
+    with torch.no_grad(), checkpoint_sampling_defaults_off(model), merged, weights_as(model, settings.dtype):
+        if looped and streamable(model, settings, len(jobs)):  # waiting rows take finished rows' places
             with counting(progress or "generating", len(jobs), disable=progress is None) as done:
                 rows, scores = decode_stream(model, [encoded[i] for i, _ in jobs], settings, stops, pad_id, done)
             results = {job: to_sample(job[0], ids, stops, tokenizer, score)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from peft.tuners.lora import LoraLayer
+from torch.distributed.tensor import DTensor
 from transformers import GenerationConfig, GenerationMixin
 
 from ..data.formatting import end_of_turn
@@ -96,6 +97,31 @@ def lora_merged(model):
             if bias is not None:
                 base.bias.data.copy_(bias)
             layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
+
+
+@contextmanager
+def weights_as(model, dtype: str):
+    """Within the block, the model's floating-point parameters are `dtype` ("bfloat16"; "model": left as they are);
+    on leaving, the model's own tensors are put back, untouched (no cast back: the same storage). Tied parameters
+    are one parameter and are cast once; buffers (rotary frequencies) keep their type, as the models compute with
+    them in fp32 anyway. A sharded (FSDP2) or ZeRO-3 model's parameters are views its engine manages: refused."""
+    if dtype == "model":
+        yield model
+        return
+    target = getattr(torch, dtype)
+    params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != target]
+    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params):
+        raise UserError(f"`dtype: {dtype}` in a sampling block casts the weights in place for the call, which a sharded "
+                        "(FSDP2) or ZeRO-3 model's engine does not allow: drop `dtype` there (the model samples in its "
+                        "own type).")
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.to(target)
+        yield model
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
 
 
 def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,

@@ -1,4 +1,4 @@
-"""Continuous batching for greedy decoding (`engine: loop`, temperature 0, more rows than `batch_size`).
+"""Continuous batching (`engine: loop`, more rows than `batch_size`, greedy or `draw: inverse_cdf`).
 
 `decode_stream(model, rows, settings, stops, pad_id)` decodes every row of a call with at most `batch_size` rows
 in the model's batch at once: when rows stop and leave the batch (the loop's compaction, decode.py), the next
@@ -6,12 +6,15 @@ waiting rows are prefilled and take their places, so no step runs on a batch tha
 are still waiting. Batches of fixed rows (decode.decode_batch) pay, per batch, for its longest answer: a batch of
 64 zero-shot answers of 5 to 128 tokens runs 128 steps whose last ones carry a handful of rows.
 
-Greedy only. A sampled row's random draw depends on its place in the batch and on how many draws came before its
-batch (one `torch.multinomial` over [batch, vocab] per step, as `generate` draws them), and a batch's number of
-steps is known only once it ends: admitting a waiting row before then would give it other random numbers than
-today's sampler gives it. Greedy rows draw nothing, so their ids are the batched loop's (and `generate`'s), as far
-as a row's logits do not depend on the rows beside it: BLAS kernels may sum in another order for another batch,
-which moves a logit in its last bits (the caveat of compaction, decode.py).
+Greedy rows, and sampled rows whose tokens are drawn one uniform number per row (`draw: inverse_cdf`). With the
+default draws (`draw: generate`) a sampled row's random draw depends on its place in the batch and on how many
+draws came before its batch (one `torch.multinomial` over [batch, vocab] per step, as `generate` draws them), and a
+batch's number of steps is known only once it ends: admitting a waiting row before then would give it other random
+numbers than today's sampler gives it, so those calls keep batches of fixed rows. Greedy rows draw nothing, so
+their ids are the batched loop's (and `generate`'s), as far as a row's logits do not depend on the rows beside it:
+BLAS kernels may sum in another order for another batch, which moves a logit in its last bits (the caveat of
+compaction, decode.py). Inverse-CDF rows draw in the stream's order, so a seed repeats them, and they are other
+draws than the same rows in fixed batches.
 
 The KV cache of the rows in the batch is one `DynamicCache` laid out [shared prefix, middle] (the middle: each
 row's own prompt, left-padded, then what it generated). Admitted rows are prefilled on their own (their distinct
@@ -31,14 +34,15 @@ from transformers.cache_utils import DynamicLayer
 
 from ..config.sampling import SamplingSpec
 from ..models.prefix import cache_name, shared_prefix, takes_position_ids
-from .decode import COMPACT_SHARE, prefill_once
+from .decode import COMPACT_SHARE, next_tokens, prefill_once, warpers
 
 
 def streamable(model, settings: SamplingSpec, rows: int) -> bool:
-    """Whether a call goes through `decode_stream`: greedy, more rows than one batch, a model whose forward takes
-    position ids (an admitted row's positions count its own tokens, not the batch's columns) and whose cache is
+    """Whether a call goes through `decode_stream`: greedy or `draw: inverse_cdf` (a row's token does not depend on
+    the rows beside it), more rows than one batch, a model whose forward takes position ids (an admitted row's positions count its own tokens, not the batch's columns) and whose cache is
     made of plain layers (`join` and `trim` edit them)."""
-    if settings.temperature != 0 or rows <= settings.batch_size or not takes_position_ids(model):
+    drawn_per_row = settings.temperature == 0 or settings.draw == "inverse_cdf"
+    if not drawn_per_row or rows <= settings.batch_size or not takes_position_ids(model):
         return False
     model = model.get_base_model() if isinstance(model, PeftModel) else model
     return all(type(layer) is DynamicLayer
@@ -47,15 +51,18 @@ def streamable(model, settings: SamplingSpec, rows: int) -> bool:
 
 def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int,
                   done=None) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy completions of `rows` (prompt ids, admitted in this order: longest first keeps the middle narrow),
-    at most `settings.batch_size` in the model's batch at a time. Returns, per row, the ids up to and including its
-    stop token (or `max_new_tokens` of them) and their temperature-1 log-probs, as `decode.decode_batch` does.
-    `done(k)` is called as k more rows finish (a progress bar)."""
+    """Completions of `rows` (prompt ids, admitted in this order: longest first keeps the middle narrow), at most
+    `settings.batch_size` in the model's batch at a time, greedy or drawn by `decode.inverse_cdf`. Returns, per row,
+    the ids up to and including its stop token (or `max_new_tokens` of them) and their log-probs under the
+    distribution drawn from (temperature 1 when greedy), as `decode.decode_batch` does. `done(k)` is called as k
+    more rows finish (a progress bar)."""
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     device, steps, width = next(model.parameters()).device, settings.max_new_tokens, settings.batch_size
     shared = shared_prefix(rows) if settings.share_prefix else 0
     prefix = torch.tensor(rows[0][:shared], device=device) if shared else None
     stop_ids, cache_arg = torch.tensor(stops, device=device), cache_name(model)
+    process, sample = warpers(settings), settings.temperature > 0
+    scale = settings.temperature if sample else 1.0
     ids = torch.full((len(rows), steps), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((len(rows), steps), dtype=torch.float32, device=device)
     lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
@@ -71,9 +78,10 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
     running = torch.ones(len(live), dtype=torch.bool, device=device)
     while True:
         rows_now = live[running]
-        tokens = logits.argmax(dim=-1)
+        tokens = next_tokens(process, logits, rows_now, len(live), sample, pad_id, settings.draw)
         ids[rows_now, lengths[rows_now]] = tokens
-        logprobs[rows_now, lengths[rows_now]] = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
+        scaled = logits if scale == 1.0 else logits / scale
+        logprobs[rows_now, lengths[rows_now]] = torch.log_softmax(scaled, -1).gather(1, tokens[:, None]).squeeze(1)
         lengths[rows_now] += 1
         ended = torch.isin(tokens, stop_ids) | (lengths[rows_now] == steps)
         running[running.clone()] = ~ended

@@ -1,0 +1,94 @@
+"""`dtype: bfloat16` in a sampling block (alignment/sampling/samples.py `weights_as`): the call samples from a bf16
+copy of the weights, exactly as a bf16 model would, and the model's own fp32 weights come back untouched (the same
+tensors), LoRA adapter merged or not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import base_weights, lora_policy, shaken
+from pydantic import ValidationError
+
+from alignment.config.sampling import SamplingSpec
+from alignment.data.formatting import render_prompt
+from alignment.models.loading import load_policy
+from alignment.models.tokenizer import load_tokenizer
+from alignment.sampling import generate
+
+CASES = [{"temperature": 0, "batch_size": 3}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9, "n": 2}]
+
+
+@pytest.fixture(scope="module")
+def varied_model(tiny_model):
+    return shaken(load_policy(str(tiny_model)))
+
+
+@pytest.fixture(scope="module")
+def varied_prompts(tiny_model, prompts):
+    """The shared prompts and two after which the shaken model stops early, so rows leave the batch."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    return prompts + [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(99, 9), (12, 345)]]
+
+
+def params_in_bf16(model):
+    """`model` with its parameters cast to bf16 in place; buffers (the rotary frequencies) stay fp32, as they do
+    under `dtype: bfloat16` (`model.to(torch.bfloat16)` would round them too and rotate positions otherwise)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def sampled(model, tokenizer, prompts, **spec):
+    torch.manual_seed(0)
+    return generate(model, tokenizer, prompts, SamplingSpec(max_new_tokens=20, **spec))
+
+
+@pytest.mark.parametrize("spec", CASES, ids=["greedy-streamed", "sampled", "top-p"])
+def test_bf16_sampling_samples_what_the_model_cast_to_bf16_samples(tiny_model, varied_model, varied_prompts, spec):
+    prompts = varied_prompts
+    tokenizer = load_tokenizer(str(tiny_model))
+    cast = params_in_bf16(copy.deepcopy(varied_model))
+    ours = sampled(varied_model, tokenizer, prompts, dtype="bfloat16", **spec)
+    reference = sampled(cast, tokenizer, prompts, **spec)
+    assert [s.token_ids for s in ours] == [s.token_ids for s in reference]
+    assert [s.logprobs for s in ours] == [s.logprobs for s in reference]
+    full = sampled(varied_model, tokenizer, prompts, **spec)  # the fp32 model's own samples are other numbers
+    assert [s.logprobs for s in full] != [s.logprobs for s in ours]
+    assert len({len(s.token_ids) for s in ours}) > 1  # rows stopped at different steps
+
+
+def test_the_models_own_weights_come_back_untouched(tiny_model, varied_model, prompts):
+    tokenizer = load_tokenizer(str(tiny_model))
+    before = {name: (p.data_ptr(), p.detach().clone()) for name, p in varied_model.named_parameters()}
+    sampled(varied_model, tokenizer, prompts, dtype="bfloat16", n=2)
+    for name, p in varied_model.named_parameters():
+        assert p.dtype == torch.float32 and p.data_ptr() == before[name][0]  # the very tensor, not a cast back
+        assert torch.equal(p, before[name][1])
+
+
+def test_a_lora_policy_samples_in_bf16_merged_or_not_and_keeps_its_base_and_adapter(tiny_model, prompts):
+    """Merged: the adapter is folded in fp32, then the weights are cast, as a merged-and-unloaded copy cast to bf16
+    samples; unmerged: as the adapted model cast to bf16 samples."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    model = lora_policy(tiny_model)
+    base, adapter = base_weights(model), {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    for merge in (True, False):
+        ours = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2, merge_lora=merge)
+        cast = copy.deepcopy(model)
+        cast = params_in_bf16(cast.merge_and_unload() if merge else cast)
+        reference = sampled(cast, tokenizer, prompts, n=2, merge_lora=False)
+        assert [s.token_ids for s in ours] == [s.token_ids for s in reference]
+        assert [s.logprobs for s in ours] == [s.logprobs for s in reference]
+        assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if n in base)  # bit for bit
+        assert all(torch.equal(p, adapter[n]) for n, p in model.named_parameters() if n in adapter)
+    without = sampled(load_policy(str(tiny_model)), tokenizer, prompts, dtype="bfloat16", n=2)
+    assert [s.token_ids for s in without] != [s.token_ids for s in ours]  # the adapter is in the samples
+
+
+def test_an_unknown_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValidationError, match="dtype") as error:
+        SamplingSpec(dtype="float16")
+    assert "bfloat16" in str(error.value)
