@@ -52,9 +52,11 @@ from pathlib import Path
 # evaluation suites (greedy, 128 new tokens, batch 64), GRPO-style rollouts (8 prompts x n=8 at temperature 1),
 # a PPO rollout batch.
 RECIPE_SHAPES = [("evaluation", 64, 1, 0.0, 128, 64), ("rollouts", 8, 8, 1.0, 128, 64), ("ppo", 32, 1, 1.0, 32, 32)]
-# A suite larger than a batch (a real benchmark's test split at the default batch size): greedy rows then stream
-# (sampling/stream.py), where batches of fixed rows each pay for their longest answer. Run with `--shapes`.
-LARGE_SUITE = ("evaluation-large", 128, 1, 0.0, 128, 64)
+# Calls larger than a batch, run with `--shapes`: a real benchmark's test split at the default batch size (greedy
+# rows then stream, sampling/stream.py, where batches of fixed rows each pay for their longest answer), and an rsft
+# round's samples (n=8 of 32 prompts: rows drawn with `draw: inverse_cdf` stream, those with generate's draws keep
+# batches of fixed rows).
+LARGE_SHAPES = [("evaluation-large", 128, 1, 0.0, 128, 64), ("rollouts-large", 32, 8, 1.0, 128, 64)]
 
 SIZES = {
     "micro": dict(decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
@@ -656,7 +658,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
     parser.add_argument("--shapes", help="decode section: comma-separated shape names to run, of the size's and "
-                        f"{LARGE_SUITE[0]!r} (default: the size's)")
+                        f"{', '.join(repr(shape[0]) for shape in LARGE_SHAPES)} (default: the size's)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
                         help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
     parser.add_argument("--model", help="a local checkpoint instead of a random-init shape (vllm section)")
@@ -681,7 +683,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             parser.error(f"--set {setting}: expected KEY=N with KEY one of {', '.join(size)}")
         size[key] = int(value)
     if args.shapes:
-        known = {shape[0]: shape for shape in [*size["decode"], LARGE_SUITE]}
+        known = {shape[0]: shape for shape in [*size["decode"], *LARGE_SHAPES]}
         unknown = [name for name in args.shapes.split(",") if name not in known]
         if unknown:
             parser.error(f"--shapes {','.join(unknown)}: not a decode shape; known: {', '.join(known)}")

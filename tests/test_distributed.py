@@ -64,9 +64,12 @@ STAGES = {
 EVALUATE = {"after": ["ppo", "ppo_full"], "suites": [
     {"name": "arith", "data": {"task": "arithmetic", "split": "test", "n": 8}, "verifier": "arithmetic",
      "sampling": {"max_new_tokens": 6}}]}
-# Largest differences to the DDP checkpoints measured on this machine (any stage): FSDP2 8.1e-7 (full-weight
-# ppo; sft, reward, dpo and rlvr bit-identical), ZeRO-2 2.5e-5 and ZeRO-3 1.8e-5 (the full-weight reward model).
-FSDP2_TOLERANCE = 2e-6
+# Largest differences to the DDP checkpoints measured (any stage): on a 2-core AMD EPYC, FSDP2 8.1e-7 (full-weight
+# ppo; sft, reward, dpo and rlvr bit-identical), ZeRO-2 2.5e-5 and ZeRO-3 1.8e-5 (the full-weight reward model);
+# on a 2-core Intel Xeon with AVX512/AMX, FSDP2 5.0e-5 (the full-weight reward model; 9e-6 to 1.4e-5 for the
+# other full-weight stages, 8e-8 to 1.3e-6 with LoRA), its reduce-scatter summing gradients in another order than
+# DDP's all-reduce there, which AdamW's normalised steps carry into the weights. Training moves them by far more.
+FSDP2_TOLERANCE = 1e-4
 DEEPSPEED_TOLERANCE = 1e-4
 ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
 needs_deepspeed = pytest.mark.skipif(

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import shaken
+from helpers import shaken, tiny_ppo_recipe
 from pydantic import ValidationError
 
+from alignment.config.recipe import load_recipe
 from alignment.config.sampling import SamplingSpec
 from alignment.models.loading import load_policy
 from alignment.models.tokenizer import load_tokenizer
-from alignment.sampling import generate
+from alignment.run.runner import run_recipe
+from alignment.sampling import decode, generate, samples
 from alignment.sampling.decode import inverse_cdf, warpers
 
 
@@ -73,3 +75,29 @@ def test_a_seed_repeats_inverse_cdf_samples_and_they_differ_from_generates(tiny_
 def test_inverse_cdf_is_refused_where_the_loop_does_not_draw(other):
     with pytest.raises(ValidationError, match="draw: inverse_cdf"):
         SamplingSpec(draw="inverse_cdf", **other)
+
+
+def test_a_ppo_run_samples_its_rollouts_in_bf16_with_inverse_cdf_draws_and_trains(tmp_path, tiny_model, monkeypatch):
+    """`rollout: {dtype: bfloat16, draw: inverse_cdf}` end to end: every rollout step draws through `inverse_cdf` on
+    bf16 weights, PPO trains its fp32 policy from them, and the saved policy is fp32 and moved."""
+    sampled_by, seen = [], []  # the model a sampling call casts; the type of its weights at each draw
+    draw, cast = decode.inverse_cdf, samples.weights_as
+
+    def spying_cast(model, dtype):
+        sampled_by[:] = [model]
+        return cast(model, dtype)
+
+    def spying_draw(probs):
+        seen.append(next(p.dtype for p in sampled_by[0].parameters()))
+        return draw(probs)
+
+    monkeypatch.setattr(decode, "inverse_cdf", spying_draw)
+    monkeypatch.setattr("alignment.sampling.hf.weights_as", spying_cast)
+    path = tiny_ppo_recipe(tmp_path, tiny_model, rollout={"dtype": "bfloat16", "draw": "inverse_cdf"})
+    metrics = run_recipe(load_recipe(path))["ppo"]["metrics"]
+    assert metrics["updates"] == 3
+    assert len(seen) >= 3 * 5 and set(seen) == {torch.bfloat16}  # 3 rollouts of up to 6 tokens, all drawn in bf16
+    trained = load_policy(str(tmp_path / "out" / "ppo")).state_dict()
+    start = load_policy(str(tiny_model)).state_dict()
+    assert all(t.dtype == torch.float32 for t in trained.values())
+    assert any(not torch.equal(trained[k], start[k]) for k in start)

@@ -66,8 +66,9 @@ class SamplingSpec(Strict):
                                                 "decoding on GPU (see sampling/hf.py)")
     engine: Literal["loop", "generate"] = Field("loop", description="transformers backend: `loop` (our decode "
                                                 "loop: a prompt's n samples prefilled once, finished rows leave the "
-                                                "batch, and greedy rows beyond one batch take their places; the "
-                                                "same ids as `generate`, 0.9-1.5x its tokens/s on SmolLM2, see "
+                                                "batch, and greedy or inverse-CDF rows beyond one batch take their "
+                                                "places; the same ids as `generate`, 1.35-1.5x its tokens/s on "
+                                                "SmolLM2, see "
                                                 "sampling/decode.py, sampling/stream.py and docs/performance.md) or "
                                                 "`generate` (one `model.generate` call per batch)")
     share_prefix: bool = Field(True, description="`engine: loop`: the tokens every prompt of a batch starts with (a "

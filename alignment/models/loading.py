@@ -35,7 +35,8 @@ def is_cuda() -> bool:
 
 
 def default_dtype():
-    """bf16 on a GPU that supports it, fp32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
+    """bf16 on a GPU that supports it, fp32 elsewhere: training in bf16 on a CPU loses precision, and a CPU without
+    AMX or AVX512-BF16 multiplies bf16 slowly. Sampling can still run on a bf16 copy (`dtype: bfloat16`)."""
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32

@@ -13,9 +13,9 @@ tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on t
 sampled token's raw log-prob. Calls with more rows than `batch_size`, greedy or drawn with `draw: inverse_cdf`, go
 through `stream.py` instead: one stream of at most `batch_size` rows in which the waiting rows take the places of
 finished ones (continuous batching), where batches of fixed rows each pay for their longest answer; sampled calls
-with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the loop decodes 0.9-1.5x the useful tokens/s of
-plain `generate` at the recipes' shapes: as much as the rows `generate` runs after they stopped
-(docs/performance.md). A sharded (FSDP2) model and `cache: static` always go through `generate`, which keeps
+with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the
+loop decodes 1.35-1.5x the useful tokens/s of plain `generate` at the recipes' shapes: as much as the rows
+`generate` runs after they stopped (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go through `generate`, which keeps
 every process in step and the shapes fixed.
 
 `cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
@@ -25,6 +25,11 @@ bounds eager decoding (see docs/performance.md). On CPU nothing is compiled unle
 for it (transformers' own flag to compile on any device; the first call compiles, which takes long), and
 the static cache alone only costs memory, so the default `dynamic` is kept there; `static` and `compile`
 are opt-in until they are measured (docs/performance.md, the `static` section of scripts/bench.py).
+
+Two opt-ins trade today's exact samples for speed (docs/performance.md): `dtype: bfloat16` samples from a bf16
+copy of the weights (`samples.weights_as`; on a CPU with AMX, 1.6x at greedy evaluation), and `draw: inverse_cdf`
+draws each sampled token from one uniform number per row (`decode.inverse_cdf`) instead of torch.multinomial's
+exponential number per vocabulary entry (1.7-1.9x sampled), which also lets sampled calls stream.
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
 (`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the

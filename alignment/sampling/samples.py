@@ -23,7 +23,8 @@ class Sample:
     finished: bool = False  # ended with the end-of-turn / EOS token
     # log p(token) of each of `token_ids` under the distribution it was drawn from, before top-k/top-p truncation
     # (fp32 log-softmax of logits / temperature; temperature 1 when greedy): computed on the way by `engine: loop`,
-    # on request by `hf.generate_ids(..., logprobs=True)`; None where the sampler does not compute them. The vLLM
+    # on request by `hf.generate_ids(..., logprobs=True)`, under `dtype: bfloat16` the bf16 weights' (those that drew
+    # the token); None where the sampler does not compute them. The vLLM
     # backend's (`vllm_engine.generate_ids(..., logprobs=True)`) are the temperature-1 ones at any temperature:
     # the same at temperature 1 and greedy (vllm_engine's docstring says why)
     logprobs: list[float] | None = None
