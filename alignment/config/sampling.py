@@ -86,7 +86,7 @@ class SamplingSpec(Strict):
         "`generate`: as transformers' generate draws it (torch.multinomial: an exponential random number per "
         "vocabulary entry and row of the batch), the samples today's bit for bit. `inverse_cdf`: one uniform number "
         "per row, looked up in the cumulative probabilities: the same distribution, other samples, and on CPU "
-        "1.6-2x the sampled tokens/s at a 49k vocabulary (docs/performance.md)")
+        "1.3-1.9x the sampled tokens/s at a 49k vocabulary (docs/performance.md)")
     dtype: Literal["model", "bfloat16"] = Field(
         "model", description="transformers backend: the weights' type while sampling. `model`: as loaded (fp32 on "
         "CPU, bf16 on a GPU), the samples exactly today's. `bfloat16`: a bf16 copy of the weights for the call, the "

@@ -29,7 +29,7 @@ are opt-in until they are measured (docs/performance.md, the `static` section of
 Two opt-ins trade today's exact samples for speed (docs/performance.md): `dtype: bfloat16` samples from a bf16
 copy of the weights (`samples.weights_as`; on a CPU with AMX, 1.6x at greedy evaluation), and `draw: inverse_cdf`
 draws each sampled token from one uniform number per row (`decode.inverse_cdf`) instead of torch.multinomial's
-exponential number per vocabulary entry (1.7-1.9x sampled), which also lets sampled calls stream.
+exponential number per vocabulary entry (1.3-1.9x sampled), which also lets sampled calls stream.
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
 (`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
