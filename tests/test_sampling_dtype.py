@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
+from alignment.errors import UserError
 from alignment.models.loading import load_policy
 from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate
@@ -92,3 +93,14 @@ def test_an_unknown_dtype_is_refused_naming_the_choices():
     with pytest.raises(ValidationError, match="dtype") as error:
         SamplingSpec(dtype="float16")
     assert "bfloat16" in str(error.value)
+
+
+def test_bf16_sampling_is_refused_for_parameters_a_zero3_engine_owns(tiny_model, prompts):
+    """A ZeRO-3 parameter (DeepSpeed marks each with `ds_id`) is storage its engine manages: the call stops with an
+    error naming the setting, before any weight is touched."""
+    model, tokenizer = load_policy(str(tiny_model)), load_tokenizer(str(tiny_model))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    next(iter(model.parameters())).ds_id = 0
+    with pytest.raises(UserError, match="`dtype: bfloat16`.*ZeRO-3"):
+        sampled(model, tokenizer, prompts, dtype="bfloat16")
+    assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
