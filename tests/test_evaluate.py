@@ -53,8 +53,8 @@ def adapter_folder(tiny_model, tmp_path_factory):
     from alignment.models.lora import apply_lora
 
     path = tmp_path_factory.mktemp("adapter") / "adapter"
+    torch.manual_seed(1)  # before apply_lora too: its LoRA A init draws from the global generator
     model = apply_lora(load_policy(str(tiny_model)), LoraSpec(r=4, lora_alpha=8))
-    torch.manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
