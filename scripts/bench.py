@@ -411,7 +411,7 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     from alignment.config.sampling import SamplingSpec
     from alignment.models.loading import load_policy
     from alignment.models.tokenizer import load_tokenizer
-    from alignment.sampling import generate, vllm_engine
+    from alignment.sampling import vllm_engine
 
     tokenizer, model = load_tokenizer(str(model_dir)), load_policy(str(model_dir))
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
@@ -440,11 +440,8 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         if has_vllm:
             engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
             variants.append(("vLLM", SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})))
-        for variant, settings in variants:
-            torch.manual_seed(0)
-            with Peak() as peak:
-                samples = generate(model, tokenizer, prompts, settings)
-            results.append(decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline))
+        results += [sampled_row(model, tokenizer, prompts, settings, shape, variant, params, roofline)
+                    for variant, settings in variants]
         torch.manual_seed(0)
         with Peak() as peak:
             tokens = plain_generate(model, tokenizer, prompts, spec)
@@ -457,13 +454,23 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     return results
 
 
+def sampled_row(model, tokenizer, prompts, settings, shape: str, variant: str, params: int, roofline: float) -> dict:
+    """`sampling.generate` with `settings` from seed 0, timed: its decode row."""
+    import torch
+
+    from alignment.sampling import generate
+
+    torch.manual_seed(0)
+    with Peak() as peak:
+        samples = generate(model, tokenizer, prompts, settings)
+    return decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline)
+
+
 def bench_bf16(model, tokenizer, prompts, spec, shape: str, params: int) -> list[dict]:
     """The shape with bf16 weights: the bf16 roofline, our loop with `dtype: bfloat16` (a bf16 copy of the weights
     for the call; sampled shapes also with `draw: inverse_cdf`) and plain `generate` on the model cast to bf16
     (cast back after)."""
     import torch
-
-    from alignment.sampling import generate
 
     with Peak() as peak:
         roofline = matmul_roofline(model.config, spec.batch_size, torch.bfloat16, model.device)
@@ -472,11 +479,8 @@ def bench_bf16(model, tokenizer, prompts, spec, shape: str, params: int) -> list
     if spec.temperature > 0:
         variants.append(("ours: engine loop, dtype bfloat16, draw inverse_cdf", {"dtype": "bfloat16", "draw": "inverse_cdf"}))
     warm_up(model, tokenizer, prompts, spec.model_copy(update=variants[0][1]))
-    for variant, update in variants:
-        torch.manual_seed(0)
-        with Peak() as peak:
-            samples = generate(model, tokenizer, prompts, spec.model_copy(update=update))
-        rows.append(decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline))
+    rows += [sampled_row(model, tokenizer, prompts, spec.model_copy(update=update), shape, variant, params, roofline)
+             for variant, update in variants]
     own = model.dtype
     model.to(torch.bfloat16)
     try:

@@ -154,8 +154,7 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources, prefix)
-    process, sample, cache_arg = warpers(settings), settings.temperature > 0, cache_name(model)
-    scale = settings.temperature if sample else 1.0  # log-probs of the distribution drawn from (Sample.logprobs)
+    process, cache_arg = warpers(settings), cache_name(model)
     stop_ids = torch.tensor(stops, device=device)
     # Written on the device, read once at the end: no host round trip per row and step.
     ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -165,10 +164,8 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     running = torch.ones(batch, dtype=torch.bool, device=device)  # over `live`: not finished yet
     for step in range(steps):
         rows = live[running]
-        tokens = next_tokens(process, logits, rows, batch, sample, pad_id, settings.draw)
-        ids[rows, step] = tokens
-        scaled = logits if scale == 1.0 else logits / scale  # x / 1.0 is x: the division is skipped, not changed
-        logprobs[rows, step] = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        tokens, drawn_logprobs = next_tokens(process, logits, rows, batch, settings, pad_id)
+        ids[rows, step], logprobs[rows, step] = tokens, drawn_logprobs
         lengths[rows] += 1
         ended = torch.isin(tokens, stop_ids)
         running[running.clone()] = ~ended
@@ -197,21 +194,26 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
 
 
-def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int, sample: bool,
-                pad_id: int, draw: str = "generate") -> torch.Tensor:
-    """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch).
-    `draw: generate` draws over the whole batch's shape, finished rows standing in as a one-hot on `pad_id`, so the
-    running rows get the random numbers `generate` would have given them; `draw: inverse_cdf` draws one uniform
-    number per running row (`inverse_cdf`)."""
+def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int,
+                settings: SamplingSpec, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch), and its
+    log-prob under the distribution it was drawn from (`Sample.logprobs`: log-softmax of logits / temperature,
+    before top-k/top-p; temperature 1 when greedy). `draw: generate` draws over the whole batch's shape, finished
+    rows standing in as a one-hot on `pad_id`, so the running rows get the random numbers `generate` would have
+    given them; `draw: inverse_cdf` draws one uniform number per running row (`inverse_cdf`)."""
     scores = process(None, logits)
-    if not sample:
-        return scores.argmax(dim=-1)
-    if draw == "inverse_cdf":
-        return inverse_cdf(torch.softmax(scores, dim=-1))
-    probs = torch.zeros((batch, logits.shape[-1]), dtype=scores.dtype, device=scores.device)
-    probs[:, pad_id] = 1.0
-    probs[rows] = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
+    if settings.temperature <= 0:
+        tokens = scores.argmax(dim=-1)
+    elif settings.draw == "inverse_cdf":
+        tokens = inverse_cdf(torch.softmax(scores, dim=-1))
+    else:
+        probs = torch.zeros((batch, logits.shape[-1]), dtype=scores.dtype, device=scores.device)
+        probs[:, pad_id] = 1.0
+        probs[rows] = torch.softmax(scores, dim=-1)
+        tokens = torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
+    # x / 1.0 is x: the division is skipped where it changes nothing
+    scaled = logits / settings.temperature if settings.temperature not in (0.0, 1.0) else logits
+    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def inverse_cdf(probs: torch.Tensor) -> torch.Tensor:

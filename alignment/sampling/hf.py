@@ -15,8 +15,8 @@ through `stream.py` instead: one stream of at most `batch_size` rows in which th
 finished ones (continuous batching), where batches of fixed rows each pay for their longest answer; sampled calls
 with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the
 loop decodes 1.35-1.5x the useful tokens/s of plain `generate` at the recipes' shapes: as much as the rows
-`generate` runs after they stopped (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go through `generate`, which keeps
-every process in step and the shapes fixed.
+`generate` runs after they stopped (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go
+through `generate`, which keeps every process in step and the shapes fixed.
 
 `cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
 multiples of 64, so every decode step has the same shapes; on a GPU, transformers then compiles the

@@ -61,8 +61,7 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
     shared = shared_prefix(rows) if settings.share_prefix else 0
     prefix = torch.tensor(rows[0][:shared], device=device) if shared else None
     stop_ids, cache_arg = torch.tensor(stops, device=device), cache_name(model)
-    process, sample = warpers(settings), settings.temperature > 0
-    scale = settings.temperature if sample else 1.0
+    process = warpers(settings)
     ids = torch.full((len(rows), steps), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((len(rows), steps), dtype=torch.float32, device=device)
     lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
@@ -78,10 +77,8 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
     running = torch.ones(len(live), dtype=torch.bool, device=device)
     while True:
         rows_now = live[running]
-        tokens = next_tokens(process, logits, rows_now, len(live), sample, pad_id, settings.draw)
-        ids[rows_now, lengths[rows_now]] = tokens
-        scaled = logits if scale == 1.0 else logits / scale
-        logprobs[rows_now, lengths[rows_now]] = torch.log_softmax(scaled, -1).gather(1, tokens[:, None]).squeeze(1)
+        tokens, drawn_logprobs = next_tokens(process, logits, rows_now, len(live), settings, pad_id)
+        ids[rows_now, lengths[rows_now]], logprobs[rows_now, lengths[rows_now]] = tokens, drawn_logprobs
         lengths[rows_now] += 1
         ended = torch.isin(tokens, stop_ids) | (lengths[rows_now] == steps)
         running[running.clone()] = ~ended
