@@ -104,3 +104,22 @@ def test_bf16_sampling_is_refused_for_parameters_a_zero3_engine_owns(tiny_model,
     with pytest.raises(UserError, match="`dtype: bfloat16`.*ZeRO-3"):
         sampled(model, tokenizer, prompts, dtype="bfloat16")
     assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_the_prefill_hands_a_bf16_lm_head_a_contiguous_input_and_an_fp32_one_generates_view(tiny_model, varied_model,
+                                                                                           varied_prompts, bf16):
+    """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) as a batched
+    product over a per-row copy of the head's weight: 1000x slower in bf16 on SmolLM2 (decode.contiguous_head_input).
+    bf16 prefills get a contiguous input; fp32 ones keep generate's strided view, so its logits stay generate's."""
+    model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
+    head, seen = model.get_output_embeddings(), []
+    spy = head.register_forward_hook(lambda module, args, output: seen.append(args[0].is_contiguous()))
+    try:
+        sampled(model, load_tokenizer(str(tiny_model)), varied_prompts, temperature=0)
+    finally:
+        spy.remove()
+    assert len(seen) >= 2  # the prefill, then a decode step per token after the first
+    assert seen[0] is bf16  # the prefill's last positions: a strided view unless made contiguous
+    assert all(seen[1:])  # decode steps feed one position: contiguous either way
+    assert not head._forward_pre_hooks  # the hook lives for the prefill only

@@ -18,7 +18,9 @@
 What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the dynamic
 cache; the left-padded attention mask grown by a column of ones per step, or none where no row is padded; position
 ids counted from each row's first real token where the model's forward takes them; a PEFT model's inner model
-called, as PEFT's `generate` calls it; the prefill's LM head on the last position only), the fp32 copy of the last
+called, as PEFT's `generate` calls it; the prefill's LM head on the last position only; with bf16 or fp16 weights
+on CPU, on a contiguous copy of it, `contiguous_head_input`, so those first logits differ from `generate`'s in their
+last bits), the fp32 copy of the last
 position's logits, the logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults
 turned off by the caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step,
 batch being the whole batch the step would have had in `generate`. torch draws a single sample per row as argmax(p /
@@ -129,19 +131,41 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
     last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     shared = 0
     cache = reserved_cache(model)
-    if prefix is not None:
-        shared = prefix.shape[0]
-        cache = prefix_cache(model, prefix, input_ids.shape[0], cache, **last)
-        attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
-    positions = None
-    if takes_position_ids(model):  # as `generate` decides it
-        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
-    mask = None if bool((attention == 1).all()) else attention
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
-                **{cache_name(model): cache}, **last)
+    with contiguous_head_input(model):
+        if prefix is not None:
+            shared = prefix.shape[0]
+            cache = prefix_cache(model, prefix, input_ids.shape[0], cache, **last)
+            attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
+        positions = None
+        if takes_position_ids(model):  # as `generate` decides it
+            positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
+        mask = None if bool((attention == 1).all()) else attention
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    return_dict=True, **{cache_name(model): cache}, **last)
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     del out
     return logits, cache, mask, None if positions is None else positions[:, -1:]
+
+
+@contextmanager
+def contiguous_head_input(model):
+    """Within the block, a CPU model with bf16 or fp16 weights gets its LM head's input made contiguous. The
+    prefill keeps one position of each row (`logits_to_keep=1`: hidden states [rows, 1, hidden] sliced out of
+    [rows, prompt, hidden], a strided view), and torch's CPU linear runs that view as a batched product against
+    the head's weight copied once per row: a [96, 576, 49152] copy, 5.9 s for SmolLM2's prefill of 96 prompts in
+    bf16, 5.8 ms from a contiguous input (docs/performance.md). fp32 weights keep `generate`'s path (6x slower
+    there too, 177 against 30 ms, but `engine: loop`'s fp32 logits are `generate`'s bit for bit, which the
+    contiguous product is not)."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
