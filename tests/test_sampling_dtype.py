@@ -15,6 +15,7 @@ from alignment.config.sampling import SamplingSpec
 from alignment.data.formatting import render_prompt
 from alignment.errors import UserError
 from alignment.models.loading import load_policy
+from alignment.models.prefix import shared_prefix
 from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate
 
@@ -106,20 +107,40 @@ def test_bf16_sampling_is_refused_for_parameters_a_zero3_engine_owns(tiny_model,
     assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
-def test_the_prefill_hands_a_bf16_lm_head_a_contiguous_input_and_an_fp32_one_generates_view(tiny_model, varied_model,
-                                                                                           varied_prompts, bf16):
-    """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) as a batched
-    product over a per-row copy of the head's weight: 1000x slower in bf16 on SmolLM2 (decode.contiguous_head_input).
-    bf16 prefills get a contiguous input; fp32 ones keep generate's strided view, so its logits stay generate's."""
-    model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
+def head_inputs_compact(model, tokenizer, prompts) -> list[bool]:
+    """For each call of the model's LM head while it greedily samples `prompts`: were its input's strides the
+    compact ones? (Not is_contiguous(): a one-row slice counts as contiguous whatever its strides.)"""
     head, seen = model.get_output_embeddings(), []
-    spy = head.register_forward_hook(lambda module, args, output: seen.append(args[0].is_contiguous()))
+    spy = head.register_forward_hook(
+        lambda module, args, output: seen.append(args[0].stride() == torch.empty(args[0].shape).stride()))
     try:
-        sampled(model, load_tokenizer(str(tiny_model)), varied_prompts, temperature=0)
+        sampled(model, tokenizer, prompts, temperature=0)
     finally:
         spy.remove()
+    assert not head._forward_pre_hooks  # the loop's hook lives for the prefill only
+    return seen
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_generates_view(tiny_model, varied_model,
+                                                                                        varied_prompts, bf16):
+    """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) as a batched
+    product over a per-row copy of the head's weight: 1000x slower in bf16 on SmolLM2 (decode.contiguous_head_input).
+    bf16 prefills get a compact input; fp32 ones keep generate's strided view, so its logits stay generate's."""
+    model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
+    seen = head_inputs_compact(model, load_tokenizer(str(tiny_model)), varied_prompts)
     assert len(seen) >= 2  # the prefill, then a decode step per token after the first
-    assert seen[0] is bf16  # the prefill's last positions: a strided view unless made contiguous
-    assert all(seen[1:])  # decode steps feed one position: contiguous either way
-    assert not head._forward_pre_hooks  # the hook lives for the prefill only
+    assert seen[0] is bf16  # the prefill's last positions: a strided view unless copied
+    assert all(seen[1:])  # decode steps feed one position: compact either way
+
+
+def test_a_shared_prefix_runs_its_one_row_through_a_bf16_head_compact_too(tiny_model, varied_model):
+    """The shared prefix's forward keeps the last of its positions on one row: [1, 1, hidden] with the prefix's
+    strides, which `.contiguous()` leaves as they are (it counts as contiguous) and torch still runs slowly."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    system = {"role": "system", "content": "Answer with the sum only."}
+    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+               for a, b in [(1, 2), (37, 48), (5, 60)]]
+    assert shared_prefix([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]) >= 8
+    seen = head_inputs_compact(params_in_bf16(copy.deepcopy(varied_model)), tokenizer, prompts)
+    assert len(seen) >= 3 and all(seen)  # the prefix's row, the prompts' rest, the decode steps
