@@ -107,14 +107,15 @@ def test_bf16_sampling_is_refused_for_parameters_a_zero3_engine_owns(tiny_model,
     assert all(p.dtype == torch.float32 and torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def head_inputs_compact(model, tokenizer, prompts) -> list[bool]:
-    """For each call of the model's LM head while it greedily samples `prompts`: were its input's strides the
-    compact ones? (Not is_contiguous(): a one-row slice counts as contiguous whatever its strides.)"""
+def head_inputs(model, tokenizer, prompts, **spec) -> list[tuple[int, bool]]:
+    """For each call of the model's LM head while it greedily samples `prompts`: how many positions per row it got,
+    and whether its input's strides were the compact ones (not is_contiguous(): a one-row slice counts as contiguous
+    whatever its strides)."""
     head, seen = model.get_output_embeddings(), []
-    spy = head.register_forward_hook(
-        lambda module, args, output: seen.append(args[0].stride() == torch.empty(args[0].shape).stride()))
+    spy = head.register_forward_hook(lambda module, args, output: seen.append(
+        (args[0].shape[-2], args[0].stride() == torch.empty(args[0].shape).stride())))
     try:
-        sampled(model, tokenizer, prompts, temperature=0)
+        sampled(model, tokenizer, prompts, temperature=0, **spec)
     finally:
         spy.remove()
     assert not head._forward_pre_hooks  # the loop's hook lives for the prefill only
@@ -128,19 +129,30 @@ def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_genera
     product over a per-row copy of the head's weight: 1000x slower in bf16 on SmolLM2 (decode.contiguous_head_input).
     bf16 prefills get a compact input; fp32 ones keep generate's strided view, so its logits stay generate's."""
     model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
-    seen = head_inputs_compact(model, load_tokenizer(str(tiny_model)), varied_prompts)
+    seen = [compact for _, compact in head_inputs(model, load_tokenizer(str(tiny_model)), varied_prompts)]
     assert len(seen) >= 2  # the prefill, then a decode step per token after the first
     assert seen[0] is bf16  # the prefill's last positions: a strided view unless copied
     assert all(seen[1:])  # decode steps feed one position: compact either way
 
 
-def test_a_shared_prefix_runs_its_one_row_through_a_bf16_head_compact_too(tiny_model, varied_model):
-    """The shared prefix's forward keeps the last of its positions on one row: [1, 1, hidden] with the prefix's
-    strides, which `.contiguous()` leaves as they are (it counts as contiguous) and torch still runs slowly."""
+def test_one_prompts_samples_run_its_one_row_through_a_bf16_head_compact_too(tiny_model, varied_model, prompts):
+    """n samples of one prompt prefill it on one row: the [1, 1, hidden] slice keeps the prompt's strides, which
+    `.contiguous()` leaves as they are (it counts as contiguous) and torch still runs slowly."""
+    seen = head_inputs(params_in_bf16(copy.deepcopy(varied_model)), load_tokenizer(str(tiny_model)), prompts[:1], n=2)
+    assert len(seen) >= 2 and all(compact for _, compact in seen)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_a_shared_prefix_asks_the_head_for_no_logits(tiny_model, varied_model, bf16):
+    """The shared prefix runs for its keys and values only: its forward asks for the logits of no position
+    (models.prefix.prefix_cache), so the head multiplies nothing; the prompts' rest then gets one position each."""
     tokenizer = load_tokenizer(str(tiny_model))
     system = {"role": "system", "content": "Answer with the sum only."}
     prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
                for a, b in [(1, 2), (37, 48), (5, 60)]]
     assert shared_prefix([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]) >= 8
-    seen = head_inputs_compact(params_in_bf16(copy.deepcopy(varied_model)), tokenizer, prompts)
-    assert len(seen) >= 3 and all(seen)  # the prefix's row, the prompts' rest, the decode steps
+    model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
+    seen = head_inputs(model, tokenizer, prompts)
+    assert [positions for positions, _ in seen[:3]] == [0, 1, 1]  # the prefix, the prompts' rest, a decode step
+    compact = [c for _, c in seen]
+    assert compact[1] is bf16 and all(compact[2:])  # the rest's slice as in the prefill without a prefix

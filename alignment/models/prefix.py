@@ -50,13 +50,20 @@ def takes_position_ids(model) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
-def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | None = None, **kwargs) -> DynamicCache:
+def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | None = None) -> DynamicCache:
     """The KV cache of `prefix` [P] run once (positions 0..P-1), repeated for `rows` rows, in `cache` (empty; by
-    default a new `DynamicCache`; the sampler passes one that grows without copying, `sampling.kv_cache`).
-    `kwargs` go to the forward (`logits_to_keep=1` spares a causal LM's head the prefix's positions)."""
+    default a new `DynamicCache`; the sampler passes one that grows without copying, `sampling.kv_cache`). Only
+    the keys and values are wanted: a causal LM is asked for the logits of no position (`logits_to_keep`, an empty
+    index), so its head computes nothing. Asked for the last position's, as `generate` asks, torch's CPU linear
+    would run that one-row strided slice as a product over a copy of the head's weight (SmolLM2 in bf16: 250 ms a
+    call on one thread, for logits thrown away); the keys and values are the same either way."""
     cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
+    none = {}
+    base = model.get_base_model() if isinstance(model, PeftModel) else model  # PEFT passes the argument on
+    if "logits_to_keep" in inspect.signature(base.forward).parameters:
+        none["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=prefix.device)
     model(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0], device=prefix.device)[None],
-          use_cache=True, return_dict=True, **{cache_name(model): cache}, **kwargs)
+          use_cache=True, return_dict=True, **{cache_name(model): cache}, **none)
     cache.batch_repeat_interleave(rows)
     return cache
 
@@ -69,8 +76,7 @@ def forward_after_prefix(model, prefix: torch.Tensor | None, input_ids: torch.Te
     if prefix is None or prefix.numel() == 0:
         return model(input_ids=input_ids, attention_mask=attention, use_cache=False, **kwargs)
     shared = prefix.shape[0]
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    cache = prefix_cache(model, prefix, input_ids.shape[0], **keep)
+    cache = prefix_cache(model, prefix, input_ids.shape[0])
     full = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
     positions = (full.long().cumsum(-1) - 1).clamp(min=0)[:, shared:]
     return model(input_ids=input_ids, attention_mask=full, position_ids=positions, use_cache=True,

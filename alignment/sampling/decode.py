@@ -134,7 +134,7 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
     with contiguous_head_input(model):
         if prefix is not None:
             shared = prefix.shape[0]
-            cache = prefix_cache(model, prefix, input_ids.shape[0], cache, **last)
+            cache = prefix_cache(model, prefix, input_ids.shape[0], cache)
             attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
         positions = None
         if takes_position_ids(model):  # as `generate` decides it
@@ -152,8 +152,8 @@ def contiguous_head_input(model):
     """Within the block, a CPU model with bf16 or fp16 weights gets its LM head's input as a compact copy. The
     prefill keeps one position of each row (`logits_to_keep=1`: hidden states [rows, 1, hidden] sliced out of
     [rows, prompt, hidden], a strided view), and torch's CPU linear runs that view as a batched product against
-    the head's weight copied once per row: a [96, 576, 49152] copy, 5.9 s for SmolLM2's prefill of 96 prompts in
-    bf16, 5.8 ms from a contiguous input (docs/performance.md). fp32 weights keep `generate`'s path (6x slower
+    the head's weight copied once per row (pytorch/pytorch#151934, open): a [96, 576, 49152] copy, 5.9 s for
+    SmolLM2's prefill of 96 prompts in bf16, 5.8 ms from a contiguous input (docs/performance.md). fp32 weights keep `generate`'s path (6x slower
     there too, 177 against 30 ms, but `engine: loop`'s fp32 logits are `generate`'s bit for bit without a shared
     prefix, which the contiguous product is not)."""
     head = model.get_output_embeddings()
@@ -161,8 +161,9 @@ def contiguous_head_input(model):
     if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
         yield
         return
-    # clone, not .contiguous(): a one-row slice [1, 1, hidden] counts as contiguous whatever its strides, and
-    # the slow path goes by the strides (a shared prefix runs on one row: 250 against 15 ms on one thread)
+    # clone, not .contiguous(): a one-row slice [1, 1, hidden] (a batch of one distinct prompt, n samples of it)
+    # counts as contiguous whatever its strides, and the slow path goes by the strides (250 against 15 ms on one
+    # thread for SmolLM2's one row)
     handle = head.register_forward_pre_hook(
         lambda module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:]))
     try:
