@@ -22,9 +22,12 @@ Sections (`--sections rollout,static,sft,dpo,ppo,decode`, the default):
            goal: at most 1.5x).
   decode   (`--size smollm2`: the only default) useful tokens/s of each sampler at the recipes' sampling shapes
            (RECIPE_SHAPES) beside this machine's matmul rate at the decode's shapes (the roofline): plain
-           `model.generate`, our loop and `engine: generate`, vLLM where installed; on a model that is not bf16
-           already, also our loop with `dtype: bfloat16` and plain `generate` on bf16 weights beside the bf16
-           roofline (`--no-bf16` leaves them out); sampled shapes add `draw: inverse_cdf`;
+           `model.generate`, our loop and `engine: generate`, transformers' continuous batching
+           (`model.generate_batch`; `--no-generate-batch` leaves it out), vLLM where installed; on a model that is
+           not bf16 already, also our loop with `dtype: bfloat16` and plain `generate` on bf16 weights beside the
+           bf16 roofline (`--no-bf16` leaves them out); sampled shapes add `draw: inverse_cdf`. `--rounds R` runs
+           them all R times in rotation and reports medians, and each sampler's ratio to plain `generate` within
+           a round (`vs plain`), which a machine whose speed drifts between minutes leaves alone;
   vllm     (not in the default list: needs vLLM, e.g. the environment of scripts/vllm_env.sh) tokens/s of
            `backend: vllm` (an engine in this process, the policy's weights pushed before each call, 8 samples
            re-scored by the policy after it), our HF sampler and plain `model.generate` (the whole batch in one
@@ -43,10 +46,13 @@ import argparse
 import dataclasses
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 # The `decode` section's shapes, as the recipes sample: (name, prompts, n, temperature, max_new_tokens, batch_size):
 # evaluation suites (greedy, 128 new tokens, batch 64), GRPO-style rollouts (8 prompts x n=8 at temperature 1),
@@ -61,7 +67,8 @@ LARGE_SHAPES = [("evaluation-large", 128, 1, 0.0, 128, 64), ("rollouts-large", 3
 SIZES = {
     "micro": dict(decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
                   hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
-                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1, plain_prompts=8),  # the CI smoke test
+                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1, plain_prompts=8,
+                  roofline_seconds=0.05),  # the CI smoke test
     "tiny": dict(decode=RECIPE_SHAPES,
                  hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
                  prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4, plain_prompts=64),
@@ -382,28 +389,148 @@ def plain_generate(model, tokenizer, prompts, spec) -> int:
     return tokens
 
 
-def decode_row(shape: str, variant: str, tokens: int, peak, params: int, roofline: float) -> dict:
-    rate = tokens / peak.seconds
-    gflops = 2 * params * rate / 1e9
-    return {"section": "decode", "variant": f"{variant}, {shape}", "rate": round(rate, 2), "unit": "tokens/s",
-            "peak_mib": round(peak.mib, 1), "seconds": round(peak.seconds, 2), "mfu": None,
-            "gflops": round(gflops, 3), "of_roofline": round(gflops / roofline, 4)}
+def continuous_batching(model, tokenizer, prompts, spec) -> int:
+    """transformers' own continuous batching (`model.generate_batch`: a paged KV cache, finished requests replaced
+    by waiting ones, blocks shared between requests that start alike), `n` samples of a prompt as its
+    `num_return_sequences`; the useful tokens it sampled. Its cache sized to the call (pages of 64 tokens, enough
+    for every request's prompt and new tokens: 12% faster on SmolLM2 than sizing it from free memory), its
+    warm-up off (it captures CUDA graphs, which a CPU has not; the section's warm-up call pays the first call's
+    one-off costs), CUDA graphs only on a GPU."""
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from alignment.data.formatting import encode
+    from alignment.sampling import stop_token_ids
+
+    stops = stop_token_ids(tokenizer, model)
+    encoded = [encode(tokenizer, p) for p in prompts]
+    page = 64
+    pages = max(-(-(len(ids) + spec.max_new_tokens) // page) for ids in encoded)
+    generation = GenerationConfig(max_new_tokens=spec.max_new_tokens, do_sample=spec.temperature > 0,
+                                  temperature=spec.temperature or None, top_p=None, top_k=None,
+                                  num_return_sequences=spec.n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    on_gpu = model.device.type == "cuda"
+    batching = ContinuousBatchingConfig(max_requests_per_batch=spec.batch_size, page_size=page,
+                                        num_blocks=len(encoded) * spec.n * pages + 1, use_cuda_graph=on_gpu)
+    with torch.no_grad():
+        out = model.generate_batch(encoded, generation_config=generation, continuous_batching_config=batching,
+                                   warmup=on_gpu)
+    return useful_tokens([o.generated_tokens for o in out.values()], stops)
 
 
-def roofline_row(batch: int, dtype, rate: float, peak) -> dict:
+class Sampler(NamedTuple):
+    """One sampler of the decode section: `run()` samples the shape's prompts once and returns the useful tokens;
+    `dtype` is the type its matmuls run in, whose roofline it is measured against ("model": the model's own)."""
+
+    variant: str
+    dtype: str
+    run: Callable[[], int]
+
+
+def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool, args) -> list[Sampler]:
+    """The samplers of one shape, in the order each round runs them: ours (the default loop, `engine: generate`,
+    the opt-in draws at sampled shapes), vLLM where installed, plain `model.generate`, transformers'
+    `generate_batch`; with `half`, our loop with `dtype: bfloat16` (and both opt-ins at sampled shapes) and plain
+    `generate` on the model cast to bf16 (cast back after). Each run starts from seed 0."""
+    import torch
+
+    from alignment.config.sampling import SamplingSpec
+    from alignment.sampling import generate
+
+    def ours(settings):
+        def run() -> int:
+            torch.manual_seed(0)
+            return sum(len(s.token_ids) for s in generate(model, tokenizer, prompts, settings))
+        return run
+
+    def plain(cast=None):
+        def run() -> int:
+            own = model.dtype
+            if cast is not None:
+                model.to(cast)
+            try:
+                torch.manual_seed(0)
+                return plain_generate(model, tokenizer, prompts, spec)
+            finally:
+                model.to(own)
+        return run
+
+    default = SamplingSpec.model_fields["engine"].default
+    samplers = [Sampler(f"ours: engine {engine}" + (" (default)" if engine == default else ""), "model",
+                        ours(spec.model_copy(update={"engine": engine}))) for engine in ("loop", "generate")]
+    if spec.temperature > 0:
+        samplers.append(Sampler("ours: engine loop, draw inverse_cdf", "model",
+                                ours(spec.model_copy(update={"draw": "inverse_cdf"}))))
+    if has_vllm:
+        engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
+        samplers.append(Sampler("vLLM", "model", ours(SamplingSpec(**{**spec.model_dump(), "backend": "vllm",
+                                                                        "vllm": engine}))))
+    samplers.append(Sampler("plain: model.generate", "model", plain()))
+    if not args.no_generate_batch:
+        samplers.append(Sampler("transformers: generate_batch (continuous batching)", "model",
+                                lambda: continuous_batching(model, tokenizer, prompts, spec)))
+    if half:
+        samplers.append(Sampler("ours: engine loop, dtype bfloat16", "bfloat16",
+                                ours(spec.model_copy(update={"dtype": "bfloat16"}))))
+        if spec.temperature > 0:
+            samplers.append(Sampler("ours: engine loop, dtype bfloat16, draw inverse_cdf", "bfloat16",
+                                    ours(spec.model_copy(update={"dtype": "bfloat16", "draw": "inverse_cdf"}))))
+        samplers.append(Sampler("plain: model.generate, bf16 weights", "bfloat16", plain(torch.bfloat16)))
+    return samplers
+
+
+def warm_up_samplers(model, tokenizer, prompts, spec, samplers: list[Sampler], args) -> None:
+    """The first call of each kind in a process pays one-off costs (kernels, the allocator, vLLM's engine start,
+    transformers' continuous-batching manager): a short call of each before the timed rounds."""
+    from alignment.config.sampling import SamplingSpec
+
+    short = spec.model_copy(update={"max_new_tokens": min(8, spec.max_new_tokens)})
+    warm_up(model, tokenizer, prompts, short)
+    kinds = {s.variant for s in samplers}
+    if "ours: engine loop, dtype bfloat16" in kinds:
+        warm_up(model, tokenizer, prompts, short.model_copy(update={"dtype": "bfloat16"}))
+    if "vLLM" in kinds:
+        engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
+        warm_up(model, tokenizer, prompts, SamplingSpec(**{**short.model_dump(), "backend": "vllm", "vllm": engine}))
+    if any(s.variant.startswith("transformers") for s in samplers):
+        continuous_batching(model, tokenizer, prompts[:2], short.model_copy(update={"n": 1}))
+
+
+def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict,
+                params: int) -> list[dict]:
+    """One row per sampler: its median useful tokens/s over the rounds (and each round's), GFLOP/s and share of
+    its roofline's median, and `vs_plain`: the median over rounds of its rate over plain fp32 `generate`'s in the
+    same round, so a VM that speeds up or slows down between rounds moves both sides of each ratio alike."""
+    plain = rates.get("plain: model.generate")
+    rows = []
+    for sampler in samplers:
+        own = rates[sampler.variant]
+        rate, roofline = statistics.median(own), statistics.median(rooflines[sampler.dtype])
+        gflops = 2 * params * rate / 1e9
+        ratio = None if plain is None else statistics.median([a / b for a, b in zip(own, plain)])
+        rows.append({"section": "decode", "variant": f"{sampler.variant}, {shape}", "rate": round(rate, 2),
+                     "unit": "tokens/s", "peak_mib": round(peaks[sampler.variant], 1),
+                     "seconds": round(statistics.median(seconds[sampler.variant]), 2), "mfu": None,
+                     "gflops": round(gflops, 3), "of_roofline": round(gflops / roofline, 4),
+                     "rates": [round(r, 2) for r in own], "vs_plain": None if ratio is None else round(ratio, 3)})
+    return rows
+
+
+def roofline_row(batch: int, dtype, rates: list[float], seconds: float, mib: float) -> dict:
     kind = str(dtype).removeprefix("torch.")
+    rate = statistics.median(rates)
     return {"section": "decode", "variant": f"roofline: torch.matmul at the decode shapes, batch {batch}, {kind}",
-            "rate": round(rate, 2), "unit": "GFLOP/s", "peak_mib": round(peak.mib, 1), "seconds": round(peak.seconds, 2),
-            "mfu": None, "gflops": round(rate, 3), "of_roofline": 1.0}
+            "rate": round(rate, 2), "unit": "GFLOP/s", "peak_mib": round(mib, 1), "seconds": round(seconds, 2),
+            "mfu": None, "gflops": round(rate, 3), "of_roofline": 1.0, "rates": [round(r, 2) for r in rates]}
 
 
 def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
-    """Each sampling shape of the recipes (`decode` of the size): plain `model.generate`, our sampler (`engine:
-    loop`, the default, and `engine: generate`), vLLM where it is installed; beside this machine's matmul rate at
-    the shape's batch (`matmul_roofline`). Where the model is not bf16 already (CPU), the same again with bf16
-    weights: our loop with `dtype: bfloat16` and plain `generate` on the model cast to bf16, beside the bf16
-    matmul rate (each row's "of roofline" is against the roofline of the type it computes in; "vs plain" in the
-    docs is against the fp32 plain `generate`). Rates count useful tokens only."""
+    """Each sampling shape of the recipes (`decode` of the size): this machine's matmul rate at the shape's batch
+    (`matmul_roofline`) and every sampler of `decode_samplers`, `--rounds` times in rotation (roofline, then each
+    sampler, then again), so drift in the machine's speed lands on every sampler alike; each row gives the median
+    over rounds. Rows of samplers computing in bf16 are against the bf16 roofline; `vs_plain` against plain fp32
+    `generate` in the same round. Rates count useful tokens only."""
     import importlib.util
 
     import torch
@@ -427,70 +554,33 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         spec = SamplingSpec(n=n, temperature=temperature, max_new_tokens=new_tokens, batch_size=batch)
         mode = "greedy" if temperature == 0 else f"temperature {temperature:g}"
         shape = f"{name}: {count} prompts x n={n}, {mode}, {new_tokens} new tokens, batch {batch}"
-        shown = len(results)
-        with Peak() as peak:
-            roofline = matmul_roofline(model.config, batch, model.dtype, model.device)
-        results.append(roofline_row(batch, model.dtype, roofline, peak))
-        warm_up(model, tokenizer, prompts, spec)
-        default = SamplingSpec.model_fields["engine"].default
-        variants = [(f"ours: engine {engine}" + (" (default)" if engine == default else ""),
-                     spec.model_copy(update={"engine": engine})) for engine in ("loop", "generate")]
-        if temperature > 0:
-            variants.append(("ours: engine loop, draw inverse_cdf", spec.model_copy(update={"draw": "inverse_cdf"})))
-        if has_vllm:
-            engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
-            variants.append(("vLLM", SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})))
-        results += [sampled_row(model, tokenizer, prompts, settings, shape, variant, params, roofline)
-                    for variant, settings in variants]
-        torch.manual_seed(0)
-        with Peak() as peak:
-            tokens = plain_generate(model, tokenizer, prompts, spec)
-        results.append(decode_row(shape, "plain: model.generate", tokens, peak, params, roofline))
-        if half:
-            results += bench_bf16(model, tokenizer, prompts, spec, shape, params)
-        for r in results[shown:]:
+        samplers = decode_samplers(model, tokenizer, prompts, spec, has_vllm, half, args)
+        types = {"model": model.dtype, **({"bfloat16": torch.bfloat16} if half else {})}
+        rooflines = {kind: [] for kind in types}
+        rates, seconds, peaks = ({s.variant: [] for s in samplers} for _ in range(3))
+        warm_up_samplers(model, tokenizer, prompts, spec, samplers, args)
+        roof_seconds, roof_peaks = {kind: [] for kind in types}, {}
+        for _ in range(args.rounds):
+            for kind, dtype in types.items():
+                with Peak() as peak:
+                    rooflines[kind].append(matmul_roofline(model.config, batch, dtype, model.device,
+                                                           size.get("roofline_seconds", 0.5)))
+                roof_seconds[kind].append(peak.seconds)
+                roof_peaks[kind] = peak.mib
+            for sampler in samplers:
+                with Peak() as peak:
+                    tokens = sampler.run()
+                rates[sampler.variant].append(tokens / peak.seconds)
+                seconds[sampler.variant].append(peak.seconds)
+                peaks[sampler.variant] = peak.mib
+        rows = [roofline_row(batch, dtype, rooflines[kind], statistics.median(roof_seconds[kind]), roof_peaks[kind])
+                for kind, dtype in types.items()]
+        rows += decode_rows(shape, samplers, rates, seconds, peaks, rooflines, params)
+        for r in rows:
             print(json.dumps(r), flush=True)
+        results += rows
     vllm_engine.close()
     return results
-
-
-def sampled_row(model, tokenizer, prompts, settings, shape: str, variant: str, params: int, roofline: float) -> dict:
-    """`sampling.generate` with `settings` from seed 0, timed: its decode row."""
-    import torch
-
-    from alignment.sampling import generate
-
-    torch.manual_seed(0)
-    with Peak() as peak:
-        samples = generate(model, tokenizer, prompts, settings)
-    return decode_row(shape, variant, sum(len(s.token_ids) for s in samples), peak, params, roofline)
-
-
-def bench_bf16(model, tokenizer, prompts, spec, shape: str, params: int) -> list[dict]:
-    """The shape with bf16 weights: the bf16 roofline, our loop with `dtype: bfloat16` (a bf16 copy of the weights
-    for the call; sampled shapes also with `draw: inverse_cdf`) and plain `generate` on the model cast to bf16
-    (cast back after)."""
-    import torch
-
-    with Peak() as peak:
-        roofline = matmul_roofline(model.config, spec.batch_size, torch.bfloat16, model.device)
-    rows = [roofline_row(spec.batch_size, torch.bfloat16, roofline, peak)]
-    variants = [("ours: engine loop, dtype bfloat16", {"dtype": "bfloat16"})]
-    if spec.temperature > 0:
-        variants.append(("ours: engine loop, dtype bfloat16, draw inverse_cdf", {"dtype": "bfloat16", "draw": "inverse_cdf"}))
-    warm_up(model, tokenizer, prompts, spec.model_copy(update=variants[0][1]))
-    rows += [sampled_row(model, tokenizer, prompts, spec.model_copy(update=update), shape, variant, params, roofline)
-             for variant, update in variants]
-    own = model.dtype
-    model.to(torch.bfloat16)
-    try:
-        torch.manual_seed(0)
-        with Peak() as peak:
-            tokens = plain_generate(model, tokenizer, prompts, spec)
-    finally:
-        model.to(own)
-    rows.append(decode_row(shape, "plain: model.generate, bf16 weights", tokens, peak, params, roofline))
-    return rows
 
 
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
@@ -637,12 +727,14 @@ def print_table(results: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("section", "variant", "rate", "unit", "peak MiB", "seconds", "MFU", "GFLOP/s", "of roofline")
+    table = Table("section", "variant", "rate", "unit", "peak MiB", "seconds", "MFU", "GFLOP/s", "of roofline",
+                  "vs plain")
     for r in results:
-        gflops, share = r.get("gflops"), r.get("of_roofline")
+        gflops, share, ratio = r.get("gflops"), r.get("of_roofline"), r.get("vs_plain")
         table.add_row(r["section"], r["variant"], f"{r['rate']:.1f}", r["unit"], f"{r['peak_mib']:.0f}",
                       f"{r['seconds']:.1f}", f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
-                      f"{gflops:.2f}" if gflops is not None else "-", f"{share:.1%}" if share is not None else "-")
+                      f"{gflops:.2f}" if gflops is not None else "-", f"{share:.1%}" if share is not None else "-",
+                      f"{ratio:.2f}x" if ratio is not None else "-")
     Console(width=240).print(table)  # a file or a pipe gets the whole table, not a terminal's width
 
 
@@ -672,12 +764,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
     parser.add_argument("--no-bf16", action="store_true", help="decode section: leave out the bf16 rows (a CPU "
                         "without AMX or AVX512-BF16 computes bf16 slowly)")
+    parser.add_argument("--rounds", type=int, default=1, help="decode section: run the roofline and every sampler "
+                        "this many times in rotation and report medians (a machine whose speed drifts moves every "
+                        "sampler of a round alike; 3 for the docs' tables)")
+    parser.add_argument("--no-generate-batch", action="store_true", help="decode section: leave out transformers' "
+                        "continuous batching (`model.generate_batch`)")
     parser.add_argument("--compile", action="store_true",
                         help="static section on CPU: add `compile: true` (torch.compile of the decode step); "
                         "the first call compiles, which may take minutes")
     parser.add_argument("--static-cache", action="store_true",
                         help="run the `static` section on CPU too (on a GPU it always runs)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     size = dict(SIZES[args.size])
     if args.steps:
         size["steps"] = args.steps

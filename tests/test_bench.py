@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import pytest
 from conftest import REPO
 
 
@@ -15,7 +16,7 @@ def load_bench():
 def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
     bench = load_bench()
     out = tmp_path / "bench.json"
-    results = bench.main(["--size", "micro", "--json", str(out), "--static-cache"])
+    results = bench.main(["--size", "micro", "--json", str(out), "--static-cache", "--no-generate-batch"])
     assert any(r["variant"].startswith("ours: static cache") for r in results)
     assert {"ours: LoRA adapter unmerged", "ours: LoRA merged for sampling"} <= {r["variant"] for r in results}
     pairs = {(r["section"], r["variant"].split(":")[0]) for r in results}
@@ -31,31 +32,53 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
     fp32 on CPU) and each sampler's useful tokens/s, GFLOP/s and share of the roofline, the sampled shapes with the
     inverse-CDF draws too. No speed is asserted (the machine may be loaded)."""
     bench = load_bench()
-    results = bench.main(["--size", "micro", "--sections", "decode"])
+    results = bench.main(["--size", "micro", "--sections", "decode", "--rounds", "2"])
     shapes = {name: temperature for name, _, _, temperature, *_ in bench.SIZES["micro"]["decode"]}
     for name, temperature in shapes.items():
         rows = {r["variant"].split(f", {name}:")[0]: r for r in results if f", {name}:" in r["variant"]}
         samplers = {"ours: engine loop (default)", "ours: engine generate", "plain: model.generate",
+                    "transformers: generate_batch (continuous batching)",
                     "ours: engine loop, dtype bfloat16", "plain: model.generate, bf16 weights"}
         if temperature > 0:
             samplers |= {"ours: engine loop, draw inverse_cdf", "ours: engine loop, dtype bfloat16, draw inverse_cdf"}
         assert set(rows) == samplers
         for r in rows.values():
             assert r["unit"] == "tokens/s" and r["rate"] > 0 and r["gflops"] > 0 and 0 < r["of_roofline"]
+            # two rounds, the row's rate their median; the ratio to plain `generate` taken within each round
+            assert len(r["rates"]) == 2 and r["rate"] == pytest.approx(sum(r["rates"]) / 2, abs=0.01)
+            assert r["vs_plain"] > 0
+        assert rows["plain: model.generate"]["vs_plain"] == 1.0
     roofs = [r["variant"].rsplit(", ", 1)[-1] for r in results if r["variant"].startswith("roofline")]
     assert sorted(roofs) == sorted(["float32", "bfloat16"] * len(shapes))
-    assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 for r in results if r["variant"].startswith("roof"))
+    assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 and len(r["rates"]) == 2
+               for r in results if r["variant"].startswith("roof"))
     header = capsys.readouterr().out
-    assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s"))
+    assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s", "vs plain"))
+
+
+def test_bench_rounds_ratio_is_taken_within_each_round():
+    """`vs_plain` is the median of per-round ratios, so a machine twice as fast in one round leaves it alone, where
+    a ratio of medians would not."""
+    bench = load_bench()
+    samplers = [bench.Sampler("ours", "model", None), bench.Sampler("plain: model.generate", "model", None)]
+    rates = {"ours": [100.0, 200.0, 400.0], "plain: model.generate": [50.0, 100.0, 200.0]}
+    seconds = {"ours": [1.0, 1.0, 1.0], "plain: model.generate": [2.0, 2.0, 2.0]}
+    rows = bench.decode_rows("s", samplers, rates, seconds, {"ours": 1.0, "plain: model.generate": 1.0},
+                             {"model": [10.0, 20.0, 30.0]}, params=1_000_000_000)
+    ours, plain = rows
+    assert ours["rate"] == 200.0 and ours["vs_plain"] == 2.0 and plain["vs_plain"] == 1.0
+    assert ours["gflops"] == 400.0 and ours["of_roofline"] == 20.0  # 2 x 1e9 x 200 / 1e9 over the median 20
 
 
 def test_bench_shapes_picks_decode_shapes_and_names_an_unknown_one(capsys):
-    import pytest
-
     bench = load_bench()
-    results = bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts"])
+    results = bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts", "--no-bf16",
+                          "--no-generate-batch"])
     assert results and all(", rollouts:" in r["variant"] for r in results if not r["variant"].startswith("roofline"))
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts,evals"])
     assert exit_info.value.code == 2
     assert "--shapes evals: not a decode shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--size", "micro", "--sections", "decode", "--rounds", "0"])
+    assert exit_info.value.code == 2 and "--rounds 0: expected at least 1" in capsys.readouterr().err

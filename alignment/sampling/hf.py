@@ -14,7 +14,7 @@ sampled token's raw log-prob. Calls with more rows than `batch_size`, greedy or 
 through `stream.py` instead: one stream of at most `batch_size` rows in which the waiting rows take the places of
 finished ones (continuous batching), where batches of fixed rows each pay for their longest answer; sampled calls
 with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the
-loop decodes 1.35-1.5x the useful tokens/s of plain `generate` at the recipes' shapes: as much as the rows
+loop decodes 1.3-1.8x the useful tokens/s of plain `generate` at the recipes' shapes: as much as the rows
 `generate` runs after they stopped (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go
 through `generate`, which keeps every process in step and the shapes fixed.
 
