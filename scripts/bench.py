@@ -393,9 +393,10 @@ def continuous_batching(model, tokenizer, prompts, spec) -> int:
     """transformers' own continuous batching (`model.generate_batch`: a paged KV cache, finished requests replaced
     by waiting ones, blocks shared between requests that start alike), `n` samples of a prompt as its
     `num_return_sequences`; the useful tokens it sampled. Its cache sized to the call (pages of 64 tokens, enough
-    for every request's prompt and new tokens: 12% faster on SmolLM2 than sizing it from free memory), its
-    warm-up off (it captures CUDA graphs, which a CPU has not; the section's warm-up call pays the first call's
-    one-off costs), CUDA graphs only on a GPU."""
+    for every request's prompt and new tokens: 12% faster on SmolLM2 than sizing it from free memory). Each call
+    builds its manager anew, as a call per rollout batch would (on a GPU capturing its CUDA graphs as it meets
+    new shapes, transformers' default there; its up-front warm-up is off: it captures graphs, which a CPU has
+    not, and the section's warm-up call pays the process's one-off costs)."""
     import torch
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -410,12 +411,12 @@ def continuous_batching(model, tokenizer, prompts, spec) -> int:
     generation = GenerationConfig(max_new_tokens=spec.max_new_tokens, do_sample=spec.temperature > 0,
                                   temperature=spec.temperature or None, top_p=None, top_k=None,
                                   num_return_sequences=spec.n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
-    on_gpu = model.device.type == "cuda"
+    graphs = None if model.device.type == "cuda" else False  # None: transformers decides
     batching = ContinuousBatchingConfig(max_requests_per_batch=spec.batch_size, page_size=page,
-                                        num_blocks=len(encoded) * spec.n * pages + 1, use_cuda_graph=on_gpu)
+                                        num_blocks=len(encoded) * spec.n * pages + 1, use_cuda_graph=graphs)
     with torch.no_grad():
         out = model.generate_batch(encoded, generation_config=generation, continuous_batching_config=batching,
-                                   warmup=on_gpu)
+                                   warmup=False)
     return useful_tokens([o.generated_tokens for o in out.values()], stops)
 
 
