@@ -125,8 +125,9 @@ def head_inputs(model, tokenizer, prompts, **spec) -> list[tuple[int, bool]]:
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_generates_view(tiny_model, varied_model,
                                                                                         varied_prompts, bf16):
-    """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) as a batched
-    product over a per-row copy of the head's weight: 1000x slower in bf16 on SmolLM2 (decode.contiguous_head_input).
+    """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) through a
+    frozen head as a batched product over a per-row copy of its weight: 1000x slower in bf16 on SmolLM2
+    (decode.contiguous_head_input).
     bf16 prefills get a compact input; fp32 ones keep generate's strided view, so its logits stay generate's."""
     model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
     seen = [compact for _, compact in head_inputs(model, load_tokenizer(str(tiny_model)), varied_prompts)]

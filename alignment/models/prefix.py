@@ -55,8 +55,9 @@ def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | N
     default a new `DynamicCache`; the sampler passes one that grows without copying, `sampling.kv_cache`). Only
     the keys and values are wanted: a causal LM is asked for the logits of no position (`logits_to_keep`, an empty
     index), so its head computes nothing. Asked for the last position's, as `generate` asks, torch's CPU linear
-    would run that one-row strided slice as a product over a copy of the head's weight (SmolLM2 in bf16: 250 ms a
-    call on one thread, for logits thrown away); the keys and values are the same either way."""
+    would run that one-row strided slice of a frozen model as a product over a copy of the head's weight
+    (`sampling.decode.contiguous_head_input`; SmolLM2 in bf16: 250 ms a call on one thread, for logits thrown
+    away); the keys and values are the same either way."""
     cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     none = {}
     base = model.get_base_model() if isinstance(model, PeftModel) else model  # PEFT passes the argument on

@@ -151,11 +151,13 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
 def contiguous_head_input(model):
     """Within the block, a CPU model with bf16 or fp16 weights gets its LM head's input as a compact copy. The
     prefill keeps one position of each row (`logits_to_keep=1`: hidden states [rows, 1, hidden] sliced out of
-    [rows, prompt, hidden], a strided view), and torch's CPU linear runs that view as a batched product against
-    the head's weight copied once per row (pytorch/pytorch#151934, open): a [96, 576, 49152] copy, 5.9 s for
-    SmolLM2's prefill of 96 prompts in bf16, 5.8 ms from a contiguous input (docs/performance.md). fp32 weights
-    keep `generate`'s path (6x slower there too, 177 against 30 ms, but `engine: loop`'s fp32 logits are
-    `generate`'s bit for bit without a shared prefix, which the contiguous product is not)."""
+    [rows, prompt, hidden], a strided view). torch's matmul folds such an input into one matrix product (copying
+    it) only when the weight requires grad; a frozen head (evaluated checkpoints, reference models, a LoRA
+    policy's base) gets a batched product over the weight copied once per row (pytorch/pytorch#151934, open): a
+    [96, 576, 49152] copy, 5.9 s for SmolLM2's prefill of 96 prompts in bf16, 5.8 ms from a compact input
+    (docs/performance.md). fp32 weights keep `generate`'s path (a frozen head's is 3-6x slower there too, 110-177
+    against 30 ms, but `engine: loop`'s fp32 logits are `generate`'s bit for bit without a shared prefix, which
+    the folded product is not)."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
