@@ -50,6 +50,13 @@ def takes_position_ids(model) -> bool:
     return "position_ids" in inspect.signature(model.forward).parameters
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether the forward takes `logits_to_keep` (a causal LM's head on some positions only). A PEFT model passes
+    it on to its base model, whose signature decides."""
+    model = model.get_base_model() if isinstance(model, PeftModel) else model
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | None = None) -> DynamicCache:
     """The KV cache of `prefix` [P] run once (positions 0..P-1), repeated for `rows` rows, in `cache` (empty; by
     default a new `DynamicCache`; the sampler passes one that grows without copying, `sampling.kv_cache`). Only
@@ -59,9 +66,8 @@ def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | N
     (`sampling.decode.contiguous_head_input`; SmolLM2 in bf16: 250 ms a call on one thread, for logits thrown
     away); the keys and values are the same either way."""
     cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
-    none = {}
-    base = model.get_base_model() if isinstance(model, PeftModel) else model  # PEFT passes the argument on
-    if "logits_to_keep" in inspect.signature(base.forward).parameters:
+    none = {}  # the positions whose logits are kept: none
+    if takes_logits_to_keep(model):
         none["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=prefix.device)
     model(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0], device=prefix.device)[None],
           use_cache=True, return_dict=True, **{cache_name(model): cache}, **none)

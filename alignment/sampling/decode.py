@@ -43,7 +43,6 @@ layers: not checked). Per-token log-probs of the sampled ids under the distribut
 from __future__ import annotations
 
 import copy
-import inspect
 from contextlib import contextmanager
 
 import torch
@@ -56,7 +55,7 @@ from transformers import (
 )
 
 from ..config.sampling import SamplingSpec
-from ..models.prefix import cache_name, prefix_cache, takes_position_ids
+from ..models.prefix import cache_name, prefix_cache, takes_logits_to_keep, takes_position_ids
 from .kv_cache import reserved_cache
 
 # The prefills `prefills_kept` keeps while its block runs ({batch: (logits, cache, mask, positions)}), else None.
@@ -128,18 +127,18 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
     """`prefill_once`'s forward pass, one row per distinct prompt: (fp32 last logits, cache, mask, positions)."""
     # Only the last position's logits, as `generate` asks for them: the LM head on every prompt position would
     # cost as much as the whole decode of a short completion (a [rows, prompt, vocab] product).
-    last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    last = {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
     shared = 0
     cache = reserved_cache(model)
+    if prefix is not None:  # run for its keys and values only: it asks the head for no logits
+        shared = prefix.shape[0]
+        cache = prefix_cache(model, prefix, input_ids.shape[0], cache)
+        attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
+    positions = None
+    if takes_position_ids(model):  # as `generate` decides it
+        positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
+    mask = None if bool((attention == 1).all()) else attention
     with contiguous_head_input(model):
-        if prefix is not None:
-            shared = prefix.shape[0]
-            cache = prefix_cache(model, prefix, input_ids.shape[0], cache)
-            attention = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
-        positions = None
-        if takes_position_ids(model):  # as `generate` decides it
-            positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
-        mask = None if bool((attention == 1).all()) else attention
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                     return_dict=True, **{cache_name(model): cache}, **last)
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
