@@ -422,18 +422,22 @@ def continuous_batching(model, tokenizer, prompts, spec) -> int:
 
 class Sampler(NamedTuple):
     """One sampler of the decode section: `run()` samples the shape's prompts once and returns the useful tokens;
-    `dtype` is the type its matmuls run in, whose roofline it is measured against ("model": the model's own)."""
+    `dtype` is the type its matmuls run in, whose roofline it is measured against ("model": the model's own);
+    `warm()`, where given, is a short call before the timed rounds that pays what the first call of its kind in a
+    process pays (kernels, the allocator, vLLM's engine start, transformers' continuous-batching manager)."""
 
     variant: str
     dtype: str
     run: Callable[[], int]
+    warm: Callable[[], object] | None = None
 
 
 def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool, args) -> list[Sampler]:
     """The samplers of one shape, in the order each round runs them: ours (the default loop, `engine: generate`,
     the opt-in draws at sampled shapes), vLLM where installed, plain `model.generate`, transformers'
     `generate_batch`; with `half`, our loop with `dtype: bfloat16` (and both opt-ins at sampled shapes) and plain
-    `generate` on the model cast to bf16 (cast back after). Each run starts from seed 0."""
+    `generate` on the model cast to bf16 (cast back after). Each run starts from seed 0. One sampler of each kind
+    warms up: our loop, our loop in bf16, vLLM, `generate_batch`."""
     import torch
 
     from alignment.config.sampling import SamplingSpec
@@ -457,45 +461,34 @@ def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool,
                 model.to(own)
         return run
 
+    def warm(settings):
+        return lambda: warm_up(model, tokenizer, prompts, settings)
+
     default = SamplingSpec.model_fields["engine"].default
     samplers = [Sampler(f"ours: engine {engine}" + (" (default)" if engine == default else ""), "model",
-                        ours(spec.model_copy(update={"engine": engine}))) for engine in ("loop", "generate")]
+                        ours(spec.model_copy(update={"engine": engine})), warm(spec) if engine == "loop" else None)
+                for engine in ("loop", "generate")]
     if spec.temperature > 0:
         samplers.append(Sampler("ours: engine loop, draw inverse_cdf", "model",
                                 ours(spec.model_copy(update={"draw": "inverse_cdf"}))))
     if has_vllm:
         engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
-        samplers.append(Sampler("vLLM", "model", ours(SamplingSpec(**{**spec.model_dump(), "backend": "vllm",
-                                                                        "vllm": engine}))))
+        vllm = SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})
+        samplers.append(Sampler("vLLM", "model", ours(vllm), warm(vllm)))
     samplers.append(Sampler("plain: model.generate", "model", plain()))
     if not args.no_generate_batch:
+        short = spec.model_copy(update={"n": 1, "max_new_tokens": min(8, spec.max_new_tokens)})
         samplers.append(Sampler("transformers: generate_batch (continuous batching)", "model",
-                                lambda: continuous_batching(model, tokenizer, prompts, spec)))
+                                lambda: continuous_batching(model, tokenizer, prompts, spec),
+                                lambda: continuous_batching(model, tokenizer, prompts[:2], short)))
     if half:
-        samplers.append(Sampler("ours: engine loop, dtype bfloat16", "bfloat16",
-                                ours(spec.model_copy(update={"dtype": "bfloat16"}))))
+        bf16 = spec.model_copy(update={"dtype": "bfloat16"})
+        samplers.append(Sampler("ours: engine loop, dtype bfloat16", "bfloat16", ours(bf16), warm(bf16)))
         if spec.temperature > 0:
             samplers.append(Sampler("ours: engine loop, dtype bfloat16, draw inverse_cdf", "bfloat16",
                                     ours(spec.model_copy(update={"dtype": "bfloat16", "draw": "inverse_cdf"}))))
         samplers.append(Sampler("plain: model.generate, bf16 weights", "bfloat16", plain(torch.bfloat16)))
     return samplers
-
-
-def warm_up_samplers(model, tokenizer, prompts, spec, samplers: list[Sampler], args) -> None:
-    """The first call of each kind in a process pays one-off costs (kernels, the allocator, vLLM's engine start,
-    transformers' continuous-batching manager): a short call of each before the timed rounds."""
-    from alignment.config.sampling import SamplingSpec
-
-    short = spec.model_copy(update={"max_new_tokens": min(8, spec.max_new_tokens)})
-    warm_up(model, tokenizer, prompts, short)
-    kinds = {s.variant for s in samplers}
-    if "ours: engine loop, dtype bfloat16" in kinds:
-        warm_up(model, tokenizer, prompts, short.model_copy(update={"dtype": "bfloat16"}))
-    if "vLLM" in kinds:
-        engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
-        warm_up(model, tokenizer, prompts, SamplingSpec(**{**short.model_dump(), "backend": "vllm", "vllm": engine}))
-    if any(s.variant.startswith("transformers") for s in samplers):
-        continuous_batching(model, tokenizer, prompts[:2], short.model_copy(update={"n": 1}))
 
 
 def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict,
@@ -559,7 +552,9 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         types = {"model": model.dtype, **({"bfloat16": torch.bfloat16} if half else {})}
         rooflines = {kind: [] for kind in types}
         rates, seconds, peaks = ({s.variant: [] for s in samplers} for _ in range(3))
-        warm_up_samplers(model, tokenizer, prompts, spec, samplers, args)
+        for sampler in samplers:
+            if sampler.warm is not None:
+                sampler.warm()
         roof_seconds, roof_peaks = {kind: [] for kind in types}, {}
         for _ in range(args.rounds):
             for kind, dtype in types.items():
