@@ -1,10 +1,12 @@
 """`dtype: bfloat16` in a sampling block (alignment/sampling/samples.py `weights_as`): the call samples from a bf16
 copy of the weights, exactly as a bf16 model would, and the model's own fp32 weights come back untouched (the same
-tensors), LoRA adapter merged or not."""
+tensors), LoRA adapter merged or not. bf16 linear layers on a CPU with native bf16 run on weights laid out for
+oneDNN once per call (`prepacked_linears`), with the same samples bit for bit."""
 
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ from alignment.errors import UserError
 from alignment.models.loading import load_policy
 from alignment.models.prefix import shared_prefix
 from alignment.models.tokenizer import load_tokenizer
-from alignment.sampling import generate
+from alignment.sampling import generate, hf, samples
+from alignment.sampling.samples import packs_for_onednn, prepacked_linears
 
 CASES = [{"temperature": 0, "batch_size": 3}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9, "n": 2}]
 
@@ -157,3 +160,55 @@ def test_a_shared_prefix_asks_the_head_for_no_logits(tiny_model, varied_model, b
     assert [positions for positions, _ in seen[:3]] == [0, 1, 1]  # the prefix, the prompts' rest, a decode step
     compact = [c for _, c in seen]
     assert compact[1] is bf16 and all(compact[2:])  # the rest's slice as in the prefill without a prefix
+
+
+ONEDNN_BF16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                 reason="this CPU has no native bf16 (AVX512-BF16 or AMX): no weights are prepacked")
+
+
+def packed_calls(monkeypatch) -> list[int]:
+    """A list that counts the prepacked layers' forward calls from now on."""
+    calls, run = [], samples.onednn_linear
+    monkeypatch.setattr(samples, "onednn_linear", lambda x, **weights: calls.append(1) or run(x, **weights))
+    return calls
+
+
+@ONEDNN_BF16
+@pytest.mark.parametrize("spec", CASES, ids=["greedy-streamed", "sampled", "top-p"])
+def test_prepacked_bf16_linears_sample_what_torchs_own_linear_samples(tiny_model, varied_model, varied_prompts,
+                                                                       spec, monkeypatch):
+    tokenizer = load_tokenizer(str(tiny_model))
+    calls = packed_calls(monkeypatch)
+    packed = sampled(varied_model, tokenizer, varied_prompts, dtype="bfloat16", **spec)
+    assert len(calls) > 0  # the layers ran on prepacked weights
+    monkeypatch.setattr(hf, "prepacked_linears", lambda model: nullcontext())
+    plain = sampled(varied_model, tokenizer, varied_prompts, dtype="bfloat16", **spec)
+    assert [s.token_ids for s in packed] == [s.token_ids for s in plain]
+    assert [s.logprobs for s in packed] == [s.logprobs for s in plain]  # bit for bit
+
+
+@ONEDNN_BF16
+def test_an_unmerged_lora_policy_samples_the_same_on_prepacked_weights(tiny_model, prompts, monkeypatch):
+    tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
+    calls = packed_calls(monkeypatch)
+    packed = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2, merge_lora=False)
+    assert len(calls) > 0
+    monkeypatch.setattr(hf, "prepacked_linears", lambda model: nullcontext())
+    plain = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2, merge_lora=False)
+    assert [(s.token_ids, s.logprobs) for s in packed] == [(s.token_ids, s.logprobs) for s in plain]
+
+
+@ONEDNN_BF16
+def test_prepacked_linears_covers_bf16_linear_layers_only_and_puts_their_forward_back(tiny_model, varied_model):
+    bf16 = params_in_bf16(copy.deepcopy(varied_model))
+    linears = [m for m in bf16.modules() if isinstance(m, torch.nn.Linear)]
+    x = torch.randn(2, 1, bf16.config.hidden_size, dtype=torch.bfloat16)
+    head = bf16.get_output_embeddings()
+    with pytest.raises(RuntimeError, match="inside"), prepacked_linears(bf16):
+        assert all("forward" in vars(m) for m in linears)  # every layer, the tied LM head included
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+        raise RuntimeError("inside")
+    assert not any("forward" in vars(m) for m in linears)  # back, after an error too
+    with prepacked_linears(varied_model):  # fp32 weights: torch's own linear
+        assert not any("forward" in vars(m) for m in varied_model.modules())
+    assert not packs_for_onednn(torch.nn.Embedding(4, 2).to(torch.bfloat16))
