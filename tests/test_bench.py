@@ -3,6 +3,7 @@
 import importlib.util
 
 import pytest
+import torch
 from conftest import REPO
 
 
@@ -52,6 +53,13 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
     assert sorted(roofs) == sorted(["float32", "bfloat16"] * len(shapes))
     assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 and len(r["rates"]) == 2
                for r in results if r["variant"].startswith("roof"))
+    # the roofline takes each shape's faster kernel: torch.matmul, or (CPU) the weight prepacked, as MKL's fp32 sgemm
+    # or oneDNN's native bf16 kernel lays it out
+    for r in (r for r in results if r["variant"].startswith("roof")):
+        assert "torch.matmul" in r["kernels"] and r["rate"] >= max(r["kernels"].values()) - 0.01
+        fp32 = r["variant"].endswith("float32")
+        packs = torch.backends.mkl.is_available() if fp32 else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert ("prepacked" in r["kernels"]) is packs
     header = capsys.readouterr().out
     assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s", "vs plain"))
 
@@ -64,7 +72,7 @@ def test_bench_rounds_ratio_is_taken_within_each_round():
     rates = {"ours": [100.0, 200.0, 400.0], "plain: model.generate": [50.0, 100.0, 200.0]}
     seconds = {"ours": [1.0, 1.0, 1.0], "plain: model.generate": [2.0, 2.0, 2.0]}
     rows = bench.decode_rows("s", samplers, rates, seconds, {"ours": 1.0, "plain: model.generate": 1.0},
-                             {"model": [10.0, 20.0, 30.0]}, params=1_000_000_000)
+                             {"model": [{"best": 10.0}, {"best": 20.0}, {"best": 30.0}]}, params=1_000_000_000)
     ours, plain = rows
     assert ours["rate"] == 200.0 and ours["vs_plain"] == 2.0 and plain["vs_plain"] == 1.0
     assert ours["gflops"] == 400.0 and ours["of_roofline"] == 20.0  # 2 x 1e9 x 200 / 1e9 over the median 20
