@@ -20,7 +20,7 @@ from alignment.models.loading import load_policy
 from alignment.models.prefix import shared_prefix
 from alignment.models.tokenizer import load_tokenizer
 from alignment.sampling import generate, hf, samples
-from alignment.sampling.samples import packs_for_onednn, prepacked_linears
+from alignment.sampling.samples import onednn_runs_bf16, packs_for_onednn, prepacked_linears
 
 CASES = [{"temperature": 0, "batch_size": 3}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9, "n": 2}]
 
@@ -162,8 +162,8 @@ def test_a_shared_prefix_asks_the_head_for_no_logits(tiny_model, varied_model, b
     assert compact[1] is bf16 and all(compact[2:])  # the rest's slice as in the prefill without a prefix
 
 
-ONEDNN_BF16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                                 reason="this CPU has no native bf16 (AVX512-BF16 or AMX): no weights are prepacked")
+ONEDNN_BF16 = pytest.mark.skipif(not onednn_runs_bf16(),
+                                 reason="not an x86 CPU with native bf16 (AVX512-BF16 or AMX): no weights are prepacked")
 
 
 def packed_calls(monkeypatch) -> list[int]:

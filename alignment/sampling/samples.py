@@ -4,9 +4,10 @@ oneDNN's kernels."""
 
 from __future__ import annotations
 
+import platform
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 
 import torch
 from peft.tuners.lora import LoraLayer
@@ -136,17 +137,24 @@ def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,
                   logprobs=None if logprobs is None else logprobs[: len(kept)])
 
 
+@cache
+def onednn_runs_bf16() -> bool:
+    """An x86 CPU on which torch's oneDNN runs bf16 natively (AVX512-BF16 or AMX): there torch's own bf16 matmul is
+    oneDNN's, so a prepacked weight gives the same bits; elsewhere torch takes another path, whose sums could
+    differ."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def packs_for_onednn(module) -> bool:
     """Whether `prepacked_linears` lays out `module`'s weight: a plain `nn.Linear` whose weight is bf16 on a CPU
-    whose oneDNN runs bf16 natively (AVX512-BF16 or AMX; there torch's own bf16 matmul is oneDNN's, so a
-    prepacked weight gives the same bits; elsewhere torch takes another path, whose sums could differ), not a
-    sharded or ZeRO-3 parameter, and not a module whose forward something else already replaced (accelerate's
-    hooks)."""
+    where `onednn_runs_bf16`, not a sharded or ZeRO-3 parameter, and not a module whose forward something else
+    already replaced (accelerate's hooks)."""
     weight = getattr(module, "weight", None)
     return (isinstance(module, torch.nn.Linear) and "forward" not in vars(module)
             and isinstance(weight, torch.Tensor) and not isinstance(weight, DTensor) and not hasattr(weight, "ds_id")
             and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and onednn_runs_bf16())
 
 
 @contextmanager
