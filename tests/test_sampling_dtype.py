@@ -167,7 +167,8 @@ ONEDNN_BF16 = pytest.mark.skipif(not onednn_runs_bf16(),
 
 
 def packed_calls(monkeypatch) -> list[int]:
-    """A list that counts the prepacked layers' forward calls from now on."""
+    """A list that counts the prepacked layers' forward calls from now on; calls of any length prepack."""
+    monkeypatch.setattr(hf, "PREPACK_MIN_NEW_TOKENS", 1)
     calls, run = [], samples.onednn_linear
     monkeypatch.setattr(samples, "onednn_linear", lambda x, **weights: calls.append(1) or run(x, **weights))
     return calls
@@ -212,3 +213,16 @@ def test_prepacked_linears_covers_bf16_linear_layers_only_and_puts_their_forward
     with prepacked_linears(varied_model):  # fp32 weights: torch's own linear
         assert not any("forward" in vars(m) for m in varied_model.modules())
     assert not packs_for_onednn(torch.nn.Embedding(4, 2).to(torch.bfloat16))
+
+
+@ONEDNN_BF16
+def test_calls_shorter_than_the_prepacking_threshold_run_torchs_own_linear(tiny_model, prompts, monkeypatch):
+    """Laying the weights out costs a pass over them per call, which a few decode steps do not win back."""
+    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
+    calls = packed_calls(monkeypatch)
+    monkeypatch.setattr(hf, "PREPACK_MIN_NEW_TOKENS", 21)
+    sampled(model, tokenizer, prompts, dtype="bfloat16")  # 20 new tokens
+    assert calls == []
+    monkeypatch.setattr(hf, "PREPACK_MIN_NEW_TOKENS", 20)
+    sampled(model, tokenizer, prompts, dtype="bfloat16")
+    assert len(calls) > 0

@@ -31,8 +31,9 @@ copy of the weights (`samples.weights_as`; on a CPU with AMX, 2.3-2.5x plain `ge
 `draw: inverse_cdf` draws each sampled token from one uniform number per row (`decode.inverse_cdf`) instead of
 torch.multinomial's exponential number per vocabulary entry (1.3-1.9x sampled), which also lets sampled calls
 stream. Any bf16 model sampling on a CPU with native bf16 (the opt-in's copy or a model loaded in bf16) runs its
-linear layers on weights laid out for oneDNN once per call (`samples.prepacked_linears`): the same samples bit
-for bit, fewer seconds.
+linear layers on weights laid out for oneDNN once per call (`samples.prepacked_linears`) when the call asks for
+`PREPACK_MIN_NEW_TOKENS` or more: the same samples bit for bit, fewer seconds (shorter calls do not win back
+the layout's time).
 
 `merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
 (`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
@@ -68,6 +69,10 @@ from .samples import (
 from .stream import decode_stream, streamable
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
+# Calls of at least this many new tokens run bf16 linear layers on prepacked weights (`samples.prepacked_linears`).
+# Laying out SmolLM2's weights takes 90 ms a call; each decode step gets some of it back: on 2 CPU cores, 32 sampled
+# rows, 8 new tokens ran 0.90x with it, 16-64 level, 128 1.10-1.17x (and 64 greedy rows x 128 tokens 1.16x).
+PREPACK_MIN_NEW_TOKENS = 64
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
@@ -100,9 +105,10 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
                         "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
                         "stage's sampling block.")
     merged = lora_merged(model) if settings.merge_lora else nullcontext()
-    # bf16 linear layers on CPU run on weights laid out for oneDNN once (the same bits); not under torch.compile,
-    # which traces the layers' own forward
-    packed = nullcontext() if settings.compile else prepacked_linears(model)
+    # bf16 linear layers on CPU run on weights laid out for oneDNN once (the same bits) where the call is long enough
+    # to pay for it; not under torch.compile, which traces the layers' own forward
+    prepack = settings.max_new_tokens >= PREPACK_MIN_NEW_TOKENS and not settings.compile
+    packed = prepacked_linears(model) if prepack else nullcontext()
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), merged, weights_as(model, settings.dtype), packed:
         if looped and streamable(model, settings, len(jobs)):  # waiting rows take finished rows' places
             with counting(progress or "generating", len(jobs), disable=progress is None) as done:
