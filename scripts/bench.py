@@ -519,8 +519,9 @@ def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool,
 def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict,
                 params: int) -> list[dict]:
     """One row per sampler: its median useful tokens/s over the rounds (and each round's), GFLOP/s and share of
-    its roofline's median (`rooflines`: each type's `matmul_roofline` of every round), and `vs_plain`: the median over rounds of its rate over plain fp32 `generate`'s in the
-    same round, so a VM that speeds up or slows down between rounds moves both sides of each ratio alike."""
+    its roofline's median (`rooflines`: each type's `matmul_roofline` of every round), and `vs_plain`: the median
+    over rounds of its rate over plain fp32 `generate`'s in the same round, so a VM that speeds up or slows down
+    between rounds moves both sides of each ratio alike."""
     plain = rates.get("plain: model.generate")
     rows = []
     for sampler in samplers:

@@ -27,7 +27,7 @@ the static cache alone only costs memory, so the default `dynamic` is kept there
 are opt-in until they are measured (docs/performance.md, the `static` section of scripts/bench.py).
 
 Two opt-ins trade today's exact samples for speed (docs/performance.md): `dtype: bfloat16` samples from a bf16
-copy of the weights (`samples.weights_as`; on a CPU with AMX, 2.3-2.5x plain `generate` at greedy evaluation), and
+copy of the weights (`samples.weights_as`; on a CPU with AMX, 2.3-2.8x plain `generate` at greedy evaluation), and
 `draw: inverse_cdf` draws each sampled token from one uniform number per row (`decode.inverse_cdf`) instead of
 torch.multinomial's exponential number per vocabulary entry (1.3-1.9x sampled), which also lets sampled calls
 stream. Any bf16 model sampling on a CPU with native bf16 (the opt-in's copy or a model loaded in bf16) runs its

@@ -164,10 +164,11 @@ def prepacked_linears(model):
     `F.linear` hands oneDNN the weight in torch's row-major layout at every call, not in the blocked layout oneDNN
     picks for its kernel. The same products, bit for bit (tests/test_sampling_dtype.py), 1.3-2x faster per matmul
     at decode shapes (SmolLM2's, random weights, batch 16-64: the LM head 561 against 902 GFLOP/s at batch 64) and
-    1.17x on a whole bf16 greedy evaluation call (docs/performance.md); the layout itself costs a pass over the
-    weights (90 ms for SmolLM2), which is why `hf` prepacks only for long calls. The weights are read when the
-    block opens, so it wraps a sampling call, during which they do not change; the copies (the bf16 weights' size
-    again) are dropped on leaving and every layer's own forward is back."""
+    up to 1.17x on a whole bf16 greedy evaluation call (level in the VM's slower hours: docs/performance.md); the
+    layout itself costs a pass over the weights (90 ms for SmolLM2), which is why `hf` prepacks only for long
+    calls. The weights are read when the block opens, so it wraps a sampling call, during which they do not
+    change; the copies (the bf16 weights' size again) are dropped on leaving and every layer's own forward is
+    back."""
     layers = [m for m in model.modules() if packs_for_onednn(m)]
     try:
         for layer in layers:
