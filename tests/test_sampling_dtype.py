@@ -213,6 +213,10 @@ def test_prepacked_linears_covers_bf16_linear_layers_only_and_puts_their_forward
     with prepacked_linears(varied_model):  # fp32 weights: torch's own linear
         assert not any("forward" in vars(m) for m in varied_model.modules())
     assert not packs_for_onednn(torch.nn.Embedding(4, 2).to(torch.bfloat16))
+    biased = torch.nn.Linear(bf16.config.hidden_size, 8).to(torch.bfloat16)  # Qwen2's q, k and v carry a bias
+    with prepacked_linears(biased):
+        assert "forward" in vars(biased) and torch.equal(biased(x), torch.nn.functional.linear(x, biased.weight,
+                                                                                              biased.bias))
 
 
 @ONEDNN_BF16

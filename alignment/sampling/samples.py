@@ -173,7 +173,8 @@ def prepacked_linears(model):
     try:
         for layer in layers:
             packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
-            layer.forward = partial(onednn_linear, packed=packed, bias=layer.bias)
+            bias = None if layer.bias is None else layer.bias.detach()  # the call's (bf16) bias, as the weight
+            layer.forward = partial(onednn_linear, packed=packed, bias=bias)
         yield model
     finally:
         for layer in layers:
@@ -182,4 +183,4 @@ def prepacked_linears(model):
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] times a prepacked weight [out, in] (plus bias [out]) -> [..., out]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.detach(), "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
