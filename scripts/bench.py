@@ -341,13 +341,15 @@ def matmul_kernels(a, w, device) -> dict[str, Callable[[], object]]:
     longer be `generate`'s)."""
     import torch
 
+    from alignment.sampling.samples import onednn_linear, onednn_runs_bf16
+
     kernels = {"torch.matmul": lambda: torch.matmul(a, w)}
-    weight = w.t().contiguous()  # [out, in], as a linear layer holds it
     if device.type != "cpu":
         return kernels
-    if a.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    weight = w.t().contiguous()  # [out, in], as a linear layer holds it
+    if a.dtype == torch.bfloat16 and onednn_runs_bf16():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        kernels["prepacked"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        kernels["prepacked"] = lambda: onednn_linear(a, packed, None)
     elif a.dtype == torch.float32 and torch.backends.mkl.is_available():
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, a.shape[0])
         kernels["prepacked"] = lambda: torch.ops.mkl._mkl_linear(a, packed, weight, None, a.shape[0])
