@@ -179,10 +179,14 @@ def timed_generate(section, variant, model, tokenizer, prompts, spec, args) -> d
 
 
 def warm_up(model, tokenizer, prompts, spec) -> None:
-    """The first generate call of a process pays one-off costs (kernels, allocator), whoever makes it."""
-    from alignment.sampling import generate
+    """The first generate call of a process pays one-off costs (kernels, allocator), whoever makes it. The warm-up
+    call is short, but as long as it must be to take the timed call's path: a call long enough to run bf16 layers on
+    prepacked weights (`hf.PREPACK_MIN_NEW_TOKENS`) warms that kernel up too."""
+    from alignment.sampling import generate, hf
 
-    generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": min(8, spec.max_new_tokens)}))
+    prepacks = spec.max_new_tokens >= hf.PREPACK_MIN_NEW_TOKENS
+    tokens = hf.PREPACK_MIN_NEW_TOKENS if prepacks else min(8, spec.max_new_tokens)
+    generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": tokens}))
 
 
 def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:

@@ -92,3 +92,16 @@ def test_bench_shapes_picks_decode_shapes_and_names_an_unknown_one(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--size", "micro", "--sections", "decode", "--rounds", "0"])
     assert exit_info.value.code == 2 and "--rounds 0: expected at least 1" in capsys.readouterr().err
+
+
+def test_a_warm_up_takes_the_timed_calls_path(monkeypatch):
+    """Short, but long enough to prepack bf16 weights where the timed call does, so that kernel is warm too."""
+    import alignment.sampling as sampling
+    from alignment.config.sampling import SamplingSpec
+    from alignment.sampling import hf
+
+    bench, asked = load_bench(), []
+    monkeypatch.setattr(sampling, "generate", lambda model, tokenizer, prompts, spec: asked.append(spec.max_new_tokens))
+    for new_tokens in (4, 32, hf.PREPACK_MIN_NEW_TOKENS, 512):
+        bench.warm_up(None, None, ["p"] * 9, SamplingSpec(max_new_tokens=new_tokens))
+    assert asked == [4, 8, hf.PREPACK_MIN_NEW_TOKENS, hf.PREPACK_MIN_NEW_TOKENS]
