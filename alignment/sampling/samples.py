@@ -103,6 +103,12 @@ def lora_merged(model):
             layer.merged_adapters.clear()  # the layer runs its adapter again in its forward pass
 
 
+def engine_managed(param: torch.Tensor) -> bool:
+    """Whether `param`'s storage belongs to a sharding engine: an FSDP2 DTensor, or a ZeRO-3 parameter (DeepSpeed
+    marks each with `ds_id`): sampling neither casts it in place nor lays it out for oneDNN."""
+    return isinstance(param, DTensor) or hasattr(param, "ds_id")
+
+
 @contextmanager
 def weights_as(model, dtype: str):
     """Within the block, the model's floating-point parameters are `dtype` ("bfloat16"; "model": left as they are);
@@ -114,7 +120,7 @@ def weights_as(model, dtype: str):
         return
     target = getattr(torch, dtype)
     params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != target]
-    if any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in params):
+    if any(engine_managed(p) for p in params):
         raise UserError(f"`dtype: {dtype}` in a sampling block casts the weights in place for the call, which a sharded "
                         "(FSDP2) or ZeRO-3 model's engine does not allow: drop `dtype` there (the model samples in its "
                         "own type).")
@@ -152,7 +158,7 @@ def packs_for_onednn(module) -> bool:
     already replaced (accelerate's hooks)."""
     weight = getattr(module, "weight", None)
     return (isinstance(module, torch.nn.Linear) and "forward" not in vars(module)
-            and isinstance(weight, torch.Tensor) and not isinstance(weight, DTensor) and not hasattr(weight, "ds_id")
+            and isinstance(weight, torch.Tensor) and not engine_managed(weight)
             and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and onednn_runs_bf16())
 
