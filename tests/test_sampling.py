@@ -177,6 +177,62 @@ def test_the_decode_loop_samples_exactly_what_generate_samples(tiny_model, varie
     assert len({len(s.token_ids) for s in looped}) > 1 and any(s.finished for s in looped)  # rows left the batch
 
 
+def test_first_argmax_finds_torchs_argmax_by_chunks():
+    """The same index as torch's argmax: the first of equal maxima (within a chunk, across chunks, in the shorter
+    last chunk), the first NaN of a row, 0 for a row of -inf; 3 chunks of 1024 and a last one of 37 entries."""
+    from alignment.sampling.decode import ARGMAX_CHUNK, first_argmax
+
+    vocab = 3 * ARGMAX_CHUNK + 37
+    torch.manual_seed(0)
+    scores = torch.randn(9, vocab)
+    scores[1, [5, 900]] = 9.0  # a tie inside the first chunk
+    scores[2, [2 * ARGMAX_CHUNK + 3, ARGMAX_CHUNK + 1000]] = 9.0  # a tie across chunks: the earlier chunk's
+    scores[3, [vocab - 1, vocab - 20]] = 9.0  # a tie in the last, shorter chunk
+    scores[4, -1] = 9.0  # the very last entry
+    scores[5, [ARGMAX_CHUNK + 2, 2 * ARGMAX_CHUNK + 9]] = float("nan")  # NaN ranks above every number
+    scores[5, 0] = 9.0
+    scores[6] = float("-inf")
+    scores[7, [3 * ARGMAX_CHUNK + 4, 3 * ARGMAX_CHUNK + 30]] = float("nan")  # the first NaN, in the last chunk
+    scores[8] = 0.0
+    expected = scores.argmax(dim=-1)
+    assert expected.tolist()[1:8] == [5, ARGMAX_CHUNK + 1000, vocab - 20, vocab - 1, ARGMAX_CHUNK + 2, 0,
+                                      3 * ARGMAX_CHUNK + 4]  # the cases above, as torch ranks them
+    assert torch.equal(first_argmax(scores), expected)
+    assert torch.equal(first_argmax(scores[:, : 2 * ARGMAX_CHUNK]), scores[:, : 2 * ARGMAX_CHUNK].argmax(dim=-1))
+
+
+def test_last_logits_copies_at_most_once():
+    """fp32 logits of every row are the forward's own tensor; a selection of rows is one new tensor; bf16 logits
+    come back as fp32 with the values `.to(torch.float32)` gives."""
+    from alignment.sampling.decode import last_logits
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1, 50)
+    running = torch.tensor([True, False, True, True])
+    assert last_logits(logits, torch.ones(4, dtype=torch.bool), every=True).data_ptr() == logits.data_ptr()
+    assert torch.equal(last_logits(logits, running, every=False), logits[running, -1])
+    half = logits.bfloat16()
+    assert torch.equal(last_logits(half, running, every=False), half[running, -1].to(torch.float32))
+    assert last_logits(half, running, every=True).dtype == torch.float32
+
+
+def test_greedy_tokens_found_by_chunks_are_generates(tiny_model, varied_model, varied_prompts, monkeypatch):
+    """The tiny model's vocabulary split into chunks of 5 (a shorter last one): the loop's greedy ids and stops are
+    `generate`'s (the real model's 49,152 entries take this path at the default chunk: the slow SmolLM2 test)."""
+    from alignment.sampling import decode
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    monkeypatch.setattr(decode, "ARGMAX_CHUNK", 5)
+    assert varied_model.config.vocab_size % 5 and varied_model.config.vocab_size >= 10
+    chunked = []
+    original = decode.first_argmax
+    monkeypatch.setattr(decode, "first_argmax", lambda scores: chunked.append(scores.shape) or original(scores))
+    reference, looped = both_engines(varied_model, tokenizer, varied_prompts, temperature=0)
+    assert chunked and all(shape[-1] == varied_model.config.vocab_size for shape in chunked)
+    assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
+    assert [s.finished for s in looped] == [s.finished for s in reference]
+
+
 @pytest.mark.parametrize("compaction", [False, True], ids=["rows-stay", "rows-leave"])
 @pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled"])
 def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec,

@@ -65,6 +65,9 @@ _kept: dict | None = None
 # batch has finished, so a batch whose rows end one by one is not copied at every step.
 COMPACT_SHARE = 0.125
 
+# Entries per chunk of a row in `first_argmax`: a divisor of common vocabularies (SmolLM2's 49,152 = 48 x 1024).
+ARGMAX_CHUNK = 1024
+
 
 def warpers(settings: SamplingSpec) -> LogitsProcessorList:
     """The logits warpers `model.generate` applies for these settings (its `_get_logits_processor`, sampling
@@ -217,7 +220,7 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
             running = torch.ones(len(live), dtype=torch.bool, device=device)
         out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
                     return_dict=True, **{cache_arg: cache})
-        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[running]
+        logits = last_logits(out.logits, running, every=still == len(live))
         del out
     counts = lengths.tolist()
     return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
@@ -232,7 +235,7 @@ def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.
     given them; `draw: inverse_cdf` draws one uniform number per running row (`inverse_cdf`)."""
     scores = process(None, logits)
     if settings.temperature <= 0:
-        tokens = scores.argmax(dim=-1)
+        tokens = first_argmax(scores)
     elif settings.draw == "inverse_cdf":
         tokens = inverse_cdf(torch.softmax(scores, dim=-1))
     else:
@@ -243,6 +246,38 @@ def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.
     # x / 1.0 is x: the division is skipped where it changes nothing
     scaled = logits / settings.temperature if settings.temperature not in (0.0, 1.0) else logits
     return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+def last_logits(logits: torch.Tensor, running: torch.Tensor, every: bool) -> torch.Tensor:
+    """The fp32 logits [running, vocab] of the last position of a forward's `logits` [batch, positions, vocab],
+    the rows where `running` (over the batch) is set; `every`: all of them are. The values `generate`'s
+    `logits[:, -1].to(copy=True, dtype=torch.float32)` gives, copied at most once: the mask's selection is a new
+    tensor already, and fp32 logits of every row are the forward's own (nothing edits them in place: the warpers
+    return new tensors). At batch 64 over a 49,152-token vocabulary each copy spared is 12.5 MB, about 1-2 ms."""
+    last = logits[:, -1]
+    return (last if every else last[running]).float()  # `float()` of fp32 is the tensor itself
+
+
+def first_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(dim=-1)` of [rows, vocab], the same index: the first of equal maxima, and the first NaN in a
+    row that has one (argmax ranks NaN above every number). Found in two short passes on CPU: the maximum of each
+    ARGMAX_CHUNK entries (a vectorized reduction that propagates NaN), the first chunk holding the row's maximum
+    (argmax over the chunks' maxima), then argmax within that chunk. torch's argmax on CPU walks a row one entry
+    at a time: 3 ms for 64 rows of SmolLM2's 49,152 entries against 0.4 ms this way, every greedy decode step.
+    Elsewhere (a GPU) and on rows shorter than two chunks it is torch's argmax."""
+    rows, vocab = scores.shape
+    if scores.device.type != "cpu" or vocab < 2 * ARGMAX_CHUNK or rows == 0:
+        return scores.argmax(dim=-1)
+    whole = vocab - vocab % ARGMAX_CHUNK
+    maxima = scores[:, :whole].unflatten(-1, (-1, ARGMAX_CHUNK)).amax(dim=-1)  # [rows, chunks]
+    if whole < vocab:  # the remainder is a last, shorter chunk
+        maxima = torch.cat([maxima, scores[:, whole:].amax(dim=-1, keepdim=True)], dim=-1)
+    chunk = maxima.argmax(dim=-1)
+    # the chunk's columns; past the vocabulary's end (a shorter last chunk) they repeat the last entry, after it,
+    # so they never come first
+    columns = (chunk[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=scores.device)).clamp_(max=vocab - 1)
+    within = scores.gather(1, columns).argmax(dim=-1, keepdim=True)
+    return columns.gather(1, within).squeeze(1)
 
 
 def inverse_cdf(probs: torch.Tensor) -> torch.Tensor:

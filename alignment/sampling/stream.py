@@ -34,7 +34,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..config.sampling import SamplingSpec
 from ..models.prefix import cache_name, shared_prefix, takes_position_ids
-from .decode import COMPACT_SHARE, next_tokens, prefill_once, warpers
+from .decode import COMPACT_SHARE, last_logits, next_tokens, prefill_once, warpers
 
 
 def streamable(model, settings: SamplingSpec, rows: int) -> bool:
@@ -101,7 +101,7 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
         if still:
             out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
                         return_dict=True, **{cache_arg: cache})
-            logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)[running]
+            logits = last_logits(out.logits, running, every=still == len(live))
             del out
         if compacted and waiting:  # the waiting rows take the places compaction freed
             new, new_logits, new_cache, new_attention, new_positions = admit(min(width - still, len(waiting)))
