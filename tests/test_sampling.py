@@ -199,6 +199,8 @@ def test_first_argmax_finds_torchs_argmax_by_chunks():
                                       3 * ARGMAX_CHUNK + 4]  # the cases above, as torch ranks them
     assert torch.equal(first_argmax(scores), expected)
     assert torch.equal(first_argmax(scores[:, : 2 * ARGMAX_CHUNK]), scores[:, : 2 * ARGMAX_CHUNK].argmax(dim=-1))
+    across = scores.t().contiguous().t()  # the same values, a row's entries far apart in memory
+    assert torch.equal(first_argmax(across), expected)
 
 
 def test_last_logits_copies_at_most_once():
