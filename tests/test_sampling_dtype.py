@@ -6,6 +6,8 @@ oneDNN once per call (`prepacked_linears`), with the same samples bit for bit.""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from contextlib import nullcontext
 
 import pytest
@@ -72,6 +74,33 @@ def test_the_models_own_weights_come_back_untouched(tiny_model, varied_model, pr
     for name, p in varied_model.named_parameters():
         assert p.dtype == torch.float32 and p.data_ptr() == before[name][0]  # the very tensor, not a cast back
         assert torch.equal(p, before[name][1])
+
+
+def test_the_bf16_copy_is_kept_between_calls_refilled_at_each_and_dropped_with_the_model(tiny_model, prompts,
+                                                                                         monkeypatch):
+    """On CPU a second call samples from the same bf16 storage as the first (no fresh pages), filled from the weights
+    as they are then: after an update its samples are the updated model's cast to bf16. The copies go with the
+    model."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    model = shaken(load_policy(str(tiny_model)))
+    storage, fill = [], samples.typed_copy
+    monkeypatch.setattr(samples, "typed_copy", lambda param, dtype: storage.append(fill(param, dtype).data_ptr())
+                        or fill(param, dtype))
+    first = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2)
+    filled_first, storage[:] = list(storage), []
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.3)  # an update between two calls, as in ppo
+    second = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2)
+    assert storage == filled_first and len(set(storage)) == len(list(model.parameters()))  # the same storage
+    reference = sampled(params_in_bf16(copy.deepcopy(model)), tokenizer, prompts, n=2)
+    assert [s.token_ids for s in second] == [s.token_ids for s in reference]
+    assert [s.logprobs for s in second] == [s.logprobs for s in reference]
+    assert [s.logprobs for s in second] != [s.logprobs for s in first]
+    kept = [weakref.ref(samples._typed_copies[p]) for p in model.parameters()]
+    del model, param
+    gc.collect()
+    assert [copy_() for copy_ in kept] == [None] * len(kept)
 
 
 def test_a_lora_policy_samples_in_bf16_merged_or_not_and_keeps_its_base_and_adapter(tiny_model, prompts):
