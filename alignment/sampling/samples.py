@@ -121,6 +121,7 @@ def typed_copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`param`'s values in `dtype`, as `param.data.to(dtype)` gives them, written (on CPU) into the copy kept from the
     previous call when there is one of the same shape: every call re-fills it, so it is never stale."""
     if param.device.type != "cpu":
+        _typed_copies.pop(param, None)  # a CPU copy from before the model moved goes now
         return param.data.to(dtype)
     kept = _typed_copies.get(param)
     if kept is None or kept.shape != param.shape or kept.dtype != dtype:
