@@ -238,6 +238,8 @@ def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.
         tokens = first_argmax(scores)
     elif settings.draw == "inverse_cdf":
         tokens = inverse_cdf(torch.softmax(scores, dim=-1))
+    elif len(rows) == batch:  # every row running (rows is then 0..batch-1): no stand-ins to write
+        tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     else:
         probs = torch.zeros((batch, logits.shape[-1]), dtype=scores.dtype, device=scores.device)
         probs[:, pad_id] = 1.0
