@@ -134,7 +134,8 @@ def weights_as(model, dtype: str):
     """Within the block, the model's floating-point parameters are `dtype` ("bfloat16"; "model": left as they are);
     on leaving, the model's own tensors are put back, untouched (no cast back: the same storage). Tied parameters
     are one parameter and are cast once; buffers (rotary frequencies) keep their type, as the models compute with
-    them in fp32 anyway. On CPU the typed copies are kept for the next call (`typed_copy`). A sharded (FSDP2) or ZeRO-3 model's parameters are views its engine manages: refused."""
+    them in fp32 anyway. On CPU the typed copies are kept for the next call (`typed_copy`). A sharded (FSDP2) or
+    ZeRO-3 model's parameters are views its engine manages: refused."""
     if dtype == "model":
         yield model
         return
