@@ -184,8 +184,7 @@ def warm_up(model, tokenizer, prompts, spec) -> None:
     prepacked weights (`hf.PREPACK_MIN_NEW_TOKENS`) warms that kernel up too."""
     from alignment.sampling import generate, hf
 
-    prepacks = spec.max_new_tokens >= hf.PREPACK_MIN_NEW_TOKENS
-    tokens = hf.PREPACK_MIN_NEW_TOKENS if prepacks else min(8, spec.max_new_tokens)
+    tokens = hf.PREPACK_MIN_NEW_TOKENS if hf.prepacks(spec) else min(8, spec.max_new_tokens)
     generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": tokens}))
 
 

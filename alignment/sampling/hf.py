@@ -105,10 +105,7 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
                         "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
                         "stage's sampling block.")
     merged = lora_merged(model) if settings.merge_lora else nullcontext()
-    # bf16 linear layers on CPU run on weights laid out for oneDNN once (the same bits) where the call is long enough
-    # to pay for it; not under torch.compile, which traces the layers' own forward
-    prepack = settings.max_new_tokens >= PREPACK_MIN_NEW_TOKENS and not settings.compile
-    packed = prepacked_linears(model) if prepack else nullcontext()
+    packed = prepacked_linears(model) if prepacks(settings) else nullcontext()
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), merged, weights_as(model, settings.dtype), packed:
         if looped and streamable(model, settings, len(jobs)):  # waiting rows take finished rows' places
             with counting(progress or "generating", len(jobs), disable=progress is None) as done:
@@ -126,6 +123,13 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
                     results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(encoded)) for j in range(settings.n)]
+
+
+def prepacks(settings: SamplingSpec) -> bool:
+    """Whether a call with these settings runs bf16 linear layers on weights laid out for oneDNN once (the same
+    bits; `samples.prepacked_linears`): where it is long enough to pay for the layout, and not under torch.compile,
+    which traces the layers' own forward."""
+    return settings.max_new_tokens >= PREPACK_MIN_NEW_TOKENS and not settings.compile
 
 
 def token_logprobs(logits: tuple, sampled, temperature: float):
