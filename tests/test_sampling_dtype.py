@@ -84,8 +84,13 @@ def test_the_bf16_copy_is_kept_between_calls_refilled_at_each_and_dropped_with_t
     tokenizer = load_tokenizer(str(tiny_model))
     model = shaken(load_policy(str(tiny_model)))
     storage, fill = [], samples.typed_copy
-    monkeypatch.setattr(samples, "typed_copy", lambda param, dtype: storage.append(fill(param, dtype).data_ptr())
-                        or fill(param, dtype))
+
+    def filled(param, dtype):
+        copy_ = fill(param, dtype)
+        storage.append(copy_.data_ptr())
+        return copy_
+
+    monkeypatch.setattr(samples, "typed_copy", filled)
     first = sampled(model, tokenizer, prompts, dtype="bfloat16", n=2)
     filled_first, storage[:] = list(storage), []
     with torch.no_grad():
