@@ -69,12 +69,15 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
 def test_bench_rounds_ratio_is_taken_within_each_round():
     """`vs_plain` is the median of per-round ratios, so a machine twice as fast in one round leaves it alone, where
     a ratio of medians would not."""
-    bench = load_bench()
-    samplers = [bench.Sampler("ours", "model", None), bench.Sampler("plain: model.generate", "model", None)]
+    load_bench()  # puts scripts/ on sys.path, where the bench's sections live (scripts/benchmarks/)
+    from benchmarks.decode import decode_rows
+    from benchmarks.samplers import Sampler
+
+    samplers = [Sampler("ours", "model", None), Sampler("plain: model.generate", "model", None)]
     rates = {"ours": [100.0, 200.0, 400.0], "plain: model.generate": [50.0, 100.0, 200.0]}
     seconds = {"ours": [1.0, 1.0, 1.0], "plain: model.generate": [2.0, 2.0, 2.0]}
-    rows = bench.decode_rows("s", samplers, rates, seconds, {"ours": 1.0, "plain: model.generate": 1.0},
-                             {"model": [{"best": 10.0}, {"best": 20.0}, {"best": 30.0}]}, params=1_000_000_000)
+    rows = decode_rows("s", samplers, rates, seconds, {"ours": 1.0, "plain: model.generate": 1.0},
+                       {"model": [{"best": 10.0}, {"best": 20.0}, {"best": 30.0}]}, params=1_000_000_000)
     ours, plain = rows
     assert ours["rate"] == 200.0 and ours["vs_plain"] == 2.0 and plain["vs_plain"] == 1.0
     assert ours["gflops"] == 400.0 and ours["of_roofline"] == 20.0  # 2 x 1e9 x 200 / 1e9 over the median 20
@@ -100,8 +103,11 @@ def test_a_warm_up_takes_the_timed_calls_path(monkeypatch):
     from alignment.config.sampling import SamplingSpec
     from alignment.sampling import hf
 
-    bench, asked = load_bench(), []
+    load_bench()  # puts scripts/ on sys.path, where the bench's sections live (scripts/benchmarks/)
+    from benchmarks.common import warm_up
+
+    asked = []
     monkeypatch.setattr(sampling, "generate", lambda model, tokenizer, prompts, spec: asked.append(spec.max_new_tokens))
     for new_tokens in (4, 32, hf.PREPACK_MIN_NEW_TOKENS, 512):
-        bench.warm_up(None, None, ["p"] * 9, SamplingSpec(max_new_tokens=new_tokens))
+        warm_up(None, None, ["p"] * 9, SamplingSpec(max_new_tokens=new_tokens))
     assert asked == [4, 8, hf.PREPACK_MIN_NEW_TOKENS, hf.PREPACK_MIN_NEW_TOKENS]
