@@ -1,50 +1,15 @@
 """`python_tests` verifier: run the completion's code against the row's unit tests in the sandbox.
 
-The `tests` column holds assert statements or unittest.TestCase classes (a string, or a list of
-strings joined by newlines, as in MBPP's ``test_list``: map it with ``rename: {test_list: tests}``);
-they run after the code, in its namespace.
+The `tests` column holds assert statements or unittest.TestCase classes (a string, or a list of strings
+joined by newlines, as MBPP's ``test_list``: ``rename: {test_list: tests}``); they run after the code, in
+its namespace. The code is what a reader would run: the completion's python blocks joined in order, less
+console output and example usage (rules in `extract_code`); without a fenced block, the whole completion.
+``if __name__ == "__main__":`` never runs. The tests' comparisons go through `safe_compare`, so objects
+that claim equality do not pass; what the sandbox does and does not contain: docs/sandbox.md.
 
-Which code runs: what a reader would run. Models answer in prose with several fenced blocks, e.g.
-SmolLM2 writes the function and then an "Example usage" block; running only the last block scored
-a correct solution 0 (NameError, issue #28). So the program is the completion's python blocks
-(```python, ```py, ```python3; untagged ``` blocks only when no block is tagged; other languages
-never; an unclosed last block runs to the end) joined in order, as a reader pastes them into one
-file, except:
-
-- a console transcript: a block that is not valid Python because it holds ``>>> `` lines runs as
-  the code of its examples (the ``>>> ``/``... `` lines without their prompts); the lines that
-  follow an example up to a blank line are its expected output, not code, and are dropped. Doctests
-  inside a docstring are left alone (the block compiles);
-- example usage: a later block that defines no function, class or import, and assigns nothing that
-  the code before it or the tests read, but uses what earlier blocks define (``print(add(1, 2))``,
-  ``result = add(1, 2)``, its own asserts, a ``while True:`` demo loop) is not run. The tests
-  decide; an example that raises, loops or asserts something wrong says nothing about the
-  solution. Usage inside a block that also defines the solution runs as written: it is part of
-  that program;
-- an untagged block that does not compile (program output, a shell command) is not code, unless
-  no untagged block compiles (then they run and the syntax error is the verdict, as before).
-
-``if __name__ == "__main__":`` sections never run: the harness runs the code as a module named
-``__solution__``, which is what importing the solution does. Telling blocks apart parses them with
-`ast` in the caller, which never runs them (parsing costs time in proportion to the completion's
-length, bounded by the sampler's max_new_tokens); a block `ast` cannot parse is kept as is.
-Without any fenced block the whole completion is the code.
-
-Rewards: 1.0 if the tests pass; 0.0 if they fail, time out, crash or the fenced code does not
-compile (the detail says which, with the tail of the output); None if there is no code (blank
-completion, or no fenced block and the text is not valid Python). An empty or non-compiling
-`tests` column is a data error (error row).
-
-Options: ``timeout`` (s, default 5), ``memory_mb`` (1024), ``max_processes`` (32) and
-``allow_unsandboxed`` (false). Resolving the verifier probes the sandbox once and raises UserError
-if no isolation works here, unless allow_unsandboxed is true. See `sandbox` for exactly what is and
-is not contained.
-
-The tests judge the solution's values, not objects that claim to be equal: their comparisons,
-conditions and unittest asserts go through `safe_compare` (builtin data compared by value, ``3 ==
-3.0``; a subclass by the builtin data it holds; an object with its own ``__eq__`` never equals a
-builtin value). Reward hacks from inside the process (patching what the tests call, exiting early,
-reading the harness's frames) are closed as listed in `sandbox`.
+Rewards: 1.0 if the tests pass; 0.0 if they fail, time out, crash or do not compile; None without code; a
+bad `tests` column is a data error. Options: ``timeout`` (s, default 5), ``memory_mb`` (1024),
+``max_processes`` (32), ``allow_unsandboxed`` (false: resolving raises UserError without isolation).
 
     v = resolve("python_tests", options={"timeout": 2})
     v.score("```python\\ndef add(a, b):\\n    return a + b\\n```", {"tests": "assert add(1, 2) == 3"})
@@ -144,7 +109,7 @@ def _reads(tree: ast.Module | None) -> set[str]:
 
 
 def _is_example_usage(tree: ast.Module, defined: set[str], read: set[str]) -> bool:
-    """Whether a block only exercises earlier blocks (rules in the module docstring)."""
+    """Whether a block only exercises earlier blocks (rules in `extract_code`)."""
     definitions = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)
     if any(isinstance(node, definitions) for node in tree.body):
         return False
@@ -177,8 +142,30 @@ def _program(blocks: list[tuple[str, bool]], tests: str) -> str:
 
 
 def extract_code(completion: str, tests: str = "") -> tuple[str | None, bool]:
-    """(code, fenced): the program of the completion's python blocks (see the module docstring),
-    else the whole text. `tests` is the tests' source: names it reads are never example usage."""
+    """(code, fenced): the program of the completion's python blocks, else the whole text (None if blank).
+
+    Which code runs: what a reader would run. Models answer in prose with several fenced blocks (SmolLM2
+    writes the function, then an "Example usage" block; running only the last block scored a correct
+    solution 0 by a NameError). So the program is the completion's python blocks (```python, ```py,
+    ```python3; untagged ``` blocks only when no block is tagged; other languages never; an unclosed last
+    block runs to the end) joined in order, as a reader pastes them into one file, except:
+
+    - a console transcript: a block that is not valid Python because it holds ``>>> `` lines runs as
+      the code of its examples (the ``>>> ``/``... `` lines without their prompts); the lines that
+      follow an example up to a blank line are its expected output, not code, and are dropped. Doctests
+      inside a docstring are left alone (the block compiles);
+    - example usage: a later block that defines no function, class or import, and assigns nothing that
+      the code before it or the tests read, but uses what earlier blocks define (``print(add(1, 2))``,
+      ``result = add(1, 2)``, its own asserts, a ``while True:`` demo loop) is not run. The tests
+      decide; an example that raises, loops or asserts something wrong says nothing about the
+      solution. Usage inside a block that also defines the solution runs as written: it is part of
+      that program;
+    - an untagged block that does not compile (program output, a shell command) is not code, unless
+      no untagged block compiles (then they run and the syntax error is the verdict).
+
+    Telling blocks apart parses them with `ast` here, which never runs them (time in proportion to the
+    completion's length, bounded by the sampler's max_new_tokens); a block `ast` cannot parse is kept as
+    is. `tests` is the tests' source: names it reads are never example usage."""
     blocks = _blocks(completion)
     if blocks is None:
         return (completion if completion.strip() else None), False

@@ -1,26 +1,15 @@
-"""Program that runs inside the sandbox; `sandbox.py` passes this file's text to ``python -I -S -B -c``.
+"""Program that runs inside the sandbox; `process.py` passes this file's text to ``python -I -S -B -c``.
 
 Never imported by the package. Standard library only (``-S`` leaves site-packages out).
 Arguments: RESULT_FD PAYLOAD_PATH. The payload (JSON, deleted once read) holds the code, the tests,
 a per-run nonce, the isolation plan and the source of safe_compare.py.
 
-Two processes:
-
-- the *supervisor* (pid 1 inside the new pid namespace, still root there in "unshare-root" mode)
-  builds the file-system view (every mount read-only; tmpfs over /tmp and the other world-writable
-  directories and over the caller's home; the Python installation bind-mounted back read-only;
-  see `sandbox.py` for the full list of guarantees), then forks the runner,
-  reaps every process until the runner exits, and exits with the runner's status. Its exit tears
-  down the pid namespace, which SIGKILLs whatever the program left behind. Being pid 1 it cannot
-  be killed from inside the namespace, so ``os.kill(os.getppid(), 9)`` only hurts the program.
-  Without namespaces ("none" mode) it is a child subreaper and kills leftover children itself.
-- the *runner* drops to an unprivileged uid (root mode), sets RLIMIT_NPROC, no_new_privs and
-  non-dumpable, compiles the solution and the tests (rewritten by safe_compare.py, which the payload
-  carries), seals the process (`_seal_process`, `_guard`), runs the solution, then the tests, and
-  only if both finished raises the PASS audit event, on which the hook writes the nonce to
-  RESULT_FD. The caller counts a pass only for exit status 0 plus the nonce, so
-  ``sys.exit(0)``/``os._exit(0)`` before or during the tests is a failure. What this does and does
-  not close is listed in `sandbox.py` ("In-process tricks").
+Two processes: the *supervisor* (pid 1 of the new pid namespace: `_build_view`, `_supervise`) builds
+the read-only file-system view, forks the runner and reaps everything until it exits; the *runner*
+(`_run`) drops privileges, seals the process (`_seal_process`, `_guard`), runs the solution, then the
+tests, and only if both finished raises the PASS audit event, on which the hook writes the nonce to
+RESULT_FD. The caller counts a pass only for exit status 0 plus the nonce. Details and what this does
+not close: docs/sandbox.md.
 
 Exit codes: 0 tests passed (nonce written), 1 failed, 3 the solution is not valid Python,
 70 the sandbox could not be set up.

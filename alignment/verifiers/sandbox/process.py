@@ -1,91 +1,18 @@
-"""Run untrusted Python (model-written code plus unit tests) in a separate, confined process.
+"""Run untrusted Python (model-written code plus unit tests) in a separate, confined process: the caller's side.
 
     from alignment.verifiers.sandbox.process import run_python, Limits
     result = run_python("def add(a, b): return a + b", "assert add(1, 2) == 3", Limits(timeout=2))
     result.passed, result.status, result.output
 
-How it runs. The caller starts ``unshare`` in a new session with resource limits (preexec_fn):
-RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (file size, which also caps the captured output),
-RLIMIT_NOFILE, RLIMIT_CORE=0, and a parent-death signal so the sandbox dies with the thread that
-started it. ``unshare`` makes new network, pid and mount namespaces (plus a user namespace when we
-are not root) and starts ``python -I -S -B`` (isolated mode: no site-packages, no PYTHON* variables,
-no user site, no script directory on sys.path) running `harness.py`, which builds the
-file-system view, drops privileges and runs the code, then the tests, in a child process. The
-environment holds only PATH, LANG/LC_ALL, HOME and TMPDIR (HOME = TMPDIR = the empty work
-directory), so HF_TOKEN, WANDB_API_KEY and every other variable of the caller are absent. Output
-(stdout + stderr) goes to a file; at most `Limits.output_bytes` of it are read back. On timeout, and
-always after the run, the whole process group is SIGKILLed; the pid namespace guarantees that
-processes which left the group (setsid, double fork) die with the namespace.
+`unshare` (new network, pid and mount namespaces) starts an isolated ``python -I -S -B`` running
+`harness.py` under rlimits, in an empty work directory, with a stripped environment (no HF_TOKEN or any
+other variable of the caller); output is read back bounded; the process group is killed after the run.
+A run passes only if it exits 0 *and* writes a per-run nonce after the tests ran, so exiting early fails.
+Isolation modes are probed once (`isolation`): "unshare-root", "unshare-userns", or "none", which
+`require_isolation` refuses unless ``allow_unsandboxed: true``.
 
-A run passes only if the process exits 0 *and* writes a per-run random nonce to a private pipe
-after the tests ran, so ``sys.exit(0)``/``os._exit(0)`` in the solution or tests fail. Inside the
-process the nonce is held only by an audit hook, which writes it when the harness's own frame says
-the tests passed; see "In-process tricks" below and `harness.py`.
-
-Isolation modes, probed once per process (`isolation()`):
-
-- "unshare-root" (running as root, e.g. CI containers): namespaces as above. Inside, every existing
-  mount is remounted read-only (in the sandbox's own mount namespace; the host is untouched), fresh
-  tmpfs mounts hide /tmp, /var/tmp, /dev/shm, /run/lock, the caller's home and any directory the
-  sandbox user cannot enter that holds the Python installation (e.g. /root for pyenv), and the
-  installation is bind-mounted back read-only. The code runs as uid/gid 65534 (nobody), with
-  RLIMIT_NPROC and no_new_privs, in /tmp/work on a size-capped tmpfs.
-- "unshare-userns" (not root; needs unprivileged user namespaces): the same file-system view, but
-  the code keeps the caller's uid (shown as root inside), so it can read what the caller can read
-  outside the hidden directories; it still cannot write outside its tmpfs. Never used as root:
-  there the user namespace would map the code to real root on the host's files.
-- "none": no namespace works. `require_isolation` then raises UserError unless the verifier option
-  ``allow_unsandboxed: true`` is given. Unsandboxed runs keep the timeout, the rlimits except
-  RLIMIT_NPROC, the stripped environment, the empty work directory, the exit-trick detection and
-  a best-effort cleanup (the supervisor is a child subreaper and kills orphans when the code ends
-  or times out); the code can read, write and signal whatever the caller's uid can.
-
-What it protects against (namespaced modes): runaway CPU or wall time, memory hogs, huge files and
-output, disk filling (tmpfs size cap), fork bombs (RLIMIT_NPROC; processes of uid 65534 are counted
-machine-wide, shared by concurrent runs), any network access (an empty network namespace: even
-127.0.0.1 is unreachable, DNS fails), reading the caller's environment (HF_TOKEN, WANDB_API_KEY...),
-files in /tmp, the caller's home and root-only files, writing or chmod-ing anything on the host,
-signalling or killing the caller (other pid namespace, other session; the sandbox is never the
-caller's direct child), processes outliving the run (the pid namespace dies with its init), core
-dumps, setuid escalation.
-
-What it does NOT protect against: kernel exploits and container escapes (this is namespaces plus
-rlimits, not a VM or gVisor; use one for hostile code at scale); reading world-readable files
-outside the hidden directories (/etc/passwd, the source tree, site-packages); the total memory of
-many processes (RLIMIT_AS is per process: max_processes x memory_mb is the worst case; there are no
-cgroups); CPU starvation of the host during the timeout; pathological work in the caller (only the
-tests column is compiled there).
-
-In-process tricks (the solution and the tests share one interpreter). Closed, each with a row in
-tests/test_code_verifier_hacks.py:
-
-- values that claim equality: the tests' comparisons, conditions, ``isinstance`` and unittest's
-  ``assertEqual`` family are rewritten to judge builtin data only (`safe_compare`): objects with a
-  lying ``__eq__``/``__ne__``/ordering/``__bool__``/``__class__``, subclasses of int/str/list/dict
-  that override them, exceptions (SystemExit, KeyboardInterrupt, BaseException) raised from them;
-- exiting early or printing success: exit(0), os._exit(0) from the code, a thread or atexit, and
-  any output, are not the nonce; unittest.SkipTest raised by the code fails the test;
-- patching what the tests call: builtins (the tests get a private copy, checked at every
-  comparison), module functions (math.isclose is read as it was before the solution ran, for the
-  modules loaded then), sys.modules entries (the tests' imports return the frozen modules), builtins
-  shadowed in the shared namespace, unittest (its classes checked; the tests run without its runner
-  and result classes; a TestCase deleted from the namespace still runs);
-- reaching the harness: frames (sys._getframe, tracebacks, generators, settrace/setprofile, signal
-  handlers' frame argument, a second _signal module), gc.get_objects/get_referrers, ctypes,
-  /proc/self/mem, the tests' code objects (their constants are the answers), extra audit hooks,
-  __main__ and the globals of every function the harness hands out; forging the pass event.
-
-Open: a solution that computes the answers some other way than solving (hard-coding the examples
-it was shown, special-casing the test inputs); comparisons of two objects of the same non-builtin
-type use that type's ``==`` (the tests trust the class, as they must for one the task defines);
-solution classes answer ``in`` when they define ``__contains__``; a Python class's instance is
-truthy by its own ``__bool__`` (it cannot claim anything a plain True or False could not); modules
-first imported by the solution, and ``from m import f`` bindings made after a mid-run patch, are
-taken as they are; unittest helpers other than the comparison asserts and assertRaises
-(assertWarns, assertLogs, fail, setUp...) run as the solution may have left them; interpreter bugs and C-level
-escapes not reachable through ctypes (e.g. a crafted code object); in "unshare-userns" mode a
-child process can read the runner's memory (it holds CAP_SYS_PTRACE in the user namespace); in
-"none" mode, whatever the caller's uid can do from outside the process.
+Limits: namespaces plus rlimits, not a VM (no protection against kernel exploits, reads of world-readable
+files, or the total memory of many processes); the full threat model is docs/sandbox.md.
 """
 
 from __future__ import annotations

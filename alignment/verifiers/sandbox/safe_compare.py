@@ -1,28 +1,12 @@
 """Trusted comparisons for the python_tests sandbox: the tests judge the solution's values, not
 objects that claim to be equal.
 
-`compile_tests(source)` parses the tests and rewrites them (`rewrite`) so that
-
-- every comparison (``==``, ``!=``, ``<``, ``in``, chains ...), the truth of ``assert``/``if``/
-  ``while``/``not`` conditions, ``isinstance(...)`` and unittest's ``assertEqual`` family call the
-  helpers of this module instead of the operands' own methods;
-- attribute loads on modules (``math.isclose``) read the value the module had before the solution
-  ran (`freeze_modules`), so a solution that swaps a library function does not change the tests.
-
-The rewritten tests call each helper through a placeholder string constant that is replaced by the
-helper itself in the compiled code objects, so no name in the solution's namespace can rebind them.
-
-How values are judged: a value is *builtin data* if it is None, a bool, int, float, complex, str,
-bytes, bytearray, range or class, or a list, tuple, dict, set or frozenset of builtin data, or an
-instance of a subclass of one of these. Subclasses are read through the builtin type's own C methods
-(``int.__index__``, ``dict.copy``...), so what is compared is the data the object really holds:
-``__eq__``, ``__bool__``, ``__class__``, ``__iter__``... overrides are never called. Two builtin
-data values compare with Python's own operators (``3 == 3.0``, ``True == 1``, NaN unequal to
-itself). Builtin data never equals anything else; two other objects compare only if they are of the
-same type, with that type's operators (e.g. two instances of a class the task asked for).
-Containers that are not builtin data are judged by membership only if their class defines
-``__contains__`` (the solution's own answer, as for any method the tests call); builtin iterators,
-generators and views are read out first.
+`compile_tests(source)` rewrites the tests (`rewrite`) so that every comparison, the truth of
+conditions, ``isinstance(...)`` and unittest's ``assertEqual`` family call this module's helpers
+instead of the operands' own methods, and attribute loads on modules read the value the module had
+before the solution ran (`freeze_modules`). Values are judged as *builtin data* (`canonical`), read
+through the builtin types' C methods, so no override of ``__eq__``, ``__bool__`` or ``__class__`` is
+ever called; two other objects compare only if of the same type (rules: docs/sandbox.md).
 
 Standard library only: `harness.py` runs this file's text inside the sandbox, in a private
 namespace, before the untrusted code runs.
@@ -130,7 +114,7 @@ def _compare_one(op: str, left, right) -> bool:
 
 
 def compare(ops: tuple, *operands) -> bool:
-    """`operands[0] ops[0] operands[1] ops[1] ...` judged as described in the module docstring.
+    """`operands[0] ops[0] operands[1] ops[1] ...` judged as docs/sandbox.md ("How the tests judge values") describes.
     All operands are evaluated first (a chain does not short-circuit)."""
     _check_builtins()
     return all(_compare_one(op, operands[i], operands[i + 1]) for i, op in enumerate(ops))
