@@ -1,43 +1,17 @@
 """Our own decode loop for one batch (`engine: loop`, see sampling/hf.py): the steps `model.generate` wastes, left out.
 
-`decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)` returns the generated ids of every row, as
-`model.generate` would for the same left-padded batch, minus two kinds of work:
-
-- a prompt shared by several rows (`n` samples of one prompt) is prefilled once; its KV cache and its last
-  logits are then copied to each of its rows (`DynamicCache.batch_select_indices` with repeated indices);
-- with `share_prefix` (the default), the tokens every prompt of the batch starts with (a chat template's system
-  prompt: 27 of SmolLM2's 46-token arithmetic prompts) are run once on one row and their cache copied to every
-  prompt's row, which then runs only its rest, laid out [prefix, left padding, rest] with positions counted over
-  real tokens (`models.prefix`, `prefill_once`). The logits of a row then come from a batch of one for the
-  prefix, so they differ from `generate`'s in their last bits (2e-5 in log-prob on SmolLM2, the same ids);
-- a row that has sampled a stop token leaves the batch: the cache, the attention mask and the next input
-  keep only the rows still running (compaction), so the decoder layers no longer run on finished rows;
-- each layer's keys and values grow into reserved room (`kv_cache.ReservedLayer`) where transformers' dynamic
-  cache concatenates, copying the whole cache at every step; attention reads the same numbers.
-
-What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the dynamic
-cache; the left-padded attention mask grown by a column of ones per step, or none where no row is padded; position
-ids counted from each row's first real token where the model's forward takes them; a PEFT model's inner model
-called, as PEFT's `generate` calls it; the prefill's LM head on the last position only; with bf16 or fp16 weights
-on CPU, on a contiguous copy of it, `contiguous_head_input`, so those first logits differ from `generate`'s in their
-last bits), the fp32 copy of the last
-position's logits, the logits warpers (temperature, top-k, top-p, in transformers' order, with checkpoint defaults
-turned off by the caller), and the random draws: one `torch.multinomial` over a [batch, vocab] tensor per step,
-batch being the whole batch the step would have had in `generate`. torch draws a single sample per row as argmax(p /
-q) with q exponential noise laid out over the tensor's shape, so a row's draw depends only on its own probabilities
-and its place in the batch; finished rows get a one-hot stand-in and the running rows draw what they would have
-drawn in `generate` (checked by tests/test_sampling.py). So greedy and sampled ids equal `generate`'s, as far as the
-model's arithmetic gives the same logits for a row in a smaller batch: BLAS kernels may sum in another order for
-another batch size, which moves a logit in its last bits. Seen on CPU: once compaction leaves 1-4 rows, the tiny
-test model's log-probs move by up to 5e-5 from `generate`'s, the ids stayed the same on every sampling path
-(tests/test_sampling_paths.py, transformers 5.24 and the vLLM environment's 5.19); a near-tie between two tokens
-could still flip one. Not checked on a GPU.
+`decode_batch(model, input_ids, attention, sources, settings, stops, pad_id)` returns the generated ids of every
+row (and their log-probs), as `model.generate` would for the same left-padded batch, minus four kinds of work:
+a prompt shared by several rows (`n` samples) is prefilled once and its cache copied to its rows
+(`prefill_once`); with `share_prefix` (the default) the tokens every prompt starts with (a system prompt) run
+once (`models.prefix`), so those rows' logits differ from `generate`'s in their last bits; a row that sampled
+a stop token leaves the batch (compaction, `COMPACT_SHARE`); each layer's cache grows into reserved room
+(`kv_cache.ReservedLayer`). What stays exactly as in `generate`, and why the ids match: `decode_batch`.
 
 Not covered: sharded models (FSDP2 needs every process to run the same number of forwards: hf.py sends them
 to `generate`), the static cache and compiled decoding (fixed shapes, which compaction changes: `generate`
 too), models whose cache is not a `DynamicCache` of plain layers (sliding-window or linear-attention
-layers: not checked). Per-token log-probs of the sampled ids under the distribution they were drawn from
-(logits / temperature, before top-k/top-p truncation; temperature 1 when greedy) come back beside the ids.
+layers: not checked).
 """
 
 from __future__ import annotations
@@ -65,7 +39,7 @@ _kept: dict | None = None
 # batch has finished, so a batch whose rows end one by one is not copied at every step.
 COMPACT_SHARE = 0.125
 
-# Entries per chunk of a row in `first_argmax`: a divisor of common vocabularies (SmolLM2's 49,152 = 48 x 1024).
+# Entries per chunk of a row in `first_argmax`: a divisor of common vocabularies (SmolLM2's 49,152 = 48 * 1024).
 ARGMAX_CHUNK = 1024
 
 
@@ -155,19 +129,18 @@ def contiguous_head_input(model):
     prefill keeps one position of each row (`logits_to_keep=1`: hidden states [rows, 1, hidden] sliced out of
     [rows, prompt, hidden], a strided view). torch's matmul folds such an input into one matrix product (copying
     it) only when the weight requires grad; a frozen head (evaluated checkpoints, reference models, a LoRA
-    policy's base) gets a batched product over the weight copied once per row (pytorch/pytorch#151934, open): a
-    [96, 576, 49152] copy, 5.9 s for SmolLM2's prefill of 96 prompts in bf16, 5.8 ms from a compact input
-    (docs/performance.md). fp32 weights keep `generate`'s path (a frozen head's is 3-6x slower there too, 110-177
-    against 30 ms, but `engine: loop`'s fp32 logits are `generate`'s bit for bit without a shared prefix, which
-    the folded product is not)."""
+    policy's base) gets a batched product over the weight copied once per row
+    (https://github.com/pytorch/pytorch/issues/151934, open): a [rows, hidden, vocab] copy that costs the
+    prefill orders of magnitude more than a compact input does (measured: docs/performance.md). fp32 weights
+    keep `generate`'s path (a frozen head's is slower there too, but `engine: loop`'s fp32 logits are
+    `generate`'s bit for bit without a shared prefix, which the folded product is not)."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None or weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
         yield
         return
     # clone, not .contiguous(): a one-row slice [1, 1, hidden] (a batch of one distinct prompt, n samples of it)
-    # counts as contiguous whatever its strides, and the slow path goes by the strides (250 against 15 ms on one
-    # thread for SmolLM2's one row)
+    # counts as contiguous whatever its strides, and the slow path goes by the strides
     handle = head.register_forward_pre_hook(
         lambda module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:]))
     try:
@@ -182,7 +155,22 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
     """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
     per distinct prompt, each after `prefix` [P] where one is given). Returns each row's ids up to and including
     its stop token (or `max_new_tokens` of them) and the log-prob of each under the distribution it was drawn
-    from (`Sample.logprobs`)."""
+    from (`Sample.logprobs`).
+
+    What stays exactly as in `model.generate` (transformers 5.x `_sample`): the forward calls' arguments (the
+    dynamic cache; the left-padded attention mask grown by a column of ones per step, or none where no row is
+    padded; position ids counted from each row's first real token where the model's forward takes them; a PEFT
+    model's inner model called, as PEFT's `generate` calls it; the prefill's LM head on the last position only,
+    on a compact copy of its input for bf16 or fp16 weights on CPU, `contiguous_head_input`), the fp32 copy of
+    the last position's logits, the logits warpers (`warpers`), and the random draws (`next_tokens`): one
+    `torch.multinomial` over a [batch, vocab] tensor per step, batch being the whole batch the step would have
+    had in `generate`. torch draws a single sample per row as argmax(p / q) with q exponential noise laid out
+    over the tensor's shape, so a row's draw depends only on its own probabilities and its place in the batch;
+    finished rows get a one-hot stand-in and the running rows draw what they would have drawn in `generate`
+    (tests/test_sampling.py). So greedy and sampled ids equal `generate`'s as far as the model's arithmetic
+    gives the same logits for a row in a smaller batch: BLAS kernels may sum in another order for another batch
+    size, which moves a logit in its last bits (the ids stayed the same on every sampling path of
+    tests/test_sampling_paths.py; a near-tie between two tokens could still flip one). Not checked on a GPU."""
     batch, steps, device = len(sources), settings.max_new_tokens, input_ids.device
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     logits, cache, attention, positions = prefill_once(model, input_ids, attention, sources, prefix)
@@ -255,7 +243,7 @@ def last_logits(logits: torch.Tensor, running: torch.Tensor, every: bool) -> tor
     the rows where `running` (over the batch) is set; `every`: all of them are. The values `generate`'s
     `logits[:, -1].to(copy=True, dtype=torch.float32)` gives, copied at most once: the mask's selection is a new
     tensor already, and fp32 logits of every row are the forward's own (nothing edits them in place: the warpers
-    return new tensors). At batch 64 over a 49,152-token vocabulary each copy spared is 12.5 MB, about 1-2 ms."""
+    return new tensors). Each copy spared is a [rows, vocab] fp32 tensor at every decode step."""
     last = logits[:, -1]
     return (last if every else last[running]).float()  # `float()` of fp32 is the tensor itself
 
@@ -265,7 +253,8 @@ def first_argmax(scores: torch.Tensor) -> torch.Tensor:
     row that has one (argmax ranks NaN above every number). Found in two short passes on CPU: the maximum of each
     ARGMAX_CHUNK entries (a vectorized reduction that propagates NaN), the first chunk holding the row's maximum
     (argmax over the chunks' maxima), then argmax within that chunk. torch's argmax on CPU walks a row one entry
-    at a time: 3 ms for 64 rows of SmolLM2's 49,152 entries against 0.4 ms this way, every greedy decode step.
+    at a time, several times slower at a large vocabulary, every greedy decode step (measured:
+    docs/performance.md, "A step's passes over the vocabulary").
     Elsewhere (a GPU) and on rows shorter than two chunks it is torch's argmax."""
     rows, vocab = scores.shape
     if scores.device.type != "cpu" or vocab < 2 * ARGMAX_CHUNK or rows == 0:
@@ -288,7 +277,7 @@ def inverse_cdf(probs: torch.Tensor) -> torch.Tensor:
     is drawn with probability probs[t] / total; a token of probability 0 (cut by top-k or top-p) has an empty span
     and is never drawn (the search returns the first bound above u x total). `torch.multinomial`, as `generate`
     calls it, draws an exponential number per token instead: on CPU that is most of a sampled step's time at a
-    large vocabulary (58 ms of a bf16 SmolLM2 step at batch 64, docs/performance.md)."""
+    large vocabulary (measured: docs/performance.md)."""
     cumulative = probs.double().cumsum(dim=-1)
     u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device) * cumulative[:, -1:]
     return torch.searchsorted(cumulative, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

