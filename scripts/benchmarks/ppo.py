@@ -1,7 +1,7 @@
 """The `ppo` section: episodes/s of the `ppo` stage with LoRA (policy, reference and critic on one base; a
 verifier as the reward, so no reward model), prompts of half the sequence length as in `dpo`. TRL 1.16 has no
 PPO to compare with; on a GPU, when `dpo` ran in the same process, the table adds PPO's peak memory over
-DPO-LoRA's (the goal: at most 1.5x, docs/performance.md).
+DPO-LoRA's, the ratio docs/performance.md sets a goal for.
 """
 
 from __future__ import annotations
