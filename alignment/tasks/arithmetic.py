@@ -8,14 +8,8 @@ stage may need: `prompt`/`completion` (SFT), `answer` (RL and verifiers), `chose
 `sycophancy_fraction` mixes such prompts (with the correct answer) into training data.
 `phrasing: chat` asks the way one asks an instruct model ("What is 37 + 48? Answer with just the number.");
 the default `compact` ("What is 37+48?") is what the quickstart's character-level model learns from scratch.
-Answers are read by `final_answer`, which copes with the ways instruct models answer ("37 + 48 = 85.") and
-never takes the problem restated ("37 + 48", "the sum of 0 and 48") for an answer, so a policy cannot earn
-reward by copying the question on the problems whose answer is one of their operands (0+48, 48*1).
-`carry_mistake_rate` makes the demonstrations (`completion`, `messages`) imperfect the way a human
-demonstrator is: that share of problems whose units digits carry is demonstrated with the carry dropped
-(37+48 -> 75). A policy that imitates them learns the mistake as its most likely answer on those
-problems, while `answer`, `chosen` and the verifier stay correct: what the reward-driven stages can
-recover and imitation cannot.
+Answers are read by `final_answer`, which never takes the problem restated for an answer.
+`carry_mistake_rate` makes the demonstrations imperfect the way a human's are (see `build`).
 """
 
 from __future__ import annotations
@@ -59,7 +53,13 @@ def _operand(rng: random.Random, digits: int | tuple[int, int]) -> int:
 
 
 def build(params: ArithmeticParams, split: str, seed: int) -> list[dict]:
-    """`params.n` rows of the `train` or `test` split, deterministic in (params, split, seed)."""
+    """`params.n` rows of the `train` or `test` split, deterministic in (params, split, seed).
+
+    `carry_mistake_rate` makes the demonstrations (`completion`, `messages`) imperfect the way a human
+    demonstrator is: that share of problems whose units digits carry is demonstrated with the carry dropped
+    (37+48 -> 75). A policy that imitates them learns the mistake as its most likely answer on those
+    problems, while `answer`, `chosen` and the verifier stay correct: what the reward-driven stages can
+    recover and imitation cannot."""
     want_test = split in ("test", "validation", "eval", "heldout")
     rng = random.Random(f"{seed}-{split}")
     rows = []
@@ -129,7 +129,7 @@ def final_answer(completion: str, prompt=None) -> float | None:
     paragraph that states a number, and in it the last number that does not restate an operand of the
     problem in `prompt`; when all do, the last number left once the problem itself is taken out (0+48:
     "0 + 48 = 48" answers 48, "0+48" answers nothing). So restating the question is never an answer, even
-    when the answer equals an operand (issue #28). A bare "85" (the quickstart's answers) is itself."""
+    when the answer equals an operand. A bare "85" (the quickstart's answers) is itself."""
     problem = _operand_list(prompt)
     skip = set(problem)
     for paragraph in re.split(r"\n\s*\n", completion):

@@ -11,9 +11,8 @@ built-in key (see `BUILTINS`), an installed plugin's entry point (group ``alignm
     result = v.score("... #### 42", {"answer": "42"})      # VerifyResult(reward=1.0, status='ok', ...)
     print(summarize(v.score_batch(completions, rows)))     # pass_rate, mean_reward, unparseable_rate, ...
 
-Built-ins: numeric/gsm8k (final number), math (math-verify), regex, think_format, answer_tag, json,
-python_tests (runs code against unit tests in a sandbox, see `sandbox`), arithmetic (the built-in
-task's verifier). Importing this package is cheap: built-ins are imported when resolved.
+Built-ins: numeric/gsm8k, math, regex, think_format, answer_tag, json, python_tests (unit tests in a
+sandbox), arithmetic (the built-in task's). Importing this package is cheap: built-ins load when resolved.
 """
 
 from alignment.verifiers.base import Verifier, VerifyResult, is_pass, summarize

@@ -2,28 +2,17 @@
 
 A verifier is a plain function ``def verify(completion: str, **example) -> float | None``
 (docs/architecture.md, house rule 3): every dataset column arrives as a keyword, ``None`` means "could not parse the
-completion" and a float is the reward (1.0 = correct, 0.0 = wrong; graded values are allowed).
-`Verifier` wraps such a function once it is resolved (see `registry.resolve`) and:
-
-- passes only the columns the function declares, unless it takes ``**kwargs`` (so
-  ``def f(completion, answer)`` works on a dataset with ten columns);
-- binds recipe options (``options={"mode": "strict"}``) to the function's parameters; keyword-only
-  parameters are options and are never filled from columns;
-- catches exceptions raised by the function: reward 0.0, status ``"error"``, detail
-  ``"ExcType: message"``; a return value that is not a number (or None) is an error too;
-- raises `UserError` when a row lacks a column the function requires, because that is a data or
-  recipe mistake, not a bad completion, and must not turn silently into zero rewards.
+completion" and a float is the reward (1.0 = correct, 0.0 = wrong; graded values are allowed). `Verifier` wraps
+such a function once it is resolved (`registry.resolve`): it passes only the columns the function declares, binds
+options, turns exceptions into error rows, and raises `UserError` for a missing column (details: `Verifier`).
+Built-ins may return a `VerifyResult` to attach a detail string; a ``check_options(options)`` attribute is
+called once by `resolve`, so bad option values fail at load time.
 
     >>> v = resolve("numeric")                      # from alignment.verifiers
     >>> v.score("so the answer is #### 42", {"answer": "42", "question": "..."})
     VerifyResult(reward=1.0, status='ok', detail=None)
     >>> summarize(v.score_batch(completions, examples))
     {'n': ..., 'pass_rate': ..., 'mean_reward': ..., 'unparseable_rate': ..., 'error_rate': ...}
-
-Built-in functions may return a `VerifyResult` instead of a float to attach a detail string
-(the sandboxed ``python_tests`` verifier does, to say "timeout" or show the failing test).
-A function may also carry a ``check_options(options: dict)`` attribute; `resolve` calls it once so
-bad option values fail at load time with a `UserError`.
 """
 
 from __future__ import annotations
@@ -138,6 +127,17 @@ class Verifier:
     name: the name as written in the recipe ("numeric", "my_verifiers:brevity").
     target: where the function lives ("alignment.verifiers.numeric:verify").
     fn: the raw function; options: keyword options bound to every call.
+
+    Calling the function, it:
+
+    - passes only the columns the function declares, unless it takes ``**kwargs`` (so
+      ``def f(completion, answer)`` works on a dataset with ten columns);
+    - binds recipe options (``options={"mode": "strict"}``) to the function's parameters; keyword-only
+      parameters are options and are never filled from columns;
+    - catches exceptions raised by the function: reward 0.0, status ``"error"``, detail
+      ``"ExcType: message"``; a return value that is not a number (or None) is an error too;
+    - raises `UserError` when a row lacks a column the function requires, because that is a data or
+      recipe mistake, not a bad completion, and must not turn silently into zero rewards.
     """
 
     name: str

@@ -1,19 +1,11 @@
 """Format verifiers: `regex`, `think_format` and `answer_tag`.
 
-- ``regex`` (option ``pattern``, required; ``fullmatch``, default false; ``flags``, letters of
-  "imsx"): 1.0 if the pattern is found in the completion (or matches all of it with
-  ``fullmatch: true``), else 0.0. Never None: a format check has nothing to parse. Python's ``re``
-  has no timeout, so a pathological pattern can backtrack for a very long time on a long
-  completion; keep recipe patterns simple (no nested quantifiers such as ``(a+)+``).
-- ``think_format``: 1.0 if the completion is ``<think>reasoning</think>`` followed by a non-empty
-  answer, with exactly one think block and nothing but whitespace before it; else 0.0 (a missing
-  block is "wrong format", not unparseable). With ``prefilled: true`` the opening ``<think>`` is
-  part of the prompt (as in DeepSeek-R1 style templates), so the completion must contain exactly
-  one ``</think>`` and no ``<think>``.
-- ``answer_tag``: takes the text of the last ``<answer>...</answer>`` and compares it with the
-  `answer` column: equal as numbers if both are numbers (see `numeric`), else equal as strings after
-  trimming, collapsing whitespace and (unless ``case_sensitive: true``) case-folding. A GSM8K gold
-  solution is reduced to the text after ``####``. No (closed) tag -> None.
+- ``regex`` (options ``pattern``, ``fullmatch``, ``flags``): 1.0 if the pattern is found in the completion,
+  else 0.0. Python's ``re`` has no timeout: keep recipe patterns simple (see `regex`).
+- ``think_format`` (option ``prefilled``): 1.0 if the completion is ``<think>reasoning</think>`` followed by
+  a non-empty answer, else 0.0.
+- ``answer_tag`` (option ``case_sensitive``): the text of the last ``<answer>...</answer>`` compared with the
+  `answer` column, as numbers or as normalised strings; no (closed) tag -> None.
 
     resolve("regex", options={"pattern": r"^Answer: \\d+$", "flags": "m"})
 """
@@ -39,7 +31,12 @@ def _compile(pattern: str, flags: str) -> re.Pattern:
 
 
 def regex(completion: str, *, pattern: str, fullmatch: bool = False, flags: str = "") -> float:
-    """1.0 if `pattern` is found in the completion (or matches it whole), else 0.0."""
+    """1.0 if `pattern` is found in the completion (or matches it whole), else 0.0.
+
+    Options: ``pattern`` (required), ``fullmatch`` (default false), ``flags`` (letters of "imsx"). Never None: a
+    format check has nothing to parse. Python's ``re`` has no timeout, so a pathological pattern can backtrack
+    for a very long time on a long completion; keep recipe patterns simple (no nested quantifiers such as
+    ``(a+)+``)."""
     compiled = _compile(pattern, flags)
     found = compiled.fullmatch(completion) if fullmatch else compiled.search(completion)
     return 1.0 if found else 0.0
@@ -65,7 +62,11 @@ _OPEN, _CLOSE = "<think>", "</think>"
 
 
 def think_format(completion: str, *, prefilled: bool = False) -> float:
-    """1.0 for '<think>...</think>answer' (one block, non-empty answer), else 0.0."""
+    """1.0 for '<think>...</think>answer' (one block, non-empty answer), else 0.0.
+
+    Exactly one think block with nothing but whitespace before it; a missing block is "wrong format", not
+    unparseable. With ``prefilled: true`` the opening ``<think>`` is part of the prompt (as in DeepSeek-R1
+    style templates), so the completion must contain exactly one ``</think>`` and no ``<think>``."""
     if completion.count(_CLOSE) != 1:
         return 0.0
     head, answer = completion.split(_CLOSE)
@@ -93,7 +94,11 @@ def _norm(text: str, case_sensitive: bool) -> str:
 
 
 def answer_tag(completion: str, answer: Any, *, case_sensitive: bool = False) -> float | None:
-    """Compare the last <answer> tag with the `answer` column; None if there is no tag."""
+    """Compare the last <answer> tag with the `answer` column; None if there is no tag.
+
+    Equal as numbers if both are numbers (see `numeric`), else equal as strings after trimming, collapsing
+    whitespace and (unless ``case_sensitive: true``) case-folding. A GSM8K gold solution is reduced to the
+    text after ``####``. No (closed) tag -> None."""
     predicted = extract_tag(completion)
     if predicted is None:
         return None

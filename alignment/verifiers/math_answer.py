@@ -3,48 +3,16 @@
 The completion's answer is compared with the `answer` column by ``math_verify.verify``, so
 ``\\frac{1}{2}`` equals 0.5, ``2\\sqrt{2}`` equals ``\\sqrt{8}``, ``x^2+2x+1`` equals ``(x+1)^2`` and
 ``{1,2}`` equals ``{2,1}``. The gold answer may be a number, a LaTeX string (with or without ``$``
-or ``\\boxed``) or a GSM8K solution ending in ``#### 42``.
-
-Which text is the answer. Only a stated answer counts, never any expression math-verify can find in
-the text: "I am not sure how to compute $\\frac{24}{8}$." would otherwise answer 3, and RL pays for
-exactly that (issue #28). In this order, the first that applies is the answer:
-
-1. the last ``\\boxed{...}`` (or ``\\fbox{...}``);
-2. the last explicit answer: what follows "answer is", "answer:" (also "Final answer:", "**Answer:**")
-   or ``####``, to the end of that sentence or line, when that is math ("the answer is clear" is no
-   answer; "the answer is 18 dollars" is 18);
-3. the closing statement: the last sentence that holds any math (a digit, ``=``, ``$`` or ``\\``;
-   sign-offs such as "I hope this helps!" are passed over) when it ends in ``= X`` or "is X" (also
-   "are", "equals"), X being everything after it and no prose ("So x = 5.", "Thus the sum is $36$.");
-   a statement cut off after the ``=`` ("$\\frac{18}{6} =") has no answer, nor has one that goes on
-   in words after X ("We know a = 18 from the problem"), nor a question ("What is $\\frac{18}{6}$?");
-4. the whole completion, when it is nothing but a math expression ("42", "$\\frac{1}{2}$").
-
-Otherwise the completion states no answer: None. And the problem (the ``problem``, ``question`` or
-``prompt`` column, whichever the row has) is not the answer: a closing statement copied from the
-problem, or whose equation is ("We need x such that 2x + 3 = 11." for "If $2x+3=11$, ...") is no
-answer (None); an answer that is an expression copied from the problem ("The answer is
-$\\dbinom{31}{28}$" for "Compute $\\dbinom{31}{28}$") is not evaluated, so it is wrong (0.0) even
-where math-verify would evaluate it to the gold value. A plain number or letter, and an expression
-spelled as the gold answer is, are exempt (multiple choice: "Which is larger, $\\frac{1}{2}$ or
-$\\frac{1}{3}$?"). Not covered: a choice copied from the problem in another spelling than the gold
-answer's counts as unevaluated (0.0).
+or ``\\boxed``) or a GSM8K solution ending in ``#### 42``. Only a stated answer counts (a boxed one,
+one after "the answer is", a closing "= X", or a bare expression), never an expression quoted from the
+problem: the rules, and what they do not cover, are `extract_answer`'s.
 
 Returns 1.0 / 0.0, or None when nothing could be parsed from the completion. A gold answer that
 math-verify cannot parse raises ValueError (reported as an error row). math-verify handles its own
 ``timeout`` (seconds, per parse and per comparison) by giving up: a parse that times out counts as
-unparseable, a comparison that times out as wrong. Our process backstop (below) raises TimeoutError,
-an error row.
-
-Timeouts: math-verify interrupts itself with ``signal.alarm``, which only works in the main thread
-of the main interpreter. In the main thread we let it do that. Anywhere else (a thread pool in an
-evaluation, a dataloader thread) we run the check in a worker process instead, a one-process
-``multiprocessing.Pool`` started with "spawn" (forking a process that has threads can deadlock):
-the worker calls math-verify in *its* main thread, so the alarm-based timeouts still apply there,
-and the caller waits at most ``timeout`` (x2 + 5 s slack for start-up) on the result; if that
-backstop fires, the worker is killed and a fresh one starts on the next call. Calls from threads
-are serialised through one worker (math-verify takes milliseconds; a slow one does not eat the
-others' timeout budget). Run ``python -m pytest tests/test_verifiers_math.py`` for the cases.
+unparseable, a comparison that times out as wrong. Outside the main thread the check runs in a worker
+process (`run_in_worker`), whose backstop raises TimeoutError, an error row. Cases:
+tests/test_verifiers_math.py.
 """
 
 from __future__ import annotations
@@ -169,8 +137,32 @@ def _closing_answer(text: str, problem: str) -> str | None:
 
 
 def extract_answer(completion: str, problem: str = "") -> str | None:
-    """The text of the completion's stated answer (rules 1-4 of the module docstring), or None.
-    `problem` is canonical problem text (`_canon`); a closing statement copied from it is no answer."""
+    """The text of the completion's stated answer, or None. `problem` is canonical problem text (`_canon`).
+
+    Which text is the answer. Only a stated answer counts, never any expression math-verify can find in
+    the text: "I am not sure how to compute $\\frac{24}{8}$." would otherwise answer 3, and RL pays for
+    exactly that. In this order, the first that applies is the answer:
+
+    1. the last ``\\boxed{...}`` (or ``\\fbox{...}``);
+    2. the last explicit answer: what follows "answer is", "answer:" (also "Final answer:", "**Answer:**")
+       or ``####``, to the end of that sentence or line, when that is math ("the answer is clear" is no
+       answer; "the answer is 18 dollars" is 18);
+    3. the closing statement: the last sentence that holds any math (a digit, ``=``, ``$`` or ``\\``;
+       sign-offs such as "I hope this helps!" are passed over) when it ends in ``= X`` or "is X" (also
+       "are", "equals"), X being everything after it and no prose ("So x = 5.", "Thus the sum is $36$.");
+       a statement cut off after the ``=`` ("$\\frac{18}{6} =") has no answer, nor has one that goes on
+       in words after X ("We know a = 18 from the problem"), nor a question ("What is $\\frac{18}{6}$?");
+    4. the whole completion, when it is nothing but a math expression ("42", "$\\frac{1}{2}$").
+
+    Otherwise the completion states no answer: None. And the problem (the ``problem``, ``question`` or
+    ``prompt`` column, whichever the row has) is not the answer: a closing statement copied from the
+    problem, or whose equation is ("We need x such that 2x + 3 = 11." for "If $2x+3=11$, ...") is no
+    answer (None); an answer that is an expression copied from the problem ("The answer is
+    $\\dbinom{31}{28}$" for "Compute $\\dbinom{31}{28}$") is not evaluated, so it is wrong (0.0) even
+    where math-verify would evaluate it to the gold value. A plain number or letter, and an expression
+    spelled as the gold answer is, are exempt (multiple choice: "Which is larger, $\\frac{1}{2}$ or
+    $\\frac{1}{3}$?"). Not covered: a choice copied from the problem in another spelling than the gold
+    answer's counts as unevaluated (0.0)."""
     boxed = _last_boxed(completion)
     if boxed is not None:
         return boxed
@@ -233,7 +225,17 @@ atexit.register(_shutdown_pool)
 def run_in_worker(func: Callable, args: tuple, timeout: float) -> Any:
     """Run func(*args) in the worker process; TimeoutError (and a fresh worker) if it takes too long.
 
-    func must be importable by name (the worker is a spawned process)."""
+    func must be importable by name (the worker is a spawned process).
+
+    Timeouts: math-verify interrupts itself with ``signal.alarm``, which only works in the main thread
+    of the main interpreter. In the main thread we let it do that. Anywhere else (a thread pool in an
+    evaluation, a dataloader thread) we run the check in a worker process instead, a one-process
+    ``multiprocessing.Pool`` started with "spawn" (forking a process that has threads can deadlock):
+    the worker calls math-verify in *its* main thread, so the alarm-based timeouts still apply there,
+    and the caller waits at most ``timeout`` (twice, plus 5 s slack for start-up) on the result; if that
+    backstop fires, the worker is killed and a fresh one starts on the next call. Calls from threads
+    are serialised through one worker (math-verify takes milliseconds; a slow one does not eat the
+    others' timeout budget)."""
     with _POOL_LOCK:
         pending = _pool().apply_async(func, args)
         try:

@@ -1,39 +1,16 @@
 """`numeric` / `gsm8k` verifier: compare the completion's final number with the `answer` column.
 
-Which number counts as the completion's answer:
-
-- ``mode="lenient"`` (default): the first result after the last ``####`` marker (GSM8K style); if
-  there is no marker, the last ``\\boxed{...}`` that holds a number; else the last number in the text.
-  A marker with no number after it is unparseable (the model chose the format and broke it).
-- ``mode="strict"``: only the ``####`` marker counts; without it the completion is unparseable.
-
-A number the completion only quotes is not an answer, because RL pays for whatever this function
-reads and a policy learns to copy the question when that pays (issue #28). So, returning None:
-
-- an operand: a number right after an arithmetic operator (``37 + 48``, ``9 * 2``, ``2^10``) is part
-  of an unfinished calculation, not its result; after ``####`` the first number that is not an
-  operand counts (``#### 37 + 48 = 85`` is 85, ``#### 37 + 48`` is nothing); a closing aside in
-  parentheses that shows the calculation is passed over ("so 85 (37 + 48)." is 85);
-- with the problem at hand (the ``question``, ``problem`` or ``prompt`` column, whichever the row
-  has), a last number that also occurs in the problem is no answer when its final statement is
-  copied from the problem ("Janet's ducks lay 16 eggs per day.") or is cut off mid-sentence ("She
-  sells them for $2") without stating it as a result: nothing closes the sentence (no ``.``, ``!``,
-  ``?`` or line break after the number) and no ``=``, ``:``, "is", "are", "was" or "equals" comes
-  right before it. A final statement that is just the number ("16") is an answer.
-
-Not covered: a finished sentence in the model's own words that ends in a number of the problem ("She
-has 5 apples left.") counts, as it must when the answer is 5, so guessing a number of the problem
-still pays on problems whose answer is one; without a problem column only the operand rule applies.
-Use ``mode="strict"`` where only a deliberate ``#### N`` may pay.
+``mode="lenient"`` (default): the first result after the last ``####`` marker (GSM8K style), else the last
+``\\boxed{...}`` that holds a number, else the last number in the text; ``mode="strict"``: only the ``####``
+marker counts. A number the completion only quotes (an operand, a number of the problem in a sentence copied
+from it) is no answer: the rules, and what they do not cover, are `extract_answer`'s.
 
 Numbers may carry thousands commas (1,234), a sign (also the Unicode minus), a ``$``, a trailing
 ``%`` (ignored: "25%" equals 25), decimals, an exponent (1e3) or be a fraction (3/4 == 0.75). A
 trailing sentence period is not a decimal point. The `answer` column is a number or a string: a
 GSM8K solution ending in ``#### 42`` or just "42". Equality is exact on rationals up to a relative
-``tolerance`` (default 1e-6) so 0.1+0.2-style float noise in a gold column still matches.
-
-Returns 1.0 (equal), 0.0 (different) or None (no answer found). A gold answer without a number
-raises ValueError, which the Verifier reports as an error row, not as the model's fault.
+``tolerance`` (default 1e-6). Returns 1.0 (equal), 0.0 (different) or None (no answer found); a gold
+answer without a number raises ValueError (an error row, not the model's fault).
 
     resolve("gsm8k").score("6 * 7 = 42\\n#### 42", {"answer": "... #### 42"}).reward  # 1.0
 """
@@ -121,7 +98,7 @@ def _squash(text: str) -> str:
 
 
 def _quotes_problem(text: str, match: re.Match, problem: str) -> bool:
-    """Whether the last number `match` only quotes the problem (rules in the module docstring)."""
+    """Whether the last number `match` only quotes the problem (rules in `extract_answer`)."""
     if _value(match) not in numbers(problem):
         return False
     start = max((m.end() for m in _SENTENCE_END.finditer(text, 0, match.start())), default=0)
@@ -156,7 +133,33 @@ def _last_number(text: str, problem: str) -> Fraction | None:
 
 def extract_answer(completion: str, mode: str = "lenient", problem: str = "") -> Fraction | None:
     """The completion's final answer as an exact Fraction, or None if there is none. `problem`
-    (plain text, see `problem_text`) lets the last-number rule pass over numbers quoted from it."""
+    (plain text, see `problem_text`) lets the last-number rule pass over numbers quoted from it.
+
+    Which number counts as the completion's answer:
+
+    - ``mode="lenient"`` (default): the first result after the last ``####`` marker (GSM8K style); if
+      there is no marker, the last ``\\boxed{...}`` that holds a number; else the last number in the text.
+      A marker with no number after it is unparseable (the model chose the format and broke it).
+    - ``mode="strict"``: only the ``####`` marker counts; without it the completion is unparseable.
+
+    A number the completion only quotes is not an answer, because RL pays for whatever this function
+    reads and a policy learns to copy the question when that pays. So, returning None:
+
+    - an operand: a number right after an arithmetic operator (``37 + 48``, ``9 * 2``, ``2^10``) is part
+      of an unfinished calculation, not its result; after ``####`` the first number that is not an
+      operand counts (``#### 37 + 48 = 85`` is 85, ``#### 37 + 48`` is nothing); a closing aside in
+      parentheses that shows the calculation is passed over ("so 85 (37 + 48)." is 85);
+    - with the problem at hand (the ``question``, ``problem`` or ``prompt`` column, whichever the row
+      has), a last number that also occurs in the problem is no answer when its final statement is
+      copied from the problem ("Janet's ducks lay 16 eggs per day.") or is cut off mid-sentence ("She
+      sells them for $2") without stating it as a result: nothing closes the sentence (no ``.``, ``!``,
+      ``?`` or line break after the number) and no ``=``, ``:``, "is", "are", "was" or "equals" comes
+      right before it. A final statement that is just the number ("16") is an answer.
+
+    Not covered: a finished sentence in the model's own words that ends in a number of the problem ("She
+    has 5 apples left.") counts, as it must when the answer is 5, so guessing a number of the problem
+    still pays on problems whose answer is one; without a problem column only the operand rule applies.
+    Use ``mode="strict"`` where only a deliberate ``#### N`` may pay."""
     text = _normalize(completion)
     if "####" in text:
         return _first_result(text.rsplit("####", 1)[1])

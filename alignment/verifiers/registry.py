@@ -1,19 +1,8 @@
 """Turn a verifier name from a recipe into a `Verifier`.
 
-A name is, in this order of precedence:
-
-1. a built-in key of `BUILTINS` ("numeric", "math", "python_tests", ...), imported lazily, so
-   importing `alignment.verifiers` never imports math-verify/sympy or the task modules;
-2. a name registered by an installed package under the entry-point group ``alignment.verifiers``,
-   e.g. in the plugin's pyproject.toml::
-
-       [project.entry-points."alignment.verifiers"]
-       brevity = "my_plugin.verifiers:brevity"
-
-3. ``package.module:function``; ``search_dirs`` (usually the recipe's directory) are put in front
-   of ``sys.path`` while the module is imported, so a file ``my_verifiers.py`` next to the recipe is
-   found as ``my_verifiers:brevity``.
-
+A name is a built-in key of `BUILTINS` ("numeric", "math", "python_tests", ...), a name an installed
+package registers under the entry-point group ``alignment.verifiers``, or ``package.module:function`` (a
+file ``my_verifiers.py`` next to the recipe is found as ``my_verifiers:brevity``); precedence in `resolve`.
 Anything that does not resolve raises `UserError` with one paragraph naming the culprit, a
 "did you mean" hint and the built-in names. Options are checked against the function's
 parameters at resolve time (unknown option = UserError), never at the first training step.
@@ -209,6 +198,12 @@ def resolve(
 
     options: keyword options bound to every call (unknown option -> UserError).
     search_dirs: directories searched first for 'module:function' (e.g. the recipe's directory).
+
+    A name is, in this order of precedence: a built-in key of `BUILTINS`, imported lazily (so importing
+    `alignment.verifiers` never imports math-verify/sympy or the task modules); a name registered by an
+    installed package under the entry-point group ``alignment.verifiers`` (in the plugin's pyproject.toml:
+    ``[project.entry-points."alignment.verifiers"]`` ``brevity = "my_plugin.verifiers:brevity"``); or
+    ``package.module:function``, with `search_dirs` put in front of ``sys.path`` while the module is imported.
     """
     options = dict(options or {})
     if callable(name):

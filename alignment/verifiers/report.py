@@ -6,14 +6,9 @@
 
 The file is JSON Lines (``.jsonl``; ``.json`` holding a list of objects or JSON Lines also works)
 or CSV with a header (values are strings). Each row's `column` is the completion; every other
-column is passed to the verifier as a keyword (e.g. ``answer``, ``tests``). The result is the
-`summarize` dict (n, pass_rate, mean_reward, unparseable_rate, error_rate) plus the verifier,
-file and column names and up to 3 example rows each of passed / failed / unparseable / error, each
-with its 1-based row number, reward, detail and the start of the completion.
-
-`where` ({column: value}) scores only the rows whose columns hold those values, compared as text (a
-JSON value as JSON writes it: ``3``, ``true``); e.g. the ``mode=main`` rows of evaluation's samples.jsonl.
-Row numbers stay those of the file.
+column is passed to the verifier as a keyword (e.g. ``answer``, ``tests``). `where` ({column: value})
+scores only the matching rows (e.g. the ``mode=main`` rows of evaluation's samples.jsonl). The result:
+the pass rates plus example rows per outcome (`verify_file`).
 
 A missing file, an unsupported extension, an unreadable row, a missing column or a `where` no row
 matches raises UserError naming the file (and row, or the columns or values that do exist).
@@ -128,7 +123,12 @@ def verify_file(
     where: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Score every row of `path` (those matching `where`) with verifier `name`; summary plus example rows
-    per outcome."""
+    per outcome.
+
+    The result is the `summarize` dict (n, pass_rate, mean_reward, unparseable_rate, error_rate) plus the
+    verifier, file and column names and up to 3 example rows each of passed / failed / unparseable / error,
+    each with its 1-based row number (as in the file, `where` or not), reward, detail and the start of the
+    completion. `where` values are compared as text (a JSON value as JSON writes it: ``3``, ``true``)."""
     verifier = resolve(name, options=options, search_dirs=search_dirs)
     path = Path(path)
     numbers, rows = zip(*_select(path, load_rows(path), where or {}))
