@@ -2,30 +2,13 @@
 
 Loss (Rafailov et al. 2023, eq. 7), per pair (x, y+, y-):
     -log sigmoid(beta * ((log pi(y+|x) - log ref(y+|x)) - (log pi(y-|x) - log ref(y-|x))))
-The reference is the starting policy (the previous or named stage's output). With LoRA the policy is
-that model plus a fresh adapter and the reference is the same model with the adapter disabled, so no
-second copy of the weights exists; with full fine-tuning the reference is a frozen in-memory copy
-(`copy.deepcopy`), never a reload by hub id. With `precompute_ref_log_probs: true` the reference
-log-probs are computed once before training and full fine-tuning needs no copy at all. That is the
-default here when training makes more than one pass over the pairs (`num_train_epochs` > 1, TRL's
-default is 3, and no `max_steps`): one reference pass instead of one per epoch gave 1.26-1.43x the
-pairs/s over 3 epochs with LoRA on CPU, and nothing over one epoch (docs/performance.md), so a run of
-one epoch or a fixed number of steps keeps TRL's default of computing them with each batch.
-
-Pairs come from `data` in any usual preference format (`alignment/training/pairs.py`) or, with
-`on_policy: {verifier: ..., n: 8}`, from the start policy's own samples graded by a verifier.
-They are rendered with the shared convention and tokenized by us (`pairs.pair_token_ids`: the prompt's
-ids exactly as the samplers feed them, then each answer's, which ends with one end-of-turn token), and
-TRL takes those ids as they are (`pretokenized`), so it appends no EOS of its own either.
-`beta`, `loss_type` and every other `trl.DPOConfig` knob go under `train:`.
-
-The output is also a reward model: `implicit_reward.json` names the reference and beta, and a later
-stage's `reward_model: ${dpo}` scores answers by beta * (log pi - log ref) (`models.implicit_reward`).
-
-When chosen and rejected differ in a token or two (arithmetic answers), plain DPO lowers the chosen
-answer's likelihood along with the rejected one and greedy decoding drifts to a third answer
-(likelihood displacement, Razin et al. 2024); adding the NLL of the chosen answer (RPO, Pang et al.
-2024: `loss_type: [sigmoid, sft]`) prevents it:
+The reference is the starting policy: with LoRA the same model with the adapter disabled (`reference_for`);
+its log-probs are precomputed when training passes over the pairs more than once (`several_passes`). Pairs
+come from `data` in any usual preference format (`training/pairs.py`) or, with `on_policy:`, from the start
+policy's own samples graded by a verifier; we tokenize them (`pairs.pair_token_ids`) and TRL takes the ids
+as they are (`pretokenized`). `trl.DPOConfig` knobs go under `train:`. The output is also a reward model
+(`models.implicit_reward`). Where chosen and rejected differ in a token or two, add the chosen answer's NLL
+(RPO, Pang et al. 2024) against likelihood displacement (Razin et al. 2024):
 
     stages:
       dpo: {model: "${sft}", data: {task: arithmetic, n: 8000},
@@ -79,7 +62,12 @@ def trl_config(ctx: StageContext):
 
 
 def several_passes(train: dict) -> bool:
-    """Whether training goes over the pairs more than once, so computing the reference once pays."""
+    """Whether training goes over the pairs more than once, so computing the reference once pays.
+
+    Then `precompute_ref_log_probs: true` is the default (`num_train_epochs` > 1, TRL's default being 3, and no
+    `max_steps`): one reference pass before training instead of one per epoch pays over several epochs and not
+    over one (measured: docs/performance.md), so one epoch or a fixed number of steps keeps TRL's default of
+    computing them with each batch."""
     epochs = train.get("num_train_epochs", DPOConfig.__dataclass_fields__["num_train_epochs"].default)
     return (train.get("max_steps") or -1) <= 0 and epochs > 1
 
@@ -94,7 +82,12 @@ def reference_for(ctx: StageContext, policy, args):
     """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs).
     Where the policy may not be whole on this process before the trainer wraps it (ZeRO-3, FSDP's
     CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
-    instead of copied."""
+    instead of copied.
+
+    The reference is the starting policy (the previous or named stage's output). With LoRA the policy is that
+    model plus a fresh adapter and the reference is the same model with the adapter disabled, so no second
+    copy of the weights exists; with full fine-tuning it is a frozen in-memory copy (`copy.deepcopy`), never a
+    reload by hub id; with `precompute_ref_log_probs` full fine-tuning needs no copy at all."""
     if ctx.lora or args.precompute_ref_log_probs:
         return None
     if loads_partitioned():

@@ -1,24 +1,15 @@
 """`reward` stage: a Bradley-Terry reward model trained with `trl.RewardTrainer`.
 
 The model is the start policy loaded as a one-label sequence classifier (a fresh scalar `score`
-head on the policy's body), trained on chosen/rejected pairs with -log sigmoid(r(x, y+) - r(x, y-))
-(Ouyang et al. 2022, eq. 1). Pairs come from `data` in any usual preference format (see
-`alignment/training/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start policy's own
-samples graded by a verifier; `with_data_pairs: true` adds the data's own pairs to those (the quickstart's
-reward model needs both: README). Pairs are rendered with the shared convention and tokenized by us, so
-the model learns on exactly the text `scoring.score_texts` scores later (ppo, evaluation).
-
-With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in
-full (modules_to_save); a frozen random head would make the reward meaningless. `score_learning_rate`
-gives the fresh head its own, higher learning rate than the pretrained body: on the arithmetic pairs
-(answers one digit apart) a head at 3e-2 over a body at 2e-4 reaches 0.945 held-out pairwise accuracy
-(recipes/arithmetic-reward-model.yaml), where one rate for both stalled at 0.6-0.75 whatever the
-rate, epochs or LoRA rank. Pairwise accuracy
-and mean margin are measured on `eval_data`, or on `eval_fraction` of the pairs held out. The output
-is merged weights (`models.load_reward_model` loads it) with the adapter in `adapter/`. With `ensemble:
-{members: k}` the pairs are built once and k reward models train on them, member i from seed `seed + i`;
-member 0 is the stage's checkpoint, the others go to `members/`, and `reward_ensemble.json` tells readers to
-combine them (`models/reward_ensemble.py`).
+head on the policy's body, trained in full also with LoRA: `load_classifier`), trained on chosen/rejected
+pairs with -log sigmoid(r(x, y+) - r(x, y-)) (Ouyang et al. 2022, eq. 1). Pairs come from `data` in any
+usual preference format (`training/pairs.py`) or, with `on_policy: {verifier: ..., n: 8}`, from the start
+policy's own samples graded by a verifier (`with_data_pairs: true` adds the data's own). Pairs are rendered
+with the shared convention and tokenized by us, so the model learns on exactly the text
+`scoring.score_texts` scores later (ppo, evaluation). `score_learning_rate` gives the fresh head its own
+rate (`trainer_class` says why). Pairwise accuracy and mean margin are measured on `eval_data`, or on
+`eval_fraction` of the pairs held out. The output is merged weights (`models.load_reward_model` loads it)
+with the adapter in `adapter/`; `ensemble: {members: k}` trains k of them (`run`).
 
     stages:
       rm: {kind: reward, model: "${sft}", data: {task: arithmetic, n: 8000}, train: {learning_rate: 1.0e-3}}
@@ -78,7 +69,10 @@ def check(ctx: StageContext) -> None:
 
 
 def load_classifier(ctx: StageContext, tokenizer, seed: int | None = None):
-    """The start model with a one-label head (fresh for a policy, kept for a reward model)."""
+    """The start model with a one-label head (fresh for a policy, kept for a reward model).
+
+    With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in full
+    (modules_to_save); a frozen random head would make the reward meaningless."""
     if is_adapter_dir(ctx.start_model):
         raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
                         "(`align merge`) and start the reward model from the merged checkpoint.")
@@ -167,7 +161,11 @@ def is_score_head(name: str) -> bool:
 
 
 def trainer_class(base, score_learning_rate: float | None):
-    """`base` (RewardTrainer), whose optimizer gives the score head its own learning rate when one is set."""
+    """`base` (RewardTrainer), whose optimizer gives the score head its own learning rate when one is set.
+
+    `score_learning_rate` gives the fresh head a higher rate than the pretrained body: on the arithmetic pairs
+    (answers one digit apart) one rate for both stalled whatever the rate, epochs or LoRA rank, where a fast
+    head over a slow body learns them (recipes/arithmetic-reward-model.yaml; measured: docs/results.md)."""
     if score_learning_rate is None:
         return base
 
@@ -204,6 +202,11 @@ def save_reward_model(model, tokenizer, out_dir, dtype=None) -> None:
 
 
 def run(ctx: StageContext) -> dict:
+    """Train the reward model (or each member of an ensemble); returns the stage's metrics.
+
+    With `ensemble: {members: k}` the pairs are built once and k reward models train on them, member i from
+    seed `seed + i`; member 0 is the stage's checkpoint, the others go to `members/`, and
+    `reward_ensemble.json` tells readers to combine them (`models/reward_ensemble.py`)."""
     ensemble = ctx.config.ensemble
     pairs = tokenized_pairs(ctx, ctx.load_tokenizer(), trl_config(ctx).max_length)
     trainer, counts = build_trainer(ctx, pairs)

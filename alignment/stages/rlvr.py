@@ -1,49 +1,18 @@
 """`rlvr` stage: RL from verifiable rewards with `trl.GRPOTrainer` (or `trl.RLOOTrainer`).
 
-For each prompt the policy samples `num_generations` completions; each verifier in `verifiers:` scores
-them (`alignment/training/rewards.py` adapts a verifier to TRL's reward-function call) and, with
-`reward_model:`, the reward model scores the rendered conversation exactly as ppo's does
-(`rewards.RewardModelReward`, weight `reward_model_weight`; RLOO on a reward model is RLHF without a
-critic, Ahmadian et al. 2024); the weighted sum is the reward. `gold:` verifiers are scored on every
-completion and logged (`gold/<name>`), never rewarded. GRPO normalises rewards within each prompt's group
-(Shao et al. 2024, eq. 3, DeepSeekMath); with a reward model in the reward it only centres them
-(`scale_rewards: none` unless `train:` says otherwise; Liu et al. 2025, Dr. GRPO), since dividing by the
-group's spread turned the reward model's noise into advantage and the policy learned that instead of the
-task (measured in docs/results.md). `algorithm: rloo` uses the leave-one-out baseline instead (Ahmadian et
-al. 2024). Both keep a KL penalty to the starting policy: on by default here (`beta: 0.04`) although TRL's
-GRPO default is 0; `train: {beta: 0}` turns it off. With LoRA the reference is the same model with the adapter disabled.
-What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
-`frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is
-the share of prompt groups whose completions all scored the same (no advantage to learn from; above half
-the stage warns), `completions_truncated` the completions cut at `max_completion_length` (out of
-`completions_sampled`), and `prompts_over_context` the prompts that with `max_completion_length` do not fit
-the model's context (TRL 1.16 truncates and drops no prompt); both said, loudly above 5%.
+For each prompt the policy samples `num_generations` completions; the verifiers of `verifiers:` (through
+`training.rewards`) and, with `reward_model:`, the reward model (as ppo's, weight `reward_model_weight`) score
+them; the weighted sum is the reward; `gold:` verifiers are only logged. GRPO normalises rewards within each
+prompt's group (Shao et al. 2024, eq. 3), only centring them when a reward model is in the reward
+(`stage_defaults` says why); `algorithm: rloo` uses the leave-one-out baseline (Ahmadian et al. 2024). Both
+keep a KL penalty to the starting policy (on by default; with LoRA the reference is the adapter disabled).
+Data: prompts plus the columns the verifiers read, rendered by `formatting.render_prompt`, given to TRL as
+text. `train:` goes verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`. With `tools:` / `environment:` the
+completions are multi-turn rollouts (training/tool_rollouts.py). vLLM sampling is TRL's (`check_vllm`);
+what the rewards taught, and what was cut, is counted in stage.json (`run`).
 
-Data: prompts (`prompt` or chat `messages`; a final assistant turn is dropped) plus the columns the
-verifiers read (e.g. `answer`). Prompts are rendered with `formatting.render_prompt` and given to TRL
-as plain strings, so TRL applies no chat template of its own (a BOS that the tokenizer adds by itself
-is dropped from the rendered text, or Llama-3-style tokenizers would see two: `without_leading_bos`),
-and generation stops at the template's end-of-turn token. Recipe keys under `train:` go verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`;
-`per_device_train_batch_size` counts completions, so `per_device_train_batch_size x processes x
-steps_per_generation` must be a multiple of `num_generations`.
-
-With `tools:` / `environment:` / `max_turns` the completions are multi-turn rollouts with tools, sampled by our
-rollout through TRL's `rollout_func` (training/tool_rollouts.py says why not TRL's own `tools=`), tool results
-masked out of the loss; the verifiers score the final answer.
-
-Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
-policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs). The
-stage checks that vllm is installed before anything loads (and, without a GPU, that colocate mode is not
-asked for: TRL's weight sync fails on vLLM's CPU build, see TRL_COLOCATE_ON_CPU), and tells vLLM to stop at the chat
-template's end-of-turn token (`generation_kwargs.stop_token_ids`), which it would otherwise read from
-the checkpoint's generation_config.json, where base models name only their EOS token.
-
-    stages:
-      rlvr:
-        model: ${sft}
-        data: {task: arithmetic, split: train, n: 2000}
-        verifiers: [arithmetic]           # or [{name: my_verifiers:brevity, weight: 0.2, options: {...}}]
-        train: {max_steps: 200, num_generations: 8, learning_rate: 1.0e-6, max_completion_length: 256}
+    stages: {rlvr: {model: "${sft}", data: {task: arithmetic, split: train, n: 2000}, verifiers: [arithmetic],
+                    train: {max_steps: 200, num_generations: 8, max_completion_length: 256}}}
 """
 
 from __future__ import annotations
@@ -104,13 +73,18 @@ def trainer_classes(algorithm: str):
 
 
 def stage_defaults(config: Config) -> dict:
+    """The stage's defaults for TRL's config, below the recipe's `train:` keys.
+
+    A KL penalty to the starting policy is on by default here (`beta: DEFAULT_BETA`) although TRL's GRPO default
+    is 0; `train: {beta: 0}` turns it off. With a reward model in GRPO's reward the rewards are only centred
+    within each group (`scale_rewards: none`; Liu et al. 2025, Dr. GRPO), not divided by the group's spread."""
     defaults = {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8,
                 "max_completion_length": 256, "disable_dropout": True, "reward_weights": reward_weights(config)}
     if config.reward_model is not None and config.algorithm == "grpo":
         # GRPO divides each group's rewards by their spread: a reward model's small score differences between
         # two wrong answers become whole units of advantage, and the policy learns what the reward model
-        # prefers among them. On the quickstart's reward model it gained -2.7 to +12 points where centring alone
-        # gained +20.6 to +28 (docs/results.md).
+        # prefers among them. On the quickstart's reward model centring alone gained far more (measured:
+        # docs/results.md).
         defaults["scale_rewards"] = "none"
     return defaults
 
@@ -159,7 +133,13 @@ def check_group_size(ctx: StageContext) -> None:
 
 def check_vllm(ctx: StageContext) -> None:
     """TRL raises a bare ImportError after the models are loaded, and fails at its first weight sync on vLLM's
-    CPU build; say either first, with the key."""
+    CPU build; say either first, with the key.
+
+    Sampling with vLLM is TRL's own: `train: {use_vllm: true, vllm_mode: colocate}` (an engine beside the
+    policy on each GPU, weights synced by TRL) or `vllm_mode: server` (`trl vllm-serve` on other GPUs); without
+    a GPU colocate mode is refused (TRL's weight sync fails on vLLM's CPU build, see TRL_COLOCATE_ON_CPU).
+    `stop_vllm_at_end_of_turn` tells vLLM to stop at the chat template's end-of-turn token, which it would
+    otherwise read from the checkpoint's generation_config.json, where base models name only their EOS token."""
     train = ctx.config.train
     if not train.get("use_vllm"):
         return
@@ -245,6 +225,13 @@ def tool_rollouts(ctx: StageContext, tokenizer) -> ToolRollouts | None:
 
 
 def run(ctx: StageContext) -> dict:
+    """Train with GRPO or RLOO; returns the stage's metrics.
+
+    What the verifiers' rewards teach is counted from those rewards (`training.rewards.GroupSignal`, not TRL's
+    `frac_reward_zero_std`, which RLOO computes after the KL penalty): stage.json's `zero_variance_groups` is the
+    share of prompt groups whose completions all scored the same (no advantage to learn from; above half the stage
+    warns), `completions_truncated` the completions cut at `max_completion_length` (out of `completions_sampled`),
+    and `prompts_over_context` the prompts that with `max_completion_length` do not fit the model's context."""
     args = trl_config(ctx)
     _, trainer_class = trainer_classes(ctx.config.algorithm)
     tokenizer = ctx.load_tokenizer()

@@ -2,49 +2,17 @@
 
 Each round: sample `sampling.n` completions per prompt from the current policy (`sampling.generate`),
 score them with `verifiers:` (weighted sum) or a `reward_model:` (`scoring.score_texts`), keep the
-selected ones and fine-tune on them with `trl.SFTTrainer` (prompt and completion rendered with the
-shared convention). The next round samples from the policy just trained (expert iteration; Anthony et
-al. 2017, "RAFT" Dong et al. 2023, ReST-EM Singh et al. 2023).
-
-Selection (`select:`), per prompt, after dropping empty, unfinished (no end-of-turn token; they would
-teach the model to stop mid-answer) and duplicate completions:
-  - `best_of_n` (default): the best completion; `top_k`: the `k` best; `threshold`: every one left.
-  - With verifiers, a completion must pass every verifier unless `threshold` is set, in which case it
-    must parse and score (weighted sum) at least `threshold`. With a reward model, `threshold` (if set)
-    is the minimum score.
-  - `kl_coef` > 0 ranks by score + kl_coef * log p(y|x) instead, p the policy that sampled the round at
-    temperature 1 (regularized best-of-n, Jinnai et al. 2024): the candidate most probable under the
-    KL-regularised optimum p * exp(score / kl_coef). A reward model's highest scores can go to the policy's
-    odd samples, which the log-prob term discounts (measured on SmolLM2: docs/results.md).
-
-`gold:` verifiers score every sample of a round as well (`gold/<name>`, the round's mean, in the log
-history and as `round<k>/gold/<name>` in the metrics) and the selected ones (`selected_gold/<name>`: how
-often what the reward model chose is right, the quality of the data the round trains on); they never take
-part in the selection.
-
-Rounds and LoRA: every round loads the policy the previous round produced (merged weights), trains a
-fresh adapter (with LoRA) or all weights, and saves merged weights. The stage output is the last
-round's policy; its `adapter/` is kept only with one round (with more, the adapter's base is an
-intermediate round that is not kept). The selected data of round k is `selected_round<k>.jsonl` in
-the output (prompt, completion, score), ready to reuse as SFT data.
-
-With `tools:` (or `environment:`; training/tool_rollouts.py), each sample is a multi-turn rollout with tools:
-the verifiers (or the reward model) score its final answer, and a selected rollout is trained on as sampled, its
-own token ids with the tool results masked out of the loss; its trajectory is kept in the selected data.
-
-Resume: each finished round leaves `round<k>/round.json` in the stage's work folder with its policy;
-a rerun continues with the next round. A round that crashed after sampling reuses its samples and
-resumes its trainer checkpoint.
+selected ones (`select:` best_of_n, top_k or threshold, optionally regularised by `kl_coef`: rules in
+`select_samples`) and fine-tune on them with `trl.SFTTrainer`. The next round samples from the policy just
+trained (expert iteration; Anthony et al. 2017, "RAFT" Dong et al. 2023, ReST-EM Singh et al. 2023).
+`gold:` verifiers are scored and logged, never selected by; with `tools:` samples are multi-turn rollouts
+(`sample_and_select`). Rounds, LoRA and resume: `run`. Round k's selected data is
+`selected_round<k>.jsonl` in the output (prompt, completion, score), ready to reuse as SFT data.
 
     stages:
-      rsft:
-        model: ${sft}
-        data: {task: arithmetic, split: train, n: 1000}
-        verifiers: [arithmetic]            # or reward_model: ${rm}
-        rounds: 2
-        sampling: {n: 8, temperature: 1.0, max_new_tokens: 16}
-        select: best_of_n
-        train: {learning_rate: 1.0e-4, num_train_epochs: 1}    # -> trl.SFTConfig
+      rsft: {model: "${sft}", data: {task: arithmetic, split: train, n: 1000}, verifiers: [arithmetic],
+             rounds: 2, sampling: {n: 8, temperature: 1.0, max_new_tokens: 16}, select: best_of_n,
+             train: {learning_rate: 1.0e-4, num_train_epochs: 1}}           # train: -> trl.SFTConfig
 """
 
 from __future__ import annotations
@@ -98,7 +66,16 @@ def sft_args(ctx: StageContext, folder: Path):
 def select_samples(candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool,
                    kl_coef: float = 0.0) -> list[dict]:
     """The kept candidates of ONE prompt. A candidate: {'completion', 'score', 'parsed', 'passed', 'finished'},
-    and with `kl_coef` its 'logprob' (summed over its tokens): ranked by score + kl_coef * logprob."""
+    and with `kl_coef` its 'logprob' (summed over its tokens): ranked by score + kl_coef * logprob.
+
+    Before selecting, empty, unfinished (no end-of-turn token; they would teach the model to stop mid-answer)
+    and duplicate completions are dropped. Then `best_of_n` (default) keeps the best completion, `top_k` the
+    `k` best, `threshold` every one left. With verifiers, a completion must pass every verifier unless
+    `threshold` is set, in which case it must parse and score (weighted sum) at least `threshold`; with a reward
+    model, `threshold` (if set) is the minimum score. `kl_coef` > 0 ranks by score + kl_coef * log p(y|x), p the
+    policy that sampled the round at temperature 1 (regularized best-of-n, Jinnai et al. 2024): the candidate
+    most probable under the KL-regularised optimum p * exp(score / kl_coef). A reward model's highest scores can
+    go to the policy's odd samples, which the log-prob term discounts (measured on SmolLM2: docs/results.md)."""
     eligible, seen = [], set()
     rank = (lambda c: -c["score"] - kl_coef * c["logprob"]) if kl_coef else (lambda c: -c["score"])
     for c in sorted(candidates, key=rank):  # stable: ties keep sampling order
@@ -171,7 +148,14 @@ def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> 
 
 def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenizer, rows, scorer, gold=()):
     """Sample the round's prompts from `policy`, score, select; returns (selected rows, round stats). The `gold:`
-    verifiers score every sample too (`gold/<name>` in the stats), never the selection."""
+    verifiers score every sample too (`gold/<name>` in the stats), never the selection.
+
+    `gold:` verifiers score every sample of a round (`gold/<name>`, the round's mean, in the log history and as
+    `round<k>/gold/<name>` in the metrics) and the selected ones (`selected_gold/<name>`: how often what the
+    reward model chose is right, the quality of the data the round trains on). With `tools:` (or `environment:`)
+    each sample is a multi-turn rollout: the scorers read its final answer, and a selected rollout is trained on
+    as sampled, its own token ids with the tool results masked out of the loss; its trajectory is kept in the
+    selected data."""
     cfg = ctx.config
     set_seed(ctx.seed + round_index)
     batch = round_prompts(rows, round_index, cfg.prompts_per_round)
@@ -282,6 +266,14 @@ def check(ctx: StageContext) -> None:
 
 
 def run(ctx: StageContext) -> dict:
+    """Run the rounds not finished yet; returns the stage's metrics.
+
+    Every round loads the policy the previous round produced (merged weights), trains a fresh adapter (with
+    LoRA) or all weights, and saves merged weights. The stage output is the last round's policy; its
+    `adapter/` is kept only with one round (with more, the adapter's base is an intermediate round that is not
+    kept). Resume: each finished round leaves `round<k>/round.json` in the stage's work folder with its policy;
+    a rerun continues with the next round. A round that crashed after sampling reuses its samples and resumes
+    its trainer checkpoint."""
     cfg = ctx.config
     tokenizer = ctx.load_tokenizer()
     scorer, rewards = make_scorer(ctx)
