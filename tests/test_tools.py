@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from alignment.tools import rollout as rollout_module
 from alignment.tools.builtins import calculator
 from alignment.tools.formats import Call, ToolFormat, native_style
 from alignment.tools.registry import resolve_tools
-from alignment.tools.rollout import RolloutLimits, rollout, start
+from alignment.tools.rollout import COUNTS, RolloutLimits, rollout, start
 
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"  # the checkpoints' own templates, as TRL ships them
 CALC = [ToolSpec(name="calculator")]
@@ -214,12 +215,17 @@ def scripted_sampler(tokenizer, scripts: dict[str, list[str]]):
     return generate_ids
 
 
-def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, **limits):
+def script_tokenizer():
     tokenizer = family_tokenizer("smollm2")
     tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}" \
                               "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>",
                                                                 "<|tool|>", "<|system|>"]})
+    return tokenizer
+
+
+def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, **limits):
+    tokenizer = script_tokenizer()
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, {k: list(v) for k, v in scripts.items()}))
     fmt = ToolFormat("hermes", native=False)
     box = resolve_tools(tools, environment, list(search_dirs))
@@ -299,6 +305,115 @@ def test_environments_are_one_instance_per_rollout_with_their_reward(monkeypatch
     assert t["a"].reward == 1.0 and t["b"].reward == 0.0
     assert t["a"].environment is not t["b"].environment
     assert t["a"].record()["environment_reward"] == 1.0
+
+
+# --- the counts: one definition (COUNTS), every report ---------------------------------------------------------
+BROKEN_ENV = '''
+class Broken:
+    def reset(self, row):
+        return None
+
+    def peek(self) -> str:
+        """Look around."""
+        return "nothing"
+
+    def reward(self):
+        raise ValueError("no score")
+'''
+
+
+@pytest.fixture
+def broken_env(tmp_path):
+    (tmp_path / "broken_env.py").write_text(BROKEN_ENV)
+    return tmp_path
+
+
+def test_rollout_limits_take_their_defaults_from_the_config():
+    keys, limits = ("max_turns", "max_tool_output_tokens", "tool_timeout", "max_tool_time"), RolloutLimits()
+    assert {k: getattr(limits, k) for k in keys} == {k: ToolUse.model_fields[k].default for k in keys}
+    config = ToolUse(tools=["calculator"], max_turns=2, tool_timeout=3.0)
+    assert RolloutLimits.of(config, 99) == RolloutLimits(2, 99, 256, 3.0, 60.0)
+
+
+def test_cut_outputs_returns_what_it_cut_and_leaves_its_argument_alone():
+    tokenizer = script_tokenizer()
+    results = [("loud", "word " * 100), ("calculator", "6")]
+    given = list(results)
+    kept, cut = rollout_module.cut_outputs(tokenizer, results, 10)
+    assert results == given and cut == 1
+    more = len(encode(tokenizer, results[0][1])) - 10
+    assert kept[1] == ("calculator", "6") and kept[0][1].endswith(f"\n[... {more} more tokens cut]")
+
+
+def test_a_raising_environment_reward_is_counted_in_the_record(monkeypatch, broken_env):
+    _, _, t = run_script(monkeypatch, {"a": ["6"]}, environment="broken_env:Broken", search_dirs=[broken_env])
+    assert t["a"].reward == 0.0
+    assert t["a"].record()["reward_errors"] == 1 and set(COUNTS) <= set(t["a"].record())
+
+
+class Scored:
+    """A stand-in for a verifier reward: 1 for the answer "6"."""
+
+    weight = 1.0
+
+    def __init__(self, name: str):
+        self.__name__ = name
+
+    def __call__(self, prompts=None, completions=None, **kwargs):
+        return [float(c == "6") for c in completions]
+
+
+def test_rlvr_reports_every_count_once_per_batch(monkeypatch, broken_env):
+    """TRL's rollout_func and reward calls on one batch: each count reaches the per-row fields, is logged once
+    per batch (not once per reward function) and is summed in the stage totals, reward_errors included."""
+    from alignment.config.stages.rlvr import Config
+    from alignment.training.rewards import SOURCE_PROMPT
+    from alignment.training.tool_rollouts import ToolRollouts
+
+    tokenizer = script_tokenizer()
+    scripts = {"a": [call("calculator", expression="2*3"), "6"], "b": ["7"]}
+    monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, scripts))
+    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
+                    environment="broken_env:Broken", tool_format="hermes", describe_tools=False)
+    tools = ToolRollouts(config, tokenizer, [broken_env], "stages.rlvr")
+    prompts = [row["prompt"] for row in tools.prepare([{SOURCE_PROMPT: key} for key in scripts])]
+    trainer = SimpleNamespace(args=SimpleNamespace(max_completion_length=200, temperature=1.0, top_p=1.0, top_k=0),
+                              accelerator=SimpleNamespace(unwrap_model=lambda model: model),
+                              model=SimpleNamespace(training=True))
+    output = tools(prompts, trainer)
+    assert output["tool_reward_errors"] == [1, 1] and output["tool_tool_calls"] == [1, 0]
+    fields = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
+    logged = []
+    funcs = tools.rewards([Scored("first"), Scored("second")])
+    assert len(funcs) == 3  # the environment's reward last
+    for func in funcs:
+        func(prompts=prompts, completions=["?", "?"], log_metric=lambda name, value: logged.append((name, value)),
+             **fields)
+    names = [name for name, _ in logged]
+    assert sorted(names) == sorted({"tools/call_rate", *(f"tools/{k}" for k in COUNTS)})
+    assert dict(logged)["tools/reward_errors"] == 1.0 and dict(logged)["tools/call_rate"] == 0.5
+    assert funcs[0](prompts=prompts, completions=["?", "?"], **fields) == [1.0, 0.0]  # the final answers scored
+    metrics = tools.metrics()
+    assert metrics["tools/reward_errors"] == 2 and metrics["tools/tool_calls"] == 1 and metrics["tools/rollouts"] == 2
+
+
+def test_an_evaluation_suite_reports_every_count(monkeypatch, broken_env):
+    from alignment.config.evaluate import SuiteSpec
+    from alignment.evaluation.tool_suites import tool_samples
+
+    tokenizer = script_tokenizer()
+    scripts = {"a": [call("calculator", expression="2*3"), "6"], "b": ["7"]}
+    monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, scripts))
+    spec = SuiteSpec(name="s", data={"task": "tool_arithmetic", "n": 2}, verifier="arithmetic", tools=["calculator"],
+                     environment="broken_env:Broken", tool_format="hermes", describe_tools=False,
+                     sampling={"max_new_tokens": 200})
+    suite = SimpleNamespace(spec=spec, prompts=list(scripts), rows=[{}, {}],
+                            toolbox=resolve_tools(CALC, "broken_env:Broken", [broken_env]))
+    samples, scores, records = tool_samples(None, tokenizer, suite, "eval")
+    assert [s.text for s in samples] == ["6", "7"]
+    assert scores == {"tool_call_rate": 0.5, "turns": 1.5, "tool_errors": 0.0, "parse_failures": 0.0,
+                      "truncated_tool_outputs": 0.0, "reward_errors": 1.0}
+    assert [r["reward_errors"] for r in records] == [1, 1]
 
 
 # --- the rollout on a real model and sampler -------------------------------------------------------------------

@@ -6,12 +6,12 @@ multi-turn rollout (alignment/tools/rollout.py) instead of one completion.
          tools: [calculator], tool_format: hermes, describe_tools: false, max_turns: 2,
          sampling: {temperature: 0, max_new_tokens: 96}}
 
-The verifier scores the final assistant turn (pass@1 with tools); the suite adds `tool_call_rate` (share of
-rollouts with at least one call), `tool_errors`, `parse_failures`, `turns` and `truncated_tool_outputs` (means per
-rollout); every line of samples.jsonl holds the whole trajectory (`trajectory`: its messages, counts and why it
-stopped). `sampling.max_new_tokens` bounds the tokens of the whole trajectory after the prompt (model turns and
-tool results). `pass_k:` samples `n` whole rollouts of each of its prompts (pass@k on their final answers, lines
-with mode `pass_k`). KL is not computed for tool suites (it would need the tool-result mask).
+The verifier scores the final assistant turn (pass@1 with tools); the suite adds `tool_call_rate` (share of rollouts
+with at least one call) and the mean per rollout of every other count of `tools.rollout.COUNTS`; every line of
+samples.jsonl holds the whole trajectory (`trajectory`: its messages, counts and why it stopped).
+`sampling.max_new_tokens` bounds the tokens of the whole trajectory after the prompt (model turns and tool results).
+`pass_k:` samples `n` whole rollouts of each of its prompts (pass@k on their final answers, lines with mode
+`pass_k`). KL is not computed for tool suites (it would need the tool-result mask).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from __future__ import annotations
 from ..config.sampling import SamplingSpec
 from ..sampling import Sample
 from ..tools.formats import ToolFormat
-from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
-
-SUITE_METRICS = {"tool_calls": "tool_call_rate"}
+from ..tools.rollout import COUNTS, RolloutLimits, count_means, rollout, start
 
 
 def tool_samples(model, tokenizer, suite, where: str, settings: SamplingSpec | None = None,
@@ -39,7 +37,6 @@ def tool_samples(model, tokenizer, suite, where: str, settings: SamplingSpec | N
             progress=where)
     samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
                for i, t in zip(indices, trajectories)]
-    n = max(len(trajectories), 1)
-    scores = {"tool_call_rate": sum(t.counts["tool_calls"] > 0 for t in trajectories) / n}
-    scores.update({k: sum(t.counts[k] for t in trajectories) / n for k in COUNTS if k != "tool_calls"})
+    means = count_means([t.counts for t in trajectories])
+    scores = {"tool_call_rate": means["call_rate"], **{k: means[k] for k in COUNTS if k != "tool_calls"}}
     return samples, scores, [t.record() for t in trajectories]

@@ -1,27 +1,16 @@
 """The multi-turn rollout with tools, token-in token-out.
 
-    fmt = ToolFormat.for_tokenizer(tokenizer, config.tool_format)
     trajectories = start(tokenizer, fmt, toolbox, prompts, rows)          # render + environment reset
     rollout(model, tokenizer, trajectories, fmt, SamplingSpec(max_new_tokens=64), RolloutLimits(max_turns=4))
     t.prompt_ids, t.ids, t.mask, t.logprobs, t.counts, t.answer
 
-Each turn samples one assistant turn for every unfinished trajectory with the one sampler
-(`sampling.generate_ids`, either backend, fed the ids the trajectory holds, never re-tokenized), parses the tool calls in it
-(`formats.ToolFormat`), runs them and appends the tool result turn as ids: only that turn's text is rendered
-with the chat template and tokenized. `mask` is 1 on the tokens the model sampled and 0 on tool results and
-the template's text around them; `logprobs` are the sampler's log-probs on the sampled tokens (0 elsewhere).
-
-A rollout ends when the model answers without a tool call (`stop_reason` "answer"), after `max_turns` turns
-("max_turns": the calls of the last turn are not run), or when its tokens after the prompt would pass
-`max_completion_length` ("length": the turn is cut there, or the tool result that would not fit is left off).
-Nothing fails a rollout: a malformed call (bad JSON, no name), a call of an unknown tool or with wrong
-arguments, a tool that raises or runs past `tool_timeout`, and calls after the rollout's `max_tool_time` is spent
-all come back to the model as an `error: ...` result, and are counted per trajectory in `counts`:
-`turns`, `tool_calls` (calls run), `tool_errors`, `parse_failures`, `truncated_tool_outputs` (results cut at
-`max_tool_output_tokens` tokens, with a marker saying how much was cut).
+Each turn samples the unfinished trajectories with the one sampler (`sampling.generate_ids`, fed the ids each holds,
+never re-tokenized), runs the calls it parses and appends the tool result turn as ids. `mask` is 1 on sampled
+tokens, 0 on tool results and the template's text around them; `logprobs` are the sampler's (0 elsewhere). Nothing
+fails a rollout: each failure is an `error: ...` result the model sees, counted (`COUNTS`).
 
 Limits: a tool runs in a daemon thread joined with a timeout; a Python function that ignores it cannot be
-stopped and keeps its thread (it no longer holds the rollout up). The `python` tool runs in its own sandboxed
+stopped and keeps its thread (without holding the rollout up). The `python` tool runs in its own sandboxed
 process, killed at its own timeout (set it below `tool_timeout`).
 """
 
@@ -31,32 +20,58 @@ import inspect
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.sampling import SamplingSpec
+from ..config.tools import ToolUse
 from ..data.formatting import encode
 from ..sampling import generate_ids
 from .formats import Call, ToolFormat
 from .registry import Toolbox
 
-COUNTS = ("turns", "tool_calls", "tool_errors", "parse_failures", "truncated_tool_outputs")
+# The one definition of what a rollout counts (name: meaning). Every report reads it (a trajectory's record,
+# rlvr's per-row fields, per-batch logs and stage totals, evaluation suites), so a new count reaches them all.
+COUNTS = {
+    "turns": "assistant turns sampled",
+    "tool_calls": "tool calls run",
+    "tool_errors": "calls that failed: unknown tool, wrong arguments, raised, past its timeout or the tool time",
+    "parse_failures": "calls that could not be read",
+    "truncated_tool_outputs": "tool results cut at max_tool_output_tokens, with a marker",
+    "reward_errors": "an environment's reward() that raised (the rollout scores 0 from it)",
+}
+LIMITS = ("max_turns", "max_tool_output_tokens", "tool_timeout", "max_tool_time")  # the `ToolUse` keys it obeys
+
+
+def count_means(counts: list[Mapping[str, int]]) -> dict[str, float]:
+    """`call_rate` (the share of rollouts that called a tool) and every count's mean per rollout, of one count
+    mapping per rollout (0 for none)."""
+    n = max(len(counts), 1)
+    return {"call_rate": sum(c["tool_calls"] > 0 for c in counts) / n,
+            **{k: sum(c[k] for c in counts) / n for k in COUNTS}}
+
+
+def _configured(key: str):
+    return ToolUse.model_fields[key].default
 
 
 @dataclass(frozen=True)
 class RolloutLimits:
-    max_turns: int = 4
+    """The bounds of a rollout: the `ToolUse` keys (their defaults are the config's) and the tokens after the
+    prompt, which a stage or suite always passes (rlvr's max_completion_length, rsft's and evaluation's
+    max_new_tokens); its default serves direct calls."""
+
+    max_turns: int = _configured("max_turns")
     max_completion_length: int = 256  # tokens after the prompt: model turns and tool results together
-    max_tool_output_tokens: int = 256
-    tool_timeout: float = 10.0
-    max_tool_time: float = 60.0
+    max_tool_output_tokens: int = _configured("max_tool_output_tokens")
+    tool_timeout: float = _configured("tool_timeout")
+    max_tool_time: float = _configured("max_tool_time")
 
     @classmethod
     def of(cls, config, max_completion_length: int) -> RolloutLimits:
-        """From a stage config holding the `ToolUse` keys."""
-        return cls(config.max_turns, max_completion_length, config.max_tool_output_tokens, config.tool_timeout,
-                   config.max_tool_time)
+        """From a stage config or suite holding the `ToolUse` keys."""
+        return cls(max_completion_length=max_completion_length, **{k: getattr(config, k) for k in LIMITS})
 
 
 @dataclass
@@ -68,7 +83,7 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)  # 1: sampled by the model
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)  # {"role": "assistant" | "tool", "content": text}
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)  # of COUNTS
     stop_reason: str = ""
     tool_time: float = 0.0
     reward: float | None = None  # the environment's reward(), where it has one
@@ -106,7 +121,12 @@ def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: lis
 
 def rollout(model, tokenizer, trajectories: list[Trajectory], fmt: ToolFormat, settings: SamplingSpec,
             limits: RolloutLimits, progress: str | None = None) -> list[Trajectory]:
-    """Run every trajectory to its end (see the module docstring); returns them, filled in."""
+    """Run every trajectory to its end; returns them, filled in. A rollout ends when the model answers without a
+    tool call (`stop_reason` "answer"), after `max_turns` turns ("max_turns": the calls of the last turn are not
+    run), or when its tokens after the prompt would pass `max_completion_length` ("length": the turn is cut
+    there, or the tool result that would not fit is left off). A malformed call (bad JSON, no name), a call of
+    an unknown tool or with wrong arguments, a tool that raises or runs past `tool_timeout`, and calls after the
+    rollout's `max_tool_time` is spent all come back to the model as an `error: ...` result, counted."""
     settings = settings.model_copy(update={"n": 1})
     active = list(trajectories)
     for turn in range(limits.max_turns):
@@ -131,8 +151,9 @@ def rollout(model, tokenizer, trajectories: list[Trajectory], fmt: ToolFormat, s
             if turn == limits.max_turns - 1:
                 t.stop_reason = "max_turns"
                 continue
-            results = run_calls(t, calls, failures, limits)
-            suffix = encode(tokenizer, fmt.result_text(tokenizer, cut_outputs(t, tokenizer, results, limits)))
+            results, cut = cut_outputs(tokenizer, run_calls(t, calls, failures, limits), limits.max_tool_output_tokens)
+            t.counts["truncated_tool_outputs"] += cut
+            suffix = encode(tokenizer, fmt.result_text(tokenizer, results))
             if len(t.ids) + len(suffix) >= limits.max_completion_length:
                 t.stop_reason = "length"  # the result does not fit: the rollout ends at the call
                 continue
@@ -194,21 +215,21 @@ def call_tool(t: Trajectory, call: Call, limits: RolloutLimits) -> tuple[bool, s
     return True, value if isinstance(value, str) else str(value)
 
 
-def cut_outputs(t: Trajectory, tokenizer, results: list[tuple[str, str]], limits: RolloutLimits) -> list[tuple[str, str]]:
-    """Results longer than max_tool_output_tokens tokens cut there, with a marker; counted."""
-    kept = []
+def cut_outputs(tokenizer, results: list[tuple[str, str]], max_tokens: int) -> tuple[list[tuple[str, str]], int]:
+    """(the results [(tool name, text)] with each longer than `max_tokens` tokens cut there, with a marker saying
+    how much was cut; how many were cut). `results` is left as it was: the caller counts."""
+    kept, cut = [], 0
     for name, content in results:
         ids = encode(tokenizer, content)
-        if len(ids) > limits.max_tool_output_tokens:
-            t.counts["truncated_tool_outputs"] += 1
-            head = tokenizer.decode(ids[: limits.max_tool_output_tokens])
-            content = f"{head}\n[... {len(ids) - limits.max_tool_output_tokens} more tokens cut]"
+        if len(ids) > max_tokens:
+            cut += 1
+            content = f"{tokenizer.decode(ids[:max_tokens])}\n[... {len(ids) - max_tokens} more tokens cut]"
         kept.append((name, content))
-    results[:] = kept
-    return kept
+    return kept, cut
 
 
 def environment_reward(t: Trajectory) -> float | None:
+    """The environment's reward() of a finished rollout (None without one); one that raises is counted."""
     reward = getattr(t.environment, "reward", None)
     if not callable(reward):
         return None

@@ -1,25 +1,16 @@
-"""Tools in RLVR: multi-turn rollouts (alignment/tools/rollout.py) as TRL's GRPOTrainer `rollout_func`.
+"""Tools in the rlvr and rsft stages: the multi-turn rollout (alignment/tools/rollout.py) as TRL's GRPOTrainer
+`rollout_func` (`ToolRollouts`, which says why it is our own rollout), and as rsft's sampler.
 
-Why our own rollout and not TRL 1.16's `tools=` / `environment_factory=`: TRL's tool loop
-(`GRPOTrainer._tool_call_loop`) is token-in token-out and masks tool results (`tool_mask`), but it parses calls
-only through a tokenizer response schema it knows for a few templates (none for ChatML without tools, so not
-SmolLM2's or the tiny model's), needs conversational prompts, bounds neither a tool's time nor its output,
-counts a malformed call as nothing (it is not parsed as a call), and has no sandbox. TRL's `rollout_func`
-hook takes ids back with an `env_mask`, which GRPO multiplies into its loss mask (tool tokens get no gradient,
-no KL term and do not count as completion length) and forwards every other field to the reward functions: our
-rollout plugs in there, with its limits, counts and sandboxed `python` tool. RLOO (TRL 1.16's RLOOTrainer has
-no `rollout_func`) is refused with tools, as are FSDP2 and ZeRO-3 (the rollout samples from the unwrapped
-model on each process without gathering sharded weights) and `use_vllm`: TRL's vLLM engine samples TRL's
-own single-turn completions, which `rollout_func` replaces, so it would be started and sent the weights at
-every step but never sample, and rlvr has no sampling block for this toolkit's vLLM backend (which runs the
-tool rollouts of rsft and of evaluation suites, `sampling: {backend: vllm}`); in rlvr the rollout samples
-with the transformers backend, whose log-probs are those TRL's loss expects (logits / temperature).
+In rlvr the rollout hands TRL its ids with an `env_mask` (tool tokens get no gradient, no KL term and do not count
+as completion length) and, per rollout, its final answer and counts as fields the reward functions receive. The
+verifiers score the final assistant turn (`AnswerReward`); an environment's `reward()` is one more reward function
+with weight 1. The counts (`tools.rollout.COUNTS`) and the share of rollouts that called a tool are logged once
+per batch (`tools/...`) and summed over the training rollouts in stage.json; `tools.json` beside the checkpoint
+records the tool format and the tools' schemas the policy was trained with, so it can be prompted the same way.
 
-The verifiers score the final assistant turn (`answer` of the trajectory), not the tool results; an
-environment's `reward()` is one more reward function with weight 1. Per rollout, the counts (turns, tool
-calls, tool errors, parse failures, cut tool outputs) are logged per step (`tools/...`) and summed in
-stage.json; `tools.json` beside the checkpoint records the tool format and the tools' schemas the policy was
-trained with, so it can be prompted the same way.
+Limits: refused with RLOO (TRL's RLOOTrainer has no `rollout_func`), under FSDP2 and ZeRO-3, and with TRL's
+`use_vllm` (`check_engine` says why); in rlvr the rollout samples with the transformers backend, whose
+log-probs are those TRL's loss expects (logits / temperature).
 """
 
 from __future__ import annotations
@@ -36,13 +27,13 @@ from ..runtime.dist import PARTITIONED, get_logger, is_main_process, launched_en
 from ..sampling import Sample
 from ..tools.formats import ToolFormat
 from ..tools.registry import Toolbox, resolve_tools
-from ..tools.rollout import COUNTS, RolloutLimits, rollout, start
+from ..tools.rollout import COUNTS, RolloutLimits, count_means, rollout, start
 from .rewards import SOURCE_PROMPT
 
 log = get_logger(__name__)
 
 ANSWER = "tool_answer"  # the field holding each trajectory's final answer, forwarded to the reward functions
-EXTRA_FIELDS = (ANSWER, "environment_reward", *(f"tool_{k}" for k in COUNTS))
+FIELDS = {k: f"tool_{k}" for k in COUNTS}  # the field holding each count of COUNTS, per rollout
 
 
 def check_engine(config, where: str) -> None:
@@ -53,6 +44,8 @@ def check_engine(config, where: str) -> None:
         raise UserError(f"{where}: tool rollouts do not run under {engine}: each process samples from its own "
                         "unwrapped model and sharded weights are not gathered for it. Launch with DDP "
                         "(configs/accelerate/ddp.yaml) or a single process.")
+    # TRL's vLLM engine samples TRL's own single-turn completions, which rollout_func replaces; rlvr has no
+    # sampling block for this toolkit's vLLM backend (which runs the tool rollouts of rsft and evaluation).
     if config.train.get("use_vllm"):
         raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
                         "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
@@ -62,7 +55,17 @@ def check_engine(config, where: str) -> None:
 
 
 class ToolRollouts:
-    """Everything a GRPO stage needs for tools: the toolbox, the format, the rollout_func and the reward wrappers."""
+    """Everything a GRPO stage needs for tools: the toolbox, the format, the rollout_func and the reward wrappers.
+
+    Why our own rollout and not TRL 1.16's `tools=` / `environment_factory=`: TRL's tool loop
+    (`GRPOTrainer._tool_call_loop`) is token-in token-out and masks tool results (`tool_mask`), but it parses
+    calls only through a tokenizer response schema it knows for a few templates (none for ChatML without tools,
+    so not SmolLM2's or the tiny model's), needs conversational prompts, bounds neither a tool's time nor its
+    output, counts a malformed call as nothing (it is not parsed as a call), and has no sandbox. TRL's
+    `rollout_func` hook takes ids back with an `env_mask`, which GRPO multiplies into its loss mask, and forwards
+    every other field to the reward functions: our rollout plugs in there, with its limits, counts and sandboxed
+    `python` tool.
+    """
 
     def __init__(self, config, tokenizer, search_dirs: list[Path], where: str):
         check_engine(config, where)
@@ -109,11 +112,12 @@ class ToolRollouts:
                 "logprobs": [t.logprobs for t in trajectories], "env_mask": [t.mask for t in trajectories],
                 ANSWER: [t.answer for t in trajectories],
                 "environment_reward": [t.reward for t in trajectories],
-                **{f"tool_{k}": [t.counts[k] for t in trajectories] for k in COUNTS}}
+                **{FIELDS[k]: [t.counts[k] for t in trajectories] for k in COUNTS}}
 
     def rewards(self, verifier_rewards: list) -> list:
-        """TRL reward functions: each verifier on the final answers, plus the environment's reward if any."""
-        wrapped = [AnswerReward(reward) for reward in verifier_rewards]
+        """TRL reward functions: each verifier on the final answers, plus the environment's reward if any. TRL
+        calls every reward function on each batch, so only the first logs the batch's counts."""
+        wrapped = [AnswerReward(reward, log_counts=i == 0) for i, reward in enumerate(verifier_rewards)]
         return wrapped + ([environment_reward] if self.has_environment_reward else [])
 
     def metrics(self) -> dict:
@@ -136,21 +140,22 @@ class ToolRollouts:
 
 
 class AnswerReward:
-    """A verifier reward that scores each trajectory's final answer and logs the tool counts of the batch."""
+    """A verifier reward that scores each trajectory's final answer; with `log_counts`, it also logs the batch's
+    tool counts (`tools/<count>`: means per rollout, and `tools/call_rate`)."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, log_counts: bool = True):
         self.inner, self.weight, self.__name__ = inner, inner.weight, inner.__name__
+        self.log_counts = log_counts
 
     def __call__(self, prompts=None, completions=None, **kwargs):
         answers = kwargs.pop(ANSWER, None)
-        counts = {k: kwargs.pop(f"tool_{k}", None) for k in COUNTS}
+        fields = {k: kwargs.pop(FIELDS[k], None) for k in COUNTS}
         kwargs.pop("environment_reward", None)
         log_metric = kwargs.get("log_metric")
-        if callable(log_metric) and counts["turns"]:
-            n = len(counts["turns"])
-            log_metric("tools/call_rate", sum(c > 0 for c in counts["tool_calls"]) / n)
-            for key in ("turns", "tool_calls", "tool_errors", "parse_failures"):
-                log_metric(f"tools/{key}", sum(counts[key]) / n)
+        if self.log_counts and callable(log_metric) and fields["turns"]:
+            rows = [dict(zip(COUNTS, values)) for values in zip(*fields.values())]
+            for key, mean in count_means(rows).items():
+                log_metric(f"tools/{key}", mean)
         return self.inner(prompts=prompts, completions=answers if answers is not None else completions, **kwargs)
 
 
