@@ -1,4 +1,4 @@
-"""Tools and environments for multi-turn rollouts, named in recipes like verifiers (issue #30).
+"""Tools and environments for multi-turn rollouts, named in recipes like verifiers.
 
     registry.py   `tools:` / `environment:` -> callables and the JSON schemas shown to the model
     builtins.py   `calculator` (exact arithmetic via `ast`) and `python` (the verifier sandbox as an interpreter)

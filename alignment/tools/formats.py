@@ -1,29 +1,16 @@
 """How tool calls are written and tool results shown: the checkpoint's own tool-calling template where it has one,
-else a recipe-level `tool_format`.
+else a recipe-level `tool_format` (`STYLES`; `ToolFormat` says how each style writes a call).
 
     fmt = ToolFormat.for_tokenizer(tokenizer, config.tool_format)      # UserError when neither says one
     prompt = fmt.render_prompt(tokenizer, row_prompt, schemas)          # tools described to the model
     calls, failures = fmt.parse(assistant_text)                         # Call(name, arguments) / reasons
     suffix = fmt.result_text(tokenizer, [("calculator", "42")])         # the tool turn, to the next assistant turn
 
-Formats (`STYLES`):
-
-- `hermes` (Qwen2.5, Hermes, Qwen3): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, any number
-  per turn, text around them allowed;
-- `llama3_json` (Llama 3.1 / 3.2 custom tools): the whole turn is `{"name": ..., "parameters": {...}}`, optionally
-  after `<|python_tag|>`; a turn that does not start with `{` is an answer;
-- `mistral` (Mistral v0.3): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
-
 Native templates (the template itself renders `tools=` and tool turns: detected from its text) describe the tools
 and render results their own way. A template without tool support (ChatML of SmolLM2, the tiny model's) gets a
 system message describing the tools in the chosen format, and results as a `tool` turn through the template
-(`<tool_response>` tags for hermes). The recipe's `tool_format` is written to the stage's output (`tools.json`) so
-that the checkpoint is prompted the same way later.
-
-A tool result turn is rendered as text on its own: the template's rendering of a short dummy conversation with
-and without the tool messages, the difference taken from the end of the assistant turn (its end-of-turn token,
-where sampling stopped) to the next assistant turn's opening. The rollout tokenizes only that piece and appends
-the ids; the conversation is never re-tokenized.
+(`<tool_response>` tags for hermes). A result turn is rendered as text on its own (`result_text`): the rollout
+tokenizes only that piece and appends the ids; the conversation is never re-tokenized.
 """
 
 from __future__ import annotations
@@ -81,6 +68,15 @@ def _loads(text: str):
 
 @dataclass(frozen=True)
 class ToolFormat:
+    """How one style writes tool calls and shows their results:
+
+    - `hermes` (Qwen2.5, Hermes, Qwen3): `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, any
+      number per turn, text around them allowed;
+    - `llama3_json` (Llama 3.1 / 3.2 custom tools): the whole turn is `{"name": ..., "parameters": {...}}`,
+      optionally after `<|python_tag|>`; a turn that does not start with `{` is an answer;
+    - `mistral` (Mistral v0.3): `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+    """
+
     style: str
     native: bool  # the chat template renders tools and tool turns itself
 
@@ -181,7 +177,9 @@ class ToolFormat:
 
     def result_text(self, tokenizer, results: list[tuple[str, str]]) -> str:
         """The text after an assistant turn's end-of-turn token that shows `results` [(tool name, output)] and
-        opens the next assistant turn."""
+        opens the next assistant turn: the template's rendering of a short dummy conversation with and without the
+        tool messages, the difference taken from the end of the assistant turn (its end-of-turn token, where
+        sampling stopped) to the next assistant turn's opening."""
         assistant, tools = self._messages(results)
         try:
             before = tokenizer.apply_chat_template([DUMMY_USER, assistant], tokenize=False)

@@ -2,17 +2,16 @@
 
     toolbox = resolve_tools([ToolSpec(name="calculator")], environment=None, search_dirs=[recipe_dir])
     toolbox.schemas            # [{"type": "function", "function": {"name": "calculator", ...}}]
-    tools = toolbox.bind(toolbox.new_environment(row))   # {name: callable} for one rollout
+    tools = toolbox.bind(toolbox.new_environment(row)[0])   # {name: callable} for one rollout
 
 A tool is named like a verifier: a built-in key (`builtins.BUILTINS`) or `module:function` (a file next to the
-recipe is found). It is described to the model from its signature and docstring by transformers'
-`get_json_schema` (type hints on every argument, a Google-style docstring with an `Args:` section), so a
-function that cannot be described is refused here, at `align check`, not in the middle of training.
+recipe is found). It is described to the model by transformers' `get_json_schema` (type hints on every argument,
+a Google-style docstring with an `Args:` section); one that cannot be described is refused at `align check`.
 
-An environment (`environment: module:Class`, as TRL's `environment_factory`) is a class built without
-arguments, once per rollout: `reset(row)` gets the dataset row (every column) before the first turn and may
-return text appended to the last user message; its public methods are tools; an optional `reward()` scores
-the finished rollout (the stage adds it to the verifiers' reward with weight 1).
+An environment (`environment: module:Class`, as TRL's `environment_factory`) is a class built without arguments,
+once per rollout: `reset(row)` gets the dataset row (every column) before the first turn and may return text
+appended to the last user message; its public methods are tools; an optional `reward()` scores the finished
+rollout (the stage adds it to the verifiers' reward with weight 1).
 """
 
 from __future__ import annotations
