@@ -1,29 +1,15 @@
 """Whether a training stage needs gradient checkpointing to fit on its GPU, estimated before it trains.
 
 Gradient checkpointing keeps only each decoder layer's input for the backward pass and recomputes the
-rest: one more forward pass per step (about a third more compute) for most of the activation memory.
-TRL turns it on always; we turn it on only when the estimate below says the stage would not fit
+rest: one more forward pass per step for most of the activation memory. TRL turns it on always; we turn it
+on only when the estimate (`peak_bytes`: weights, optimizer state, activations and logits per process and
+optimizer step, from the model's config and the step's batch and lengths) says the stage would not fit
 without it. `train: {gradient_checkpointing: ...}` in the recipe always wins; CPU runs never get it
 (there it only costs time). Callers: `StageContext.trl_args` (TRL stages) and `PPOLoop` (ppo, with
-`ActorCritic.enable_checkpointing`). The estimate, per process and per optimizer step:
+`ActorCritic.enable_checkpointing`).
 
-    weights            parameters x bytes per parameter (+ a reference copy: full-weight DPO without
-                       precomputed reference log-probs, full-weight GRPO/RLOO with a KL term; full-weight
-                       PPO holds policy, reference and critic)
-    optimizer          trainable parameters x 3 (gradient + AdamW's two moments, in the weights' dtype);
-                       PPO trains a critic beside the policy
-    activations        tokens x layers x what one decoder layer saves for backward (below);
-                       with checkpointing: tokens x layers x one hidden state, plus one layer in full;
-                       PPO's policy and critic passes both wait for the one backward pass
-    logits             tokens x vocabulary x (dtype + 12) bytes: the logits, their fp32 copy for the
-                       loss, its log-softmax and their gradient (checkpointing does not shrink these);
-                       PPO computes them for the completion only
-
-What one decoder layer of a Llama/Qwen-style model saves for backward, per token (counted with
-autograd's saved-tensor hooks, tests/test_memory.py; docs/performance.md has the 0.5B figures):
-two RMSNorms keep their input upcast to fp32 (4 x hidden bytes each) and two hidden-sized tensors in
-the model's dtype; attention keeps q, its output and k, v (key/value heads) and the rotary cos/sin;
-the MLP keeps its gate, up, activation and product (4 x intermediate).
+Limits: what a layer saves for backward is counted for Llama/Qwen-style decoder layers (tests/test_memory.py);
+a layer that saves more is underestimated.
 """
 
 from __future__ import annotations
@@ -130,6 +116,25 @@ def step_shape(kind: str, args, lora_rank: int | None) -> StepShape:
 
 
 def peak_bytes(model: ModelShape, step: StepShape, dtype_bytes: int, checkpointing: bool) -> int:
+    """Peak bytes of one process's optimizer step, per term:
+
+        weights            parameters x bytes per parameter (+ a reference copy: full-weight DPO without
+                           precomputed reference log-probs, full-weight GRPO/RLOO with a KL term; full-weight
+                           PPO holds policy, reference and critic)
+        optimizer          trainable parameters x 3 (gradient + AdamW's two moments, in the weights' dtype);
+                           PPO trains a critic beside the policy
+        activations        tokens x layers x what one decoder layer saves for backward (below);
+                           with checkpointing: tokens x layers x one hidden state, plus one layer in full;
+                           PPO's policy and critic passes both wait for the one backward pass
+        logits             tokens x vocabulary x (dtype + 12) bytes: the logits, their fp32 copy for the
+                           loss, its log-softmax and their gradient (checkpointing does not shrink these);
+                           PPO computes them for the completion only
+
+    What one decoder layer of a Llama/Qwen-style model saves for backward, per token (counted with
+    autograd's saved-tensor hooks, tests/test_memory.py; docs/performance.md has the 0.5B figures):
+    two RMSNorms keep their input upcast to fp32 (4 x hidden bytes each) and two hidden-sized tensors in
+    the model's dtype; attention keeps q, its output and k, v (key/value heads) and the rotary cos/sin;
+    the MLP keeps its gate, up, activation and product (4 x intermediate)."""
     full = step.lora_rank is None
     passes = 2 if step.critic else 1
     copies = 1 + step.reference_copy + (step.critic and full)  # full-weight ppo: policy, reference, critic

@@ -1,14 +1,8 @@
 """Preference pairs for the `reward` and `dpo` stages.
 
-- `normalize_pairs(dataset, where)`: rows in any usual preference format -> (prompt, chosen, rejected)
-  with the answers as plain strings. Formats: explicit `prompt` + `chosen`/`rejected` strings;
-  chat `chosen`/`rejected` message lists (the messages before the last assistant turn are the prompt,
-  as in HuggingFaceH4/ultrafeedback_binarized; with only the assistant turn, the `prompt` column is);
-  implicit prompt (`chosen`/`rejected` full texts, the prompt is their shared beginning cut at a
-  word boundary); Anthropic HH-RLHF transcripts (`format: hh` on the data, or detected and said in the
-  log), read as chat turns, which a malformed transcript makes a UserError naming the row. Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no
-  shared prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is
-  a dataset where every row is dropped.
+- `normalize_pairs(dataset, where)`: rows in any usual preference format (explicit prompt, chat message
+  lists, implicit shared prompt, Anthropic HH-RLHF transcripts) -> (prompt, chosen, rejected) with the
+  answers as plain strings; bad rows dropped and counted, a missing column a UserError.
 - `on_policy_pairs(...)`: sample N completions per prompt from the policy (`sampling.generate`),
   grade them with a verifier, pair a verified-correct completion (chosen) with an incorrect or
   unparseable one (rejected). Prompts without both kinds are dropped and counted.
@@ -112,7 +106,16 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
 
 
 def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter]:
-    """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason."""
+    """Every row of a preference dataset as {'prompt', 'chosen', 'rejected'}; drops counted by reason.
+
+    Formats: explicit `prompt` + `chosen`/`rejected` strings; chat `chosen`/`rejected` message lists (the
+    messages before the last assistant turn are the prompt, as in HuggingFaceH4/ultrafeedback_binarized; with
+    only the assistant turn, the `prompt` column is); implicit prompt (`chosen`/`rejected` full texts, the
+    prompt is their shared beginning cut at a word boundary); Anthropic HH-RLHF transcripts (`format: hh` on the
+    data, or detected and said in the log), read as chat turns, which a malformed transcript makes a UserError
+    naming the row. Bad rows (empty answer, chosen == rejected, chat pairs with different prompts, no shared
+    prompt) are dropped and counted; a missing column or a wrong type is a UserError, and so is a dataset where
+    every row is dropped."""
     check_columns(dataset, PAIR_COLUMNS, where, spec)
     hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
@@ -246,7 +249,10 @@ def pair_samples(texts: list[str], results: list, finished: list[bool], limit: i
 
 
 def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
-    """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats)."""
+    """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats).
+
+    A verified-correct completion (chosen) is paired with an incorrect or unparseable one (rejected);
+    prompts without both kinds are dropped and counted."""
     prompts = [prompt_of(r) for r in rows]
     samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling")
     results = verifier.score_batch([s.text for s in samples], [rows[s.prompt_index] for s in samples])

@@ -1,11 +1,8 @@
 """Whole models out of a prepared (possibly sharded) one: saving and sampling under FSDP2 and ZeRO-3.
 
-Saving, `save_trained(accelerator, model, tokenizer, out_dir)`: every process calls it. accelerate's
-`get_state_dict` gathers the full state (a collective: FSDP2 and ZeRO-3 hand it to rank 0 only; under DDP
-and ZeRO-1/2 it is the model's own), rank 0 puts it into a plain copy of the model (`unsharded_copy`: built
-on the meta device and filled by assignment, so no second initialisation and no second copy of the
-weights) and writes it with `models.save_checkpoint` (merged weights, the adapter, the save dtype, then
-the check that no tensor came out empty). The sharded model itself is left as it is.
+Saving, `save_trained(accelerator, model, tokenizer, out_dir)`: every process calls it; the full state is
+gathered and rank 0 writes it with `models.save_checkpoint` (merged weights, the adapter, the save dtype,
+then the check that no tensor came out empty). The sharded model itself is left as it is.
 
 Sampling, `gathered(accelerator, model)`: code that calls a prepared model's submodules directly (PPO's
 `generate` and reference pass) instead of its forward needs the parameters whole for the duration:
@@ -63,7 +60,12 @@ def save_trained(accelerator, model, tokenizer, out_dir: Path, dtype: torch.dtyp
                  pick=None, save=None) -> None:
     """Gather `model` (as prepared by `accelerator`) on every process, write it from rank 0 with `save`
     (default `models.save_checkpoint`). `pick(unwrapped, state) -> (model, state)` chooses a part to save (PPO:
-    the policy of its actor-critic)."""
+    the policy of its actor-critic).
+
+    accelerate's `get_state_dict` gathers the full state (a collective: FSDP2 and ZeRO-3 hand it to rank 0 only;
+    under DDP and ZeRO-1/2 it is the model's own); rank 0 puts it into a plain copy of the model
+    (`unsharded_copy`: built on the meta device and filled by assignment, so no second initialisation and no
+    second copy of the weights) and writes it. The sharded model itself is left as it is."""
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
