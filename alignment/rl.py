@@ -1,14 +1,8 @@
-"""Pure tensor functions for our PPO loop (InstructGPT / Ziegler et al. 2019 formulation).
-
-What is here, all free of training-loop state so each can be unit-tested with hand-computed values
-(`python -m pytest tests/test_rl.py -q`):
-
-- log-probs and entropy of a causal LM's tokens without ever holding an fp32 [B, T, V] copy of the
-  logits (`selective_log_softmax`, `entropy_from_logits`, `sequence_logprobs`);
-- KL estimators k1/k2/k3 and the KL-penalised per-token reward (`kl_estimate`, `penalized_rewards`);
-- masked statistics (`masked_mean`, `masked_var`, `masked_whiten`), GAE (`gae_advantages`);
-- the clipped PPO policy and value losses, `explained_variance`;
-- fixed and adaptive KL-coefficient controllers with `state_dict()` for checkpoint resume.
+"""Pure tensor functions for our PPO loop (InstructGPT / Ziegler et al. 2019 formulation), each free of
+training-loop state and unit-tested on hand-computed values (tests/test_rl.py): log-probs and entropy without
+an fp32 [B, T, V] copy of the logits; KL estimators k1/k2/k3 and the KL-penalised per-token reward; masked
+statistics, running moments of a stream of scores, GAE; the clipped PPO policy and value losses; fixed and
+adaptive KL-coefficient controllers (with `state_dict()` for resume).
 
 Conventions shared by every function (other code relies on them):
 - B = batch, T = completion length, V = vocab. Completions are right-padded; `mask` is [B, T] with
@@ -18,15 +12,14 @@ Conventions shared by every function (other code relies on them):
   whitened values), so a forgotten mask cannot leak padding into a sum.
 - Losses are to be *minimised*; stats are detached 0-dim tensors (call `.item()` to log).
 """
-
 from __future__ import annotations
 
 import math
 
 import torch
 
-# Tokens per chunk when a [B, T, V] tensor is reduced to [B, T]: one fp32 chunk of 512 x 152k vocab
-# is ~300 MB, small next to the model, and few enough chunks that Python overhead is negligible.
+# Tokens per chunk when a [B, T, V] tensor is reduced to [B, T]: one fp32 chunk of a 152k vocabulary holds
+# 512 x 152k x 4 bytes, small next to the model, and few enough chunks that Python overhead is negligible.
 DEFAULT_CHUNK_TOKENS = 512
 
 _KL_KINDS = ("k1", "k2", "k3")
@@ -341,6 +334,37 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask != 0, whitened, torch.zeros_like(whitened))
+
+
+class RunningMoments:
+    """Running mean and variance of a stream of scalars (Welford 1962; Knuth, TAOCP vol. 2, 4.2.2).
+
+    Per value x, with n counted from 1: delta = x - mean; mean += delta / n; m2 += delta * (x - mean).
+    `std` is the unbiased sqrt(m2 / (n - 1)), with the divisor at least 1 (0 before two values). Plain
+    Python floats, updated one value at a time in the order given: the same stream gives the same bits.
+    `state_dict()` / `load_state_dict()` round-trip through JSON (a loop checkpoint's state.json).
+    """
+
+    def __init__(self, count: float = 0.0, mean: float = 0.0, m2: float = 0.0):
+        self.count, self.mean, self.m2 = count, mean, m2
+
+    def update(self, values) -> None:
+        """Fold in each of `values` (an iterable of floats), in order."""
+        for value in values:
+            self.count += 1
+            delta = value - self.mean
+            self.mean += delta / self.count
+            self.m2 += delta * (value - self.mean)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / max(self.count - 1, 1))
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]
 
 
 # ---------------------------------------------------------------------------------------------------

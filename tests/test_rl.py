@@ -3,7 +3,9 @@
 Run: python -m pytest tests/test_rl.py -q   (CPU, a few seconds)
 """
 
+import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -252,6 +254,39 @@ def test_masked_mean_empty_mask_is_zero_and_ignores_nan():
     close(rl.masked_mean(x, torch.tensor([[0, 0]])), 0.0)
     with pytest.raises(ValueError, match="two or more"):
         rl.masked_var(x, torch.tensor([[0, 1]]))
+
+
+def test_running_moments_hand_values():
+    # 1, 2, 4: n = 3, mean = 7/3; m2 = (1 - 7/3)^2 + (2 - 7/3)^2 + (4 - 7/3)^2 = 16/9 + 1/9 + 25/9 = 14/3;
+    # std = sqrt(m2 / (n - 1)) = sqrt(7/3). Step by step: after 1: mean 1, m2 0; after 2: delta 1, mean 3/2,
+    # m2 = 1 * (2 - 3/2) = 1/2; after 4: delta 5/2, mean 3/2 + 5/6 = 7/3, m2 = 1/2 + 5/2 * (4 - 7/3) = 14/3.
+    moments = rl.RunningMoments()
+    assert (moments.count, moments.mean, moments.m2, moments.std) == (0.0, 0.0, 0.0, 0.0)
+    moments.update([1.0])
+    assert (moments.count, moments.mean, moments.m2, moments.std) == (1.0, 1.0, 0.0, 0.0)  # divisor at least 1
+    moments.update([2.0])
+    assert (moments.mean, moments.m2) == (1.5, 0.5)
+    moments.update([4.0])
+    assert moments.count == 3.0
+    assert math.isclose(moments.mean, 7 / 3) and math.isclose(moments.m2, 14 / 3)
+    assert math.isclose(moments.std, math.sqrt(7 / 3))
+
+
+def test_running_moments_in_batches_equal_one_stream_and_state_round_trips():
+    values = [0.5, -1.25, 3.0, 2.0, -0.75, 10.0]
+    whole, parts = rl.RunningMoments(), rl.RunningMoments()
+    whole.update(values)
+    parts.update(values[:2])
+    parts.update(values[2:])
+    assert whole.state_dict() == parts.state_dict()  # the same bits: one value at a time, in order
+    assert math.isclose(whole.std, statistics.stdev(values)) and math.isclose(whole.mean, statistics.fmean(values))
+    state = json.loads(json.dumps(whole.state_dict()))
+    assert list(state) == ["count", "mean", "m2"] and isinstance(state["count"], float)
+    restored = rl.RunningMoments()
+    restored.load_state_dict(state)
+    restored.update([7.0])
+    whole.update([7.0])
+    assert restored.state_dict() == whole.state_dict()
 
 
 # --------------------------------------------------------------------------------------------------
