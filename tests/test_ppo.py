@@ -151,12 +151,24 @@ def test_bucket_by_length_minibatches_hold_rows_of_one_bucket_and_cover_every_ro
     lengths = torch.tensor([40, 20, 40, 21, 20, 40, 21, 40])  # buckets 6 and 5, four rows each
     rollout = type("R", (), {"__len__": lambda self: 8, "attention_mask": torch.arange(48)[None, :] < lengths[:, None]})()
     for strategy in ("bucket_by_length", "random"):
-        loop.t = type("T", (), {"train_sampling_strategy": strategy, "mini_batch_size": 4})()
+        loop.train_spec = type("T", (), {"train_sampling_strategy": strategy, "mini_batch_size": 4})()
         orders = [loop.minibatch_order(rollout) for _ in range(20)]
         assert all(sorted(order.tolist()) == list(range(8)) for order in orders)
         one_bucket = all(len({bucket_of(n) for n in lengths[batch].tolist()}) == 1 for o in orders for batch in o.split(4))
         assert one_bucket == (strategy == "bucket_by_length")
     assert len({tuple(o.tolist()) for o in orders}) > 1
+
+
+def test_update_seeds_are_distinct_per_update_and_process():
+    """`ppo.update_seed`: (seed, update, rank) -> a 32-bit seed; distinct for every update and process of a run
+    within the strides' bounds (rank < UPDATE_STRIDE, update * UPDATE_STRIDE + rank < SEED_STRIDE)."""
+    from alignment.stages.ppo import SEED_STRIDE, UPDATE_STRIDE, update_seed
+
+    assert update_seed(3, 2, 1) == 3 * 1_000_003 + 2 * 1_009 + 1
+    assert update_seed(5000, 0, 0) == (5000 * 1_000_003) % 2**32  # wraps to 32 bits
+    updates, ranks = SEED_STRIDE // UPDATE_STRIDE, 8
+    seeds = {update_seed(3, u, r) for u in range(updates) for r in range(ranks)}
+    assert len(seeds) == updates * ranks and all(0 <= s < 2**32 for s in seeds)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,46 +1,17 @@
 """`ppo` stage: RLHF with PPO and a per-token KL penalty, our own loop on `accelerate` (TRL 1.16 has none).
 
-One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155):
-  1. rollout: `rollout.batch_size` prompts per process, sampled through `sampling.generate`
-     (temperature, top-p, stop at the end-of-turn token);
-  2. score: the reward model on `render_prompt + render_completion` (the shared formatting), plus
-     weighted verifier rewards, minus `missing_eos_penalty` for completions that never stopped;
-     optional normalisation/clipping (`train.reward_norm`, `train.reward_clip`);
-  3. log-probs of the policy, of the reference (the starting policy: LoRA adapters disabled) and the
-     critic's values; r_t = -kl_coef * KL_t + score at the last token; GAE advantages and returns;
-  4. `train.ppo_epochs` passes over shuffled minibatches (`train.mini_batch_size` rows per optimizer
-     step, split into `gradient_accumulation_steps` micro-batches): clipped policy loss +
-     `vf_coef` * clipped value loss, gradient clipping, one AdamW step (policy and critic groups);
-  5. the KL controller updates `kl_coef` (adaptive when `kl_target` is set).
-The math is in `alignment/rl.py`, the models in `alignment/training/actor_critic.py` (with LoRA ONE copy of the
-base weights serves policy, reference and critic).
-One update's tensors travel as a `Rollout` (`alignment/training/rollout.py`): each with its shape, checked
-when built, and sliced together for minibatches; the reward-part means and sampling time as `RolloutStats`.
+One update (Ziegler et al. 2019, arXiv:1909.08593; InstructGPT, arXiv:2203.02155): sample
+`rollout.batch_size` prompts per process; score them (reward model + weighted verifiers - missing-EOS
+penalty); take log-probs of the policy and of the reference, the critic's values, per-token rewards
+r_t = -kl_coef * KL_t (+ the score at the last token) and GAE advantages; train `train.ppo_epochs` passes of
+clipped policy + value loss over shuffled minibatches; update the KL coefficient. The math is in `rl.py`,
+the models in `training/actor_critic.py`, one update's tensors in `training/rollout.py`.
 
-Recipe keys: `policy` (start policy, default the previous policy stage), `reward_model` ("${rm}" or a
-path/hub id; a reward stage's `ensemble:` is scored as its combination), `verifiers: [{name, weight, options}]`,
-`gold:` (verifiers scored and logged as `gold/<name>`, never rewarded), `early_stop:` (keep the policy where a
-gold measure peaked: `training/early_stop.py`), `data` (a `prompt` or `messages` column, plus
-the columns the verifiers need), `kl_coef`, `kl_target`, `kl_horizon`, `kl_estimator`, `rollout`,
-`missing_eos_penalty` and `train` (see `TrainSpec`; unknown keys are errors with a "did you mean").
-Warm the learning rate up (`train.warmup_steps`, `lr_scheduler_type: cosine`): in the quickstart, PPO
-with warm-up gained 9 points of held-out accuracy where a similar run without it lost 8.
-
-Runs: `align run RECIPE` (one process) or `accelerate launch -m alignment run RECIPE` with DDP, FSDP2 or
-DeepSpeed ZeRO-1/2/3 (each process samples its own prompt shard; batch sizes are per process; only rank 0
-writes files). The actor-critic is what the engine wraps; generation and the reference pass call its
-policy directly, with the parameters gathered for them (`sharding.gathered`); the reference copy (full
-fine-tuning) and the reward model stay whole on every process. Tested on 2 CPU processes (gloo) under
-each engine in tests/test_distributed.py; on GPUs the same code runs with NCCL.
-
-Checkpoints: every `train.save_every` updates into `.work/<stage>/checkpoint-N` with
-`accelerator.save_state` (model, optimizer, scheduler and KL controller, each engine's shards written by
-every process) plus the update, reward statistics and log history, written to a temporary folder and
-renamed; a rerun resumes from the newest. Instead of relying on RNG states, randomness is reseeded from
-(seed, update, rank) at every update, so a resumed run samples and trains exactly as an uninterrupted one
-(the tests check the final weights). The final policy is gathered and saved by `sharding.save_trained`
-(merged weights + `adapter/`); the critic is not kept. `missing_eos_penalty` is subtracted from the
-score, as in TRL.
+Contract: one process (`align run`) or `accelerate launch` under DDP, FSDP2 or DeepSpeed ZeRO-1/2/3; batch
+sizes are per process and only rank 0 writes files. Every `train.save_every` updates a checkpoint is written
+in the work folder and a rerun resumes from it, training exactly as an uninterrupted run would. The final
+policy is saved as merged weights + `adapter/`; the critic is not kept.
+Limits: one completion per prompt; `rollout.backend: vllm` only where the engine keeps the weights whole.
 """
 
 from __future__ import annotations
@@ -62,6 +33,7 @@ from ..errors import UserError
 from ..models.loading import default_dtype, load_reward_model
 from ..models.tokenizer import load_tokenizer
 from ..rl import (
+    RunningMoments,
     explained_variance,
     gae_advantages,
     make_kl_controller,
@@ -95,6 +67,23 @@ from ..training.trainer import NonFiniteError
 
 log = logging.getLogger(__name__)
 
+# Every update reseeds from (recipe seed, update, rank) instead of carrying RNG states across a resume, so a
+# resumed run samples and trains exactly as an uninterrupted one. Two primes spread the three numbers apart:
+# the seeds are distinct while rank < UPDATE_STRIDE and update * UPDATE_STRIDE + rank < SEED_STRIDE.
+SEED_STRIDE = 1_000_003
+UPDATE_STRIDE = 1_009
+SCORE_STD_EPS = 1e-8  # added to the score's standard deviation before dividing by it (reward_norm)
+MIN_SECONDS = 1e-9  # the smallest time a tokens/s rate divides by
+METRIC_DIGITS = 6  # decimals kept of each logged float
+BEST_POLICY = "best_policy.pt"  # early_stop's kept policy state, in a loop checkpoint
+LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
+            "explained_variance", "response_length", "eos_fraction"]  # shown in the log line (all are logged)
+
+
+def update_seed(seed: int, update: int, rank: int) -> int:
+    """The seed of update `update` (0-based) on process `rank`: a 32-bit mix of the three (see SEED_STRIDE)."""
+    return (seed * SEED_STRIDE + update * UPDATE_STRIDE + rank) % 2**32
+
 
 # ---------------------------------------------------------------------------------------------------
 # Data, reward
@@ -118,8 +107,9 @@ def prompt_rows(ctx: StageContext, tokenizer, verifiers: list, gold: list = ()) 
 
 
 class Scorer:
-    """Sequence scores: reward model + weighted verifiers - missing-EOS penalty; `gold:` verifiers are scored
-    on the same rollouts and logged (`gold/<name>`), never added to the score."""
+    """The reward: sequence scores = reward model + weighted verifiers - `missing_eos_penalty` for a completion
+    that never stopped (subtracted, as in TRL); `gold:` verifiers are scored on the same rollouts and logged
+    (`gold/<name>`), never added to the score."""
 
     def __init__(self, ctx: StageContext, device):
         cfg, trust = ctx.config, ctx.recipe.trust_remote_code
@@ -157,73 +147,73 @@ class Scorer:
 # ---------------------------------------------------------------------------------------------------
 
 
-def length_chunks(attention_mask: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
-    """The rows of a left-padded batch [B, P+T] in chunks of `size` for the rollout's no-grad passes, as
-    (row indices, first column any of them uses): rows sorted by length, so each chunk's forward starts at its
-    own longest prompt rather than the batch's (the outputs at the last K columns do not change: position ids
-    count from each row's first token)."""
-    order = torch.argsort(attention_mask.sum(1), stable=True)
-    chunks = []
-    for rows in order.split(size):
-        used = attention_mask[rows].any(0).nonzero()
-        chunks.append((rows, int(used[0]) if len(used) else 0))
-    return chunks
-
-
 class PPOLoop:
-    """State of one PPO run; `run()` does the updates. Plain composition, one method per phase."""
+    """One PPO run: `__init__` sets it up in named steps, `run()` does the updates, one method per phase.
+
+    One name per role: `policy` is `actor_critic.policy` (it samples); the value function is the critic inside
+    `actor_critic` (its values come out of the same forward call as the policy's log-probs); `reference_logprobs`
+    scores under the reference (the starting policy); `reward` scores completions. `actor_critic` is the module
+    as built, called directly for sampling and the rollout's no-grad passes; `wrapped` is the same module as the
+    engine wrapped it (DDP, FSDP2, DeepSpeed), through which it is trained, gathered and saved.
+    """
 
     def __init__(self, ctx: StageContext):
-        self.ctx, self.cfg, self.t = ctx, ctx.config, ctx.config.train
-        report_to = ctx.recipe.report_to
-        trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
-        self.acc = Accelerator(log_with=trackers or None, project_dir=str(ctx.out_dir / "logs"),
-                               gradient_accumulation_steps=self.t.gradient_accumulation_steps)
-        self.engine = check_engine(self.acc.state, ctx.where)
-        if self.engine in PARTITIONED and self.cfg.rollout.backend == "vllm":
-            raise UserError(f"{ctx.where}.rollout.backend: vllm takes the policy's weights whole for every rollout, "
-                            f"which {self.engine} partitions across processes; that is not supported: sample with "
-                            "backend: transformers, or run under DDP or ZeRO-2.")
+        self.ctx, self.config, self.train_spec = ctx, ctx.config, ctx.config.train
+        self.accelerator, self.engine = self.setup_accelerator()
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = ctx.load_tokenizer()
-        self.scorer = Scorer(ctx, self.acc.device)
-        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.scorer.rewards],
-                                              [g.verifier for g in self.scorer.gold])
-        self.models = build_models(ctx.start_model, ctx.lora, self.scorer.model, ctx.recipe.trust_remote_code)
-        if self.wants_checkpointing():
-            self.models.actor_critic.enable_checkpointing()
-        if self.models.reference is not None:
-            self.models.reference.to(self.acc.device)
-        self.ac = self.models.actor_critic.eval()  # eval: no dropout in rollouts or in the PPO ratio
-        groups = self.ac.param_groups(self.t.learning_rate, self.t.critic_learning_rate or self.t.learning_rate,
-                                      self.t.weight_decay)
-        optimizer = torch.optim.AdamW(groups, lr=self.t.learning_rate)
+        self.reward = Scorer(ctx, self.accelerator.device)
+        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.reward.rewards],
+                                              [g.verifier for g in self.reward.gold])
+        self.actor_critic, self.reference_logprobs = self.setup_models()
         self.total = self.total_updates()
-        self.steps_per_update = self.t.ppo_epochs * (self.cfg.rollout.batch_size // self.t.mini_batch_size)
-        # Not passed to `prepare`: accelerate's scheduler wrapper steps once per process.
-        self.scheduler = get_scheduler(self.t.lr_scheduler_type, optimizer, num_warmup_steps=self.t.warmup_steps,
-                                       num_training_steps=self.total * self.steps_per_update)
-        if self.engine.startswith("zero"):
-            configure_deepspeed(self.acc, self.micro_batch_size, self.t.gradient_accumulation_steps, self.t.max_grad_norm)
-        self.model, self.optimizer = self.acc.prepare(self.ac, optimizer)
-        self.kl_ctl = make_kl_controller(self.cfg.kl_coef, self.cfg.kl_target, self.cfg.kl_horizon)
-        self.acc.register_for_checkpointing(self.scheduler, self.kl_ctl)
-        self.update, self.history, self.reward_stats = 0, [], {"count": 0.0, "mean": 0.0, "m2": 0.0}
-        self._orders: dict[int, list[int]] = {}
-        stop = self.cfg.early_stop
-        self.watch = GoldWatch(gold_key(ctx, self.scorer.gold), stop.window, stop.patience) if stop else None
+        self.wrapped, self.optimizer, self.scheduler = self.setup_optimizer()
+        self.kl_controller = make_kl_controller(self.config.kl_coef, self.config.kl_target, self.config.kl_horizon)
+        self.accelerator.register_for_checkpointing(self.scheduler, self.kl_controller)
+        # What the loop carries from update to update, all of it in the loop checkpoints.
+        self.update, self.history, self.reward_moments = 0, [], RunningMoments()
+        self._orders: dict[int, list[int]] = {}  # the prompt permutation of the current pass over the data
+        self.watch = self.setup_early_stop()
         self.best_policy: dict | None = None  # the policy state at the watch's best (main process, CPU)
         self.stopped_at: int | None = None
+
+    # -- setup --------------------------------------------------------------------------------------
+
+    def setup_accelerator(self) -> tuple[Accelerator, str]:
+        """The accelerator (trackers from the recipe's `report_to`) and its engine; vLLM sampling is refused
+        under an engine that partitions the weights, since vLLM takes them whole for every rollout."""
+        report_to = self.ctx.recipe.report_to
+        trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
+        accelerator = Accelerator(log_with=trackers or None, project_dir=str(self.ctx.out_dir / "logs"),
+                                  gradient_accumulation_steps=self.train_spec.gradient_accumulation_steps)
+        engine = check_engine(accelerator.state, self.ctx.where)
+        if engine in PARTITIONED and self.config.rollout.backend == "vllm":
+            raise UserError(f"{self.ctx.where}.rollout.backend: vllm takes the policy's weights whole for every "
+                            f"rollout, which {engine} partitions across processes; that is not supported: sample with "
+                            "backend: transformers, or run under DDP or ZeRO-2.")
+        return accelerator, engine
+
+    def setup_models(self):
+        """The actor-critic (policy + critic) and the reference's log-prob function (`actor_critic.build_models`:
+        with LoRA one copy of the base weights serves all three), in eval mode: no dropout in the rollouts or in
+        the PPO ratio. The reference copy of full fine-tuning and the reward model stay whole on every process."""
+        models = build_models(self.ctx.start_model, self.ctx.lora, self.reward.model,
+                              self.ctx.recipe.trust_remote_code)
+        if self.wants_checkpointing():
+            models.actor_critic.enable_checkpointing()
+        if models.reference is not None:
+            models.reference.to(self.accelerator.device)
+        return models.actor_critic.eval(), models.reference_logprobs
 
     def wants_checkpointing(self) -> bool:
         """The recipe's `train.gradient_checkpointing`, else the memory estimate for one micro-batch: the
         longest prompt plus `max_new_tokens`, a policy and a critic pass, logits for the completion only."""
-        if self.t.gradient_checkpointing is not None:
-            return self.t.gradient_checkpointing
+        if self.train_spec.gradient_checkpointing is not None:
+            return self.train_spec.gradient_checkpointing
 
         def micro_batch() -> StepShape:
             longest = max(len(encode(self.tokenizer, p)) for p in self.prompts)
-            new_tokens = self.cfg.rollout.max_new_tokens
+            new_tokens = self.config.rollout.max_new_tokens
             return StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
                              lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True,
                              logit_length=new_tokens)
@@ -232,18 +222,96 @@ class PPOLoop:
                                    self.ctx.recipe.trust_remote_code, f"{self.ctx.where}.train")
 
     def total_updates(self) -> int:
-        if self.t.total_updates:
-            return self.t.total_updates
-        episodes = self.t.total_episodes or len(self.rows)
-        return max(1, math.ceil(episodes / (self.cfg.rollout.batch_size * self.acc.num_processes)))
+        """`train.total_updates`, else enough for `train.total_episodes` (default: one pass over the prompts)."""
+        train = self.train_spec
+        if train.total_updates:
+            return train.total_updates
+        episodes = train.total_episodes or len(self.rows)
+        return max(1, math.ceil(episodes / (self.config.rollout.batch_size * self.accelerator.num_processes)))
+
+    def setup_optimizer(self):
+        """(the engine-wrapped actor-critic, its AdamW with a policy and a critic group, the learning-rate
+        schedule over every optimizer step of the run). The schedule is not passed to `prepare`: accelerate's
+        wrapper would step it once per process."""
+        train = self.train_spec
+        groups = self.actor_critic.param_groups(train.learning_rate, train.critic_learning_rate or train.learning_rate,
+                                                train.weight_decay)
+        optimizer = torch.optim.AdamW(groups, lr=train.learning_rate)
+        steps_per_update = train.ppo_epochs * (self.config.rollout.batch_size // train.mini_batch_size)
+        scheduler = get_scheduler(train.lr_scheduler_type, optimizer, num_warmup_steps=train.warmup_steps,
+                                  num_training_steps=self.total * steps_per_update)
+        if self.engine.startswith("zero"):
+            configure_deepspeed(self.accelerator, self.micro_batch_size, train.gradient_accumulation_steps,
+                                train.max_grad_norm)
+        wrapped, optimizer = self.accelerator.prepare(self.actor_critic, optimizer)
+        return wrapped, optimizer, scheduler
+
+    def setup_early_stop(self) -> GoldWatch | None:
+        """`early_stop:`'s watch on a gold verifier (`training/early_stop.py`), or None."""
+        stop = self.config.early_stop
+        return GoldWatch(gold_key(self.ctx, self.reward.gold), stop.window, stop.patience) if stop else None
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train_spec.mini_batch_size // self.train_spec.gradient_accumulation_steps
+
+    # -- the run ------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Resume if a loop checkpoint exists, run the remaining updates, save the policy; the stage's metrics
+        (the last update's, plus the run's) and log history."""
+        self.resume()
+        if self.accelerator.trackers:
+            self.accelerator.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
+        for _ in track(range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)",
+                       total=self.total - self.update):
+            entry = self.one_update()
+            if entry is None:
+                break
+            self.history.append(entry)
+            self.update += 1
+            self.accelerator.log(entry, step=self.update)
+            if self.update % self.train_spec.logging_steps == 0 or self.update == self.total:
+                keys = [*LOG_KEYS, *(k for k in entry if k.startswith("gold/"))]
+                shown = " ".join(f"{k}={entry[k]:.4g}" for k in keys if k in entry)
+                log.info(f"[{self.ctx.stage_id}] {shown} ({self.update}/{self.total})")
+            if self.update % self.train_spec.save_every == 0 and self.update < self.total:
+                self.save_state()
+        # Not `end_training()`: it destroys the process group the runner still uses.
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.save_final()
+        metrics = dict(self.history[-1]) if self.history else {}
+        metrics.update(updates=self.update, prompts=len(self.rows),
+                       start_score=self.history[0]["score"] if self.history else None)
+        if self.watch is not None:
+            metrics.update({"early_stop/best_update": self.watch.best_update or None,
+                            "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
+                            "early_stop/stopped_at": self.stopped_at})
+        return {"metrics": metrics, "log_history": self.history}
+
+    def one_update(self) -> dict | None:
+        """One rollout and its training; None when `early_stop` ends the run at this rollout (not trained on).
+        Randomness is reseeded first (`update_seed`), so any update samples and trains the same resumed or not."""
+        set_seed(update_seed(self.ctx.seed, self.update, self.accelerator.process_index))
+        rollout, rollout_stats = self.rollout()
+        if self.watch is not None and self.watch_gold(rollout_stats):
+            return None
+        rollout, stats = self.advantages(rollout)
+        started = time.time()
+        stats.update(self.train_on(rollout))
+        train_time = time.time() - started
+        entry = self.metrics(rollout, rollout_stats, stats, train_time)
+        self.kl_controller.update(entry["kl"], self.config.rollout.batch_size * self.accelerator.num_processes)
+        return entry
 
     # -- rollout ------------------------------------------------------------------------------------
 
     def prompt_indices(self) -> list[int]:
         """This process's prompts for the current update: consecutive slices of seeded permutations,
         one permutation per pass over the data, so any update's prompts follow from its number."""
-        n, per = len(self.rows), self.cfg.rollout.batch_size
-        start = (self.update * self.acc.num_processes + self.acc.process_index) * per
+        n, per = len(self.rows), self.config.rollout.batch_size
+        start = (self.update * self.accelerator.num_processes + self.accelerator.process_index) * per
         picked = []
         for pos in range(start, start + per):
             epoch = pos // n
@@ -253,72 +321,88 @@ class PPOLoop:
         return picked
 
     def rollout(self) -> tuple[Rollout, RolloutStats]:
-        """Sample, score, and compute old log-probs, reference log-probs, values and entropy."""
-        r, started = self.cfg.rollout, time.time()
+        """Sample, score, and compute old log-probs, reference log-probs, values and entropy. Sampling and the
+        reference pass call the policy directly, with the parameters gathered for them (`sharding.gathered`)."""
+        spec, started, device = self.config.rollout, time.time(), self.accelerator.device
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
-        sampling = r if can_merge_lora(self.acc) else r.model_copy(update={"merge_lora": False})
-        with gathered(self.acc, self.model) as call:
-            samples = call(generate, self.ac.policy, self.tokenizer, prompts, sampling)
+        sampling = spec if can_merge_lora(self.accelerator) else spec.model_copy(update={"merge_lora": False})
+        with gathered(self.accelerator, self.wrapped) as call:
+            samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
         sample_seconds = time.time() - started
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         ids, attention, mask = prompt_completion_batch([encode(self.tokenizer, p) for p in prompts],
-                                                       [s.token_ids for s in samples], pad, self.acc.device)
-        scores, parts = self.scorer(rows, samples, self.micro_batch_size)
-        k = mask.shape[1]
+                                                       [s.token_ids for s in samples], pad, device)
+        scores, parts = self.reward(rows, samples, self.micro_batch_size)
+        width = mask.shape[1]  # response columns
         chunks = length_chunks(attention, self.micro_batch_size)
-        unsort = torch.argsort(torch.cat([rows for rows, _ in chunks]))
+        unsort = torch.argsort(torch.cat([chunk_rows for chunk_rows, _ in chunks]))
         with torch.no_grad():
-            outs = [self.ac(ids[rows, start:], attention[rows, start:], k, r.temperature, with_entropy=True)
-                    for rows, start in chunks]
+            outs = [self.actor_critic(ids[chunk_rows, start:], attention[chunk_rows, start:], width, spec.temperature,
+                                      with_entropy=True)
+                    for chunk_rows, start in chunks]
             logprobs, values, entropy = (torch.cat(x)[unsort] for x in zip(*outs))
-            with gathered(self.acc, self.model) as call:
-                ref_logprobs = torch.cat([call(self.models.reference_logprobs, ids[rows, start:],
-                                               attention[rows, start:], k, r.temperature)
-                                          for rows, start in chunks])[unsort]
+            with gathered(self.accelerator, self.wrapped) as call:
+                ref_logprobs = torch.cat([call(self.reference_logprobs, ids[chunk_rows, start:],
+                                               attention[chunk_rows, start:], width, spec.temperature)
+                                          for chunk_rows, start in chunks])[unsort]
         rollout = Rollout(query_responses=ids, attention_mask=attention, response_mask=mask, logprobs=logprobs,
-                          ref_logprobs=ref_logprobs, values=values, entropy=entropy, scores=scores.to(self.acc.device),
-                          finished=torch.tensor([s.finished for s in samples], device=self.acc.device))
+                          ref_logprobs=ref_logprobs, values=values, entropy=entropy, scores=scores.to(device),
+                          finished=torch.tensor([s.finished for s in samples], device=device))
         return rollout, RolloutStats(reward_means=parts, sample_seconds=sample_seconds)
 
-    @property
-    def micro_batch_size(self) -> int:
-        return self.t.mini_batch_size // self.t.gradient_accumulation_steps
+    def watch_gold(self, rollout_stats: RolloutStats) -> bool:
+        """`early_stop`: record this rollout's gold mean (over all processes); on a new best window average keep a
+        copy of the policy that sampled it; True once `patience` updates have passed without one."""
+        local = torch.tensor(float(rollout_stats.reward_means[self.watch.key]), device=self.accelerator.device)
+        update = self.update + 1
+        if self.watch.observe(update, self.accelerator.reduce(local, "mean").item()):
+            self.best_policy = self.policy_copy()
+        if not self.watch.exhausted(update):
+            return False
+        self.stopped_at = update
+        log.info(f"[{self.ctx.stage_id}] early stop at update {update}: the {self.watch.key} average over "
+                 f"{self.watch.window} updates has not passed {self.watch.best:.4g} (update {self.watch.best_update}) "
+                 f"for {update - self.watch.best_update} updates; this rollout is not trained on")
+        return True
+
+    def policy_copy(self) -> dict | None:
+        """The policy's gathered state, copied to CPU on the main process (every process takes part in the
+        gather; the others get None)."""
+        state = self.accelerator.get_state_dict(self.wrapped)
+        if not self.accelerator.is_main_process:
+            return None
+        _, policy = policy_state(self.accelerator.unwrap_model(self.wrapped), state)
+        return {k: v.detach().to("cpu", copy=True) for k, v in policy.items()}
 
     # -- rewards and advantages ---------------------------------------------------------------------
 
-    def normalise(self, scores):
-        """Scores as the reward: raw, or standardised by this batch's (all processes) or running
-        statistics (Welford), then clipped to [-reward_clip, reward_clip] if set."""
-        norm = self.t.reward_norm
+    def normalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores as the reward: raw, or standardised by this batch's (all processes) or running statistics
+        (`rl.RunningMoments`), then clipped to [-reward_clip, reward_clip] if set."""
+        norm = self.train_spec.reward_norm
         if norm != "none":
-            gathered = self.acc.gather(scores).float()
+            everyone = self.accelerator.gather(scores).float()
             if norm == "batch":
-                mean, std = gathered.mean(), gathered.std() if len(gathered) > 1 else torch.tensor(1.0)
+                mean, std = everyone.mean(), everyone.std() if len(everyone) > 1 else torch.tensor(1.0)
             else:
-                s = self.reward_stats
-                for value in gathered.tolist():
-                    s["count"] += 1
-                    delta = value - s["mean"]
-                    s["mean"] += delta / s["count"]
-                    s["m2"] += delta * (value - s["mean"])
-                mean = torch.tensor(s["mean"])
-                std = torch.tensor(math.sqrt(s["m2"] / max(s["count"] - 1, 1)))
-            scores = (scores - mean.to(scores.device)) / (std.to(scores.device) + 1e-8)
-        if self.t.reward_clip is not None:
-            scores = scores.clamp(-self.t.reward_clip, self.t.reward_clip)
+                self.reward_moments.update(everyone.tolist())
+                mean, std = torch.tensor(self.reward_moments.mean), torch.tensor(self.reward_moments.std)
+            scores = (scores - mean.to(scores.device)) / (std.to(scores.device) + SCORE_STD_EPS)
+        if self.train_spec.reward_clip is not None:
+            scores = scores.clamp(-self.train_spec.reward_clip, self.train_spec.reward_clip)
         return scores
 
     def advantages(self, rollout: Rollout) -> tuple[Rollout, dict]:
         """The rollout with GAE advantages and returns of the KL-penalised rewards, and its statistics."""
-        mask = rollout.response_mask
+        train, mask, kl_coef = self.train_spec, rollout.response_mask, self.kl_controller.value
         rewards, kl = penalized_rewards(self.normalise(rollout.scores), rollout.logprobs, rollout.ref_logprobs,
-                                        mask, self.kl_ctl.value, self.cfg.kl_estimator)
-        advantages, returns = gae_advantages(rewards, rollout.values, mask, self.t.gamma, self.t.lam)
-        if self.t.whiten_advantages and mask.sum() > 1:
+                                        mask, kl_coef, self.config.kl_estimator)
+        advantages, returns = gae_advantages(rewards, rollout.values, mask, train.gamma, train.lam)
+        if train.whiten_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask)
         stats = {
-            "kl": kl.sum(1).mean().item(), "non_score_reward": (-self.kl_ctl.value * kl).sum(1).mean().item(),
+            "kl": kl.sum(1).mean().item(), "non_score_reward": (-kl_coef * kl).sum(1).mean().item(),
             "entropy": masked_mean(rollout.entropy, mask).item(),
             "explained_variance": explained_variance(rollout.values, returns, mask).item() if mask.sum() > 1 else 0.0,
             "value_mean": masked_mean(rollout.values, mask).item(),
@@ -328,22 +412,24 @@ class PPOLoop:
     # -- optimisation -------------------------------------------------------------------------------
 
     def train_on(self, rollout: Rollout) -> dict:
-        """`ppo_epochs` passes of shuffled minibatches; returns the mean loss statistics."""
-        size, mini, accum = len(rollout), self.t.mini_batch_size, self.t.gradient_accumulation_steps
+        """`ppo_epochs` passes of shuffled minibatches (`mini_batch_size` rows per optimizer step, split into
+        `gradient_accumulation_steps` micro-batches); returns the mean loss statistics."""
+        train, size = self.train_spec, len(rollout)
+        mini, accum, micro_size = train.mini_batch_size, train.gradient_accumulation_steps, self.micro_batch_size
         totals: dict[str, float] = {}
         count, tokens, norms = 0, 0, []
-        for _ in range(self.t.ppo_epochs):
+        for _ in range(train.ppo_epochs):
             order = self.minibatch_order(rollout)
             for start in range(0, size, mini):
                 rows = order[start:start + mini]
                 local_loss = 0.0
                 for j in range(accum):
-                    micro = rows[j * self.micro_batch_size:(j + 1) * self.micro_batch_size]
+                    micro = rows[j * micro_size:(j + 1) * micro_size]
                     # accelerate's accumulation: no gradient sync before the last micro-batch (DDP, FSDP2), the
                     # loss divided by `accum` (DeepSpeed divides it itself and steps at the last one)
-                    with self.acc.accumulate(self.model):
+                    with self.accelerator.accumulate(self.wrapped):
                         loss, stats, n_tokens = self.micro_loss(rollout[micro.to(rollout.device)].trimmed())
-                        self.acc.backward(loss)
+                        self.accelerator.backward(loss)
                     local_loss += loss.item() / accum
                     tokens += n_tokens
                     for key, value in stats.items():
@@ -357,32 +443,35 @@ class PPOLoop:
     def minibatch_order(self, rollout: Rollout) -> torch.Tensor:
         """One epoch's row order, cut into minibatches by the caller: a random permutation, or with
         `train_sampling_strategy: bucket_by_length` minibatches of rows of about one length in random order
-        (`buckets.bucketed_order`). Each minibatch then trims to its own longest row (`Rollout.trimmed`): in the
-        quickstart, where one prompt in ten is twice as long, 3 of every 4 minibatches stop paying for them."""
-        if self.t.train_sampling_strategy == "random":
+        (`buckets.bucketed_order`). Each minibatch then trims to its own longest row (`Rollout.trimmed`), so
+        where a few prompts are much longer, most minibatches stop paying for them (measured:
+        docs/performance.md#batches-of-one-length-train_sampling_strategy-bucket_by_length)."""
+        if self.train_spec.train_sampling_strategy == "random":
             return torch.randperm(len(rollout))
-        return bucketed_order(rollout.attention_mask.sum(1).tolist(), self.t.mini_batch_size)
+        return bucketed_order(rollout.attention_mask.sum(1).tolist(), self.train_spec.mini_batch_size)
 
     def micro_loss(self, micro: Rollout):
         """Clipped policy loss + vf_coef * clipped value loss on a micro-batch, both masked by its
         `response_mask`; its statistics and its number of tokens."""
-        logprobs, values, _ = self.model(micro.query_responses, micro.attention_mask, micro.response_width,
-                                         self.cfg.rollout.temperature)
-        pg, pg_stats = policy_loss(logprobs, micro.logprobs, micro.advantages, micro.response_mask, self.t.cliprange)
-        vf, vf_stats = value_loss(values, micro.values, micro.returns, micro.response_mask, self.t.cliprange_value)
+        train = self.train_spec
+        logprobs, values, _ = self.wrapped(micro.query_responses, micro.attention_mask, micro.response_width,
+                                           self.config.rollout.temperature)
+        pg, pg_stats = policy_loss(logprobs, micro.logprobs, micro.advantages, micro.response_mask, train.cliprange)
+        vf, vf_stats = value_loss(values, micro.values, micro.returns, micro.response_mask, train.cliprange_value)
         stats = {"policy_loss": pg.item(), "value_loss": vf.item()}
         stats.update({name: value.item() for name, value in {**pg_stats, **vf_stats}.items()})
-        return pg + self.t.vf_coef * vf, stats, int(micro.attention_mask.sum().item())
+        return pg + train.vf_coef * vf, stats, int(micro.attention_mask.sum().item())
 
     def step(self, local_loss: float) -> float:
         """Clip, check, step. A non-finite loss or gradient on any process stops every process before
         the optimizer step, so the weights and the last checkpoint stay intact. (DeepSpeed clips and steps
         inside the last micro-batch's backward pass; there the stop comes after its step, and the last
         checkpoint stays intact.)"""
-        norm = self.acc.clip_grad_norm_(self.model.parameters(), self.t.max_grad_norm or float("inf"))
-        norm = float(norm)
-        bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.acc.device)
-        if self.acc.reduce(bad, reduction="sum").item() > 0:
+        max_norm = self.train_spec.max_grad_norm or float("inf")
+        norm = float(self.accelerator.clip_grad_norm_(self.wrapped.parameters(), max_norm))
+        bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0,
+                           device=self.accelerator.device)
+        if self.accelerator.reduce(bad, reduction="sum").item() > 0:
             raise NonFiniteError(
                 f"stage '{self.ctx.stage_id}': non-finite loss ({local_loss}) or gradient norm ({norm}) at update "
                 f"{self.update + 1}; stopped before the optimizer step. The last checkpoint in {self.ctx.work_dir} is "
@@ -394,131 +483,80 @@ class PPOLoop:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
-    # -- one update, metrics ------------------------------------------------------------------------
-
-    def one_update(self) -> dict | None:
-        """One rollout and its training; None when `early_stop` ends the run at this rollout (not trained on)."""
-        set_seed((self.ctx.seed * 1_000_003 + self.update * 1_009 + self.acc.process_index) % 2**32)
-        rollout, rollout_stats = self.rollout()
-        if self.watch is not None and self.watch_gold(rollout_stats):
-            return None
-        rollout, stats = self.advantages(rollout)
-        started = time.time()
-        stats.update(self.train_on(rollout))
-        train_time = time.time() - started
-        entry = self.metrics(rollout, rollout_stats, stats, train_time)
-        self.kl_ctl.update(entry["kl"], self.cfg.rollout.batch_size * self.acc.num_processes)
-        return entry
-
-    def watch_gold(self, rollout_stats: RolloutStats) -> bool:
-        """`early_stop`: record this rollout's gold mean (over all processes); on a new best window average keep a
-        copy of the policy that sampled it; True once `patience` updates have passed without one."""
-        local = torch.tensor(float(rollout_stats.reward_means[self.watch.key]), device=self.acc.device)
-        update = self.update + 1
-        if self.watch.observe(update, self.acc.reduce(local, "mean").item()):
-            self.best_policy = self.policy_copy()
-        if not self.watch.exhausted(update):
-            return False
-        self.stopped_at = update
-        log.info(f"[{self.ctx.stage_id}] early stop at update {update}: the {self.watch.key} average over "
-                 f"{self.watch.window} updates has not passed {self.watch.best:.4g} (update {self.watch.best_update}) "
-                 f"for {update - self.watch.best_update} updates; this rollout is not trained on")
-        return True
-
-    def policy_copy(self) -> dict | None:
-        """The policy's gathered state, copied to CPU on the main process (every process takes part in the
-        gather; the others get None)."""
-        state = self.acc.get_state_dict(self.model)
-        if not self.acc.is_main_process:
-            return None
-        _, policy = policy_state(self.acc.unwrap_model(self.model), state)
-        return {k: v.detach().to("cpu", copy=True) for k, v in policy.items()}
+    # -- metrics ------------------------------------------------------------------------------------
 
     def metrics(self, rollout: Rollout, rollout_stats: RolloutStats, stats: dict, train_time: float) -> dict:
         """Per-update metrics averaged over processes (scores over the gathered batch)."""
-        scores = self.acc.gather(rollout.scores.float())
+        accelerator = self.accelerator
+        scores = accelerator.gather(rollout.scores.float())
         lengths = rollout.response_mask.sum(1)
         local = {**rollout_stats.reward_means, **{k: v for k, v in stats.items() if k != "train_tokens"},
                  "response_length": lengths.mean().item(), "eos_fraction": rollout.finished.float().mean().item()}
         names = sorted(local)
-        means = self.acc.reduce(torch.tensor([float(local[n]) for n in names], device=self.acc.device), "mean")
-        sums = self.acc.reduce(torch.tensor([lengths.sum().item(), float(stats["train_tokens"])],
-                                            device=self.acc.device), "sum")
+        means = accelerator.reduce(torch.tensor([float(local[n]) for n in names], device=accelerator.device), "mean")
+        sums = accelerator.reduce(torch.tensor([lengths.sum().item(), float(stats["train_tokens"])],
+                                               device=accelerator.device), "sum")
         entry = {"update": self.update + 1, "episodes": (self.update + 1) * len(scores),
                  "score": scores.mean().item(), "score_std": scores.std().item() if len(scores) > 1 else 0.0,
-                 **{n: v for n, v in zip(names, means.tolist())}, "kl_coef": self.kl_ctl.value,
+                 **{n: v for n, v in zip(names, means.tolist())}, "kl_coef": self.kl_controller.value,
                  "learning_rate": self.scheduler.get_last_lr()[0],
-                 "rollout_tokens_per_s": sums[0].item() / max(rollout_stats.sample_seconds, 1e-9),
-                 "train_tokens_per_s": sums[1].item() / max(train_time, 1e-9)}
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in entry.items()}
-
-    def run(self) -> dict:
-        self.resume()
-        if self.acc.trackers:
-            self.acc.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
-        for _ in track(range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)",
-                       total=self.total - self.update):
-            entry = self.one_update()
-            if entry is None:
-                break
-            self.history.append(entry)
-            self.update += 1
-            self.acc.log(entry, step=self.update)
-            if self.update % self.t.logging_steps == 0 or self.update == self.total:
-                keys = [*LOG_KEYS, *(k for k in entry if k.startswith("gold/"))]
-                shown = " ".join(f"{k}={entry[k]:.4g}" for k in keys if k in entry)
-                log.info(f"[{self.ctx.stage_id}] {shown} ({self.update}/{self.total})")
-            if self.update % self.t.save_every == 0 and self.update < self.total:
-                self.save_state()
-        for tracker in self.acc.trackers:  # not `end_training()`: it destroys the process group the runner still uses
-            tracker.finish()
-        self.save_final()
-        metrics = dict(self.history[-1]) if self.history else {}
-        metrics.update(updates=self.update, prompts=len(self.rows),
-                       start_score=self.history[0]["score"] if self.history else None)
-        if self.watch is not None:
-            metrics.update({"early_stop/best_update": self.watch.best_update or None,
-                            "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
-                            "early_stop/stopped_at": self.stopped_at})
-        return {"metrics": metrics, "log_history": self.history}
+                 "rollout_tokens_per_s": sums[0].item() / max(rollout_stats.sample_seconds, MIN_SECONDS),
+                 "train_tokens_per_s": sums[1].item() / max(train_time, MIN_SECONDS)}
+        return {k: round(v, METRIC_DIGITS) if isinstance(v, float) else v for k, v in entry.items()}
 
     # -- checkpoints --------------------------------------------------------------------------------
 
     def save_final(self) -> None:
         """The trained policy as the stage's checkpoint (merged weights + adapter): gathered from every
-        process, written by rank 0 (`sharding.save_trained`)."""
-        self.acc.wait_for_everyone()
+        process, written by rank 0 (`sharding.save_trained`); under `early_stop`, the policy kept at the best."""
+        self.accelerator.wait_for_everyone()
         pick = policy_state
         if self.watch is not None and self.watch.best_update:  # the same on every process (reduced gold means)
             log.info(f"[{self.ctx.stage_id}] saving the policy that sampled update {self.watch.best_update}'s rollouts "
                      f"(best {self.watch.key} average {self.watch.best:.4g}), not the last one")
             pick = self.kept_policy
-        save_trained(self.acc, self.model, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=pick)
+        save_trained(self.accelerator, self.wrapped, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(),
+                     pick=pick)
 
     def kept_policy(self, actor_critic, _gathered: dict) -> tuple:
         """`save_trained`'s pick under `early_stop`: the policy module, with the state kept at the best."""
         return actor_critic.policy, self.best_policy
 
     def save_state(self) -> None:
-        state = {"update": self.update, "reward_stats": self.reward_stats, "log_history": self.history}
+        """A loop checkpoint in the work folder (`actor_critic.save_loop_state`: model, optimizer, scheduler and
+        KL controller, each engine's shards written by every process), plus the update, the running reward
+        statistics, the log history and early_stop's watch and kept policy."""
+        state = {"update": self.update, "reward_stats": self.reward_moments.state_dict(), "log_history": self.history}
         files = {}
         if self.watch is not None:
             state["early_stop"] = self.watch.state()
             files = {BEST_POLICY: self.best_policy} if self.best_policy is not None else {}
-        save_loop_state(self.acc, Path(self.ctx.work_dir), self.update, state, files)
+        save_loop_state(self.accelerator, Path(self.ctx.work_dir), self.update, state, files)
 
     def resume(self) -> None:
-        state, path = load_loop_state(self.acc, Path(self.ctx.work_dir))
+        """Restore the newest loop checkpoint, if any (`save_state`)."""
+        state, path = load_loop_state(self.accelerator, Path(self.ctx.work_dir))
         if state is not None:
-            self.update, self.history, self.reward_stats = state["update"], state["log_history"], state["reward_stats"]
+            self.update, self.history = state["update"], state["log_history"]
+            self.reward_moments.load_state_dict(state["reward_stats"])
             if self.watch is not None and "early_stop" in state:
                 self.watch.restore(state["early_stop"])
-                if self.watch.best_update and self.acc.is_main_process:
+                if self.watch.best_update and self.accelerator.is_main_process:
                     self.best_policy = torch.load(path / BEST_POLICY, weights_only=True)
             log.info(f"[{self.ctx.stage_id}] resuming from update {self.update} ({path})")
 
 
-BEST_POLICY = "best_policy.pt"  # early_stop's kept policy state, in a loop checkpoint
+def length_chunks(attention_mask: torch.Tensor, size: int) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a left-padded batch [B, P+T] in chunks of `size` for the rollout's no-grad passes, as
+    (row indices, first column any of them uses): rows sorted by length, so each chunk's forward starts at its
+    own longest prompt rather than the batch's (the outputs at the last K columns do not change: position ids
+    count from each row's first token)."""
+    order = torch.argsort(attention_mask.sum(1), stable=True)
+    chunks = []
+    for rows in order.split(size):
+        used = attention_mask[rows].any(0).nonzero()
+        chunks.append((rows, int(used[0]) if len(used) else 0))
+    return chunks
 
 
 def gold_key(ctx: StageContext, gold: list) -> str:
@@ -529,10 +567,6 @@ def gold_key(ctx: StageContext, gold: list) -> str:
         raise UserError(f"{ctx.where}.early_stop.gold: '{ctx.config.early_stop.gold}' is logged under another name; "
                         f"the gold verifiers are logged as {', '.join(names)}: name one of those (without gold/).")
     return key
-
-
-LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
-            "explained_variance", "response_length", "eos_fraction"]
 
 
 # ---------------------------------------------------------------------------------------------------
