@@ -1,22 +1,16 @@
-"""Policy, reference and critic for the `ppo` stage, and how they are checkpointed.
+"""Policy, reference and critic for the `ppo` stage, and how its loop is checkpointed.
 
 With LoRA (the default) ONE copy of the base weights serves all three roles:
-  policy    = base + LoRA adapter "default"  (peft saves the adapter named "default" at the top of
-              `adapter/`, which is the storage convention of every policy stage; any other name
-              would land in `adapter/<name>/`)
+  policy    = base + LoRA adapter "default" (saved at the top of `adapter/`, as every policy stage saves)
   reference = the same base with every adapter disabled (`with policy.disable_adapter():`)
   critic    = the same base + LoRA adapter "critic" + `value_head`, a Linear(hidden, 1) on the last
               hidden state (initialised from the reward model's score head when the sizes match)
 With `lora: null` (full fine-tuning): the policy, a frozen deep copy as the reference, and a deep
 copy of the policy's backbone + value head as the critic.
 
-`ActorCritic.forward` runs the policy pass and then the critic pass on the same batch, so a single
-forward/backward through the wrapped module (DDP, FSDP2, DeepSpeed) trains both; the reference never
-enters the wrapper (it is frozen, and the engine should not track it). Under FSDP2 and ZeRO-3 the
-ActorCritic is what gets sharded; the reference copy (full fine-tuning) and the reward model stay whole
-on every process, loaded outside zero.Init (`models.load_policy`, `dist.full_weights`).
+`ActorCritic` (policy + critic) is the one module the engine (DDP, FSDP2, DeepSpeed) wraps and trains; the
+reference never enters the wrapper. Loop checkpoints: `save_loop_state` / `load_loop_state`.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -51,7 +45,15 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
 
 
 class ActorCritic(nn.Module):
-    """The trainable part of PPO: policy + critic (+ value head). See the module docstring."""
+    """The trainable part of PPO: policy + critic (+ value head). See the module docstring.
+
+    `forward` runs the policy pass and then the critic pass on the same batch, so a single forward/backward
+    through the wrapped module (DDP, FSDP2, DeepSpeed) trains both; the reference stays outside (it is frozen,
+    and the engine should not track it). Under FSDP2 and ZeRO-3 this module is what gets sharded; the
+    reference copy (full fine-tuning) and the reward model stay whole on every process, loaded outside
+    zero.Init (`models.load_policy`, `dist.full_weights`). peft saves the adapter named "default" at the top
+    of `adapter/`; any other policy adapter name would land in `adapter/<name>/`.
+    """
     def __init__(self, policy: nn.Module, value_head: nn.Linear, critic_backbone: nn.Module | None = None):
         super().__init__()
         self.policy = policy
@@ -94,8 +96,6 @@ class ActorCritic(nn.Module):
         while PPO keeps its models in eval mode to keep dropout out of the ratio: the decoder layers alone
         are flagged as training, their attention and MLP children stay in eval mode.
         """
-
-
         options = {"use_reentrant": False}
         if self.is_lora:
             options["context_fn"] = self._recompute_under_forward_adapter
@@ -180,6 +180,8 @@ class ActorCritic(nn.Module):
 
 @dataclass
 class PPOModels:
+    """What `build_models` returns: the actor-critic, and the reference as a full copy or (LoRA) None."""
+
     actor_critic: ActorCritic
     reference: nn.Module | None  # None with LoRA (the policy with adapters disabled)
 

@@ -1,33 +1,16 @@
-"""PPO's rollout as one typed container: the per-sequence and per-token tensors of one update, their
-shapes checked when it is built, every field sliced together for minibatches.
-
-Shapes (B = sequences, T = response width, P + T = prompt width + response width; the layout
-`rl.prompt_completion_batch` builds and `rl.sequence_logprobs` reads):
-
-  query_responses  [B, P+T]  token ids: the prompt left-padded (as generated), then the response right-padded
-  attention_mask   [B, P+T]  1 on real prompt and response tokens, 0 on padding
-  response_mask    [B, T]    1 on the response tokens the policy sampled (up to and including EOS)
-  logprobs         [B, T]    log-probs of the sampled tokens under the policy that sampled them
-  ref_logprobs     [B, T]    the same under the reference
-  values           [B, T]    the critic's values at sampling time
-  entropy          [B, T]    the policy's entropy at each response position
-  scores           [B]       sequence scores before normalisation (reward model + verifiers - EOS penalty)
-  finished         [B]       True where the response ended with a stop token
-  advantages       [B, T]    GAE advantages (whitened if asked); None until computed after the rollout
-  returns          [B, T]    the value targets (advantages before whitening + values); None until then
+"""PPO's rollout as one typed container: the per-sequence and per-token tensors of one update (`Rollout`),
+their shapes checked when it is built, every field sliced together for minibatches; and the batch's scalar
+statistics (`RolloutStats`: reward-part means, sampling time), which describe the batch, not a row, so are
+kept apart and not sliced.
 
 Masks. `response_mask` is the loss mask of every PPO term: the per-token KL penalty, GAE, the policy
 loss and the value loss all read it, so a position it zeroes adds nothing to any of them. The rl.py
 convention holds: [B, T] tensors derived here are 0 where it is 0. New masks go next to it, as [B, T]
-fields: the agentic issue's `tool_mask` (response tokens a tool wrote, which the policy did not
-sample) must be taken out of the loss mask, since their log-probs are not the policy's choices.
-
-Scalar statistics of a rollout (reward-part means, sampling time) describe the batch, not a row, so
-they are kept apart in `RolloutStats` and are not sliced.
+fields: a future `tool_mask` (response tokens a tool wrote, which the policy did not sample) must be
+taken out of the loss mask, since their log-probs are not the policy's choices.
 
 Pure torch, no training-loop state: `python -m pytest tests/test_rollout.py -q`.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +26,24 @@ def shaped(*dims: str, optional: bool = False):
 
 @dataclass(frozen=True, eq=False)
 class Rollout:
-    """One PPO batch; see the module docstring for the fields. `rollout[rows]` (a slice, a list or a 1-D
-    tensor of row numbers or a boolean row mask) is the same type with those rows of every field."""
+    """One PPO batch. `rollout[rows]` (a slice, a list or a 1-D tensor of row numbers or a boolean row mask)
+    is the same type with those rows of every field.
+
+    Shapes (B = sequences, T = response width, P + T = prompt width + response width; the layout
+    `rl.prompt_completion_batch` builds and `rl.sequence_logprobs` reads):
+
+      query_responses  [B, P+T]  token ids: the prompt left-padded (as generated), then the response right-padded
+      attention_mask   [B, P+T]  1 on real prompt and response tokens, 0 on padding
+      response_mask    [B, T]    1 on the response tokens the policy sampled (up to and including EOS)
+      logprobs         [B, T]    log-probs of the sampled tokens under the policy that sampled them
+      ref_logprobs     [B, T]    the same under the reference
+      values           [B, T]    the critic's values at sampling time
+      entropy          [B, T]    the policy's entropy at each response position
+      scores           [B]       sequence scores before normalisation (reward model + verifiers - EOS penalty)
+      finished         [B]       True where the response ended with a stop token
+      advantages       [B, T]    GAE advantages (whitened if asked); None until computed after the rollout
+      returns          [B, T]    the value targets (advantages before whitening + values); None until then
+    """
 
     # tokens
     query_responses: torch.Tensor = shaped("B", "P+T")
