@@ -1,32 +1,18 @@
 """The one prompt-rendering convention shared by every stage.
 
-The text a policy is trained on in SFT is exactly the text it is prompted with in RL, what the
-reward model scores and what evaluation samples from. All of them go through these functions:
+The text a policy is trained on in SFT is exactly the text it is prompted with in RL, what the reward model
+scores and what evaluation samples from: all of them go through these functions.
 
-- `render_prompt(tokenizer, prompt)`: the prompt as the model sees it, ending where the model's
-  answer begins (the chat template with `add_generation_prompt=True`, or the plain string when the
-  tokenizer has no chat template).
+- `render_prompt(tokenizer, prompt)`: the prompt as the model sees it, ending where the model's answer begins
+  (the chat template with `add_generation_prompt=True`, or the plain string without a chat template).
 - `render_completion(tokenizer, prompt, completion)`: the answer as the model must produce it,
-  including the end-of-turn token and nothing after it. Templates that add a newline after the
-  end-of-turn token (Qwen's ChatML does) would otherwise train a trailing newline that generation
-  never produces: we cut the rendered answer at the end-of-turn token. A template whose generation prompt is
-  not where the rendered conversation continues (DeepSeek-R1's opens the reasoning, and drops it from past
-  answers) gets the completion as written after its generation prompt.
+  including the end-of-turn token and nothing after it.
 - `encode_prompt_completion(tokenizer, prompt_text, completion_text)`: the token ids every stage trains on,
   the prompt's exactly those the samplers feed (`encode`), then the completion's.
 
-Rows hold a `prompt` (a string or a list of chat messages) and a `completion` (a string), or
-`messages`: a conversation whose every assistant turn is trained (`render_example`, `encode_segments`).
-
-Multi-turn conversations: the conversation is rendered turn by turn, as growing prefixes (the conversation up
-to each assistant turn with the generation prompt, then that turn as `render_completion` renders it), and each
-prefix must be where the rendering of the longer conversation starts. Where it is (ChatML, Llama 3, Gemma,
-Mistral, Phi), the conversation is one row whose mask is 1 on each assistant answer and its end-of-turn token.
-Where it is not, because the template renders a past answer differently from the answer being given (Qwen3 and
-DeepSeek-R1 drop past reasoning, and DeepSeek-R1's generation prompt opens a reasoning block a past answer
-lacks), no one sequence holds every answer as the model produced it: the conversation becomes one row per
-assistant turn (the conversation before it, as the template renders it, then that answer), counted and said.
-Every answer is trained either way; none is dropped.
+Rows hold a `prompt` (a string or a list of chat messages) and a `completion` (a string), or `messages`: a
+conversation whose every assistant turn is trained (`render_example`, `encode_segments`), as one row or,
+where the template renders past turns differently (Qwen3, DeepSeek-R1), one row per turn, counted and said.
 """
 
 from __future__ import annotations
@@ -93,7 +79,12 @@ def marker_tokens(tokenizer) -> set[str]:
 
 
 def render_completion(tokenizer, prompt: Any, completion: str) -> str:
-    """Completion text including the end-of-turn token, cut right after it (see module docstring)."""
+    """Completion text including the end-of-turn token, cut right after it.
+
+    Templates that add a newline after the end-of-turn token (Qwen's ChatML does) would otherwise train a
+    trailing newline that generation never produces. A template whose generation prompt is not where the
+    rendered conversation continues gets the completion as written after its generation prompt
+    (`answer_after_generation_prompt`)."""
     if not has_chat_template(tokenizer):
         return completion + tokenizer.eos_token
     prompt_text = render_prompt(tokenizer, prompt)
@@ -176,7 +167,7 @@ def render_turns(tokenizer, messages: list[dict]) -> list[tuple[str, bool]] | No
     """The conversation as consecutive (text, trained) segments: before each assistant turn the text the
     samplers would feed at that point (`render_prompt` of the conversation so far, less what earlier segments
     hold), untrained; each assistant turn as `render_completion` renders it, trained. None when a prefix is not
-    where the longer conversation's rendering starts (see the module docstring)."""
+    where the longer conversation's rendering starts (see `render_example`)."""
     segments, covered = [], ""
     for i in assistant_turns(messages):
         prompt = render_prompt(tokenizer, messages[:i])
@@ -192,7 +183,17 @@ def render_example(tokenizer, row: dict, index: int | None = None) -> tuple[list
     """(rendered SFT rows, how) of one data row. how: 'pair' (a prompt and its completion, or a conversation
     with one assistant turn: one {'prompt', 'completion'}), 'turns' (a multi-turn conversation as one
     {'segments'} row, every assistant turn trained) or 'per_turn' (one {'prompt', 'completion'} per assistant
-    turn: the template renders past turns differently, see the module docstring)."""
+    turn: the template renders past turns differently, see below).
+
+    Multi-turn conversations are rendered turn by turn, as growing prefixes (the conversation up to each
+    assistant turn with the generation prompt, then that turn as `render_completion` renders it), and each
+    prefix must be where the rendering of the longer conversation starts. Where it is (ChatML, Llama 3, Gemma,
+    Mistral, Phi), the conversation is one row whose mask is 1 on each assistant answer and its end-of-turn
+    token. Where it is not, because the template renders a past answer differently from the answer being given
+    (Qwen3 and DeepSeek-R1 drop past reasoning, and DeepSeek-R1's generation prompt opens a reasoning block a
+    past answer lacks), no one sequence holds every answer as the model produced it: the conversation becomes
+    one row per assistant turn (the conversation before it, as the template renders it, then that answer),
+    counted and said. Every answer is trained either way; none is dropped."""
     messages = row.get("messages")
     if messages is None or row.get("completion") is not None or len(assistant_turns(messages)) < 2:
         return [render_pair(tokenizer, row, index)], "pair"

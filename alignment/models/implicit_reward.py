@@ -3,16 +3,13 @@ reward model"):
 
     r(x, y) = beta * sum over the answer's tokens t of [log pi(y_t | x, y_<t) - log ref(y_t | x, y_<t)]
 
-pi is a `dpo` stage's output, ref the model it started from, beta its `train.beta`: the reward DPO's loss
-fits to the preference pairs, whose differences between two answers are exactly the Bradley-Terry logits
-DPO trained. The dpo stage writes `implicit_reward.json` (`write_marker`) beside its checkpoint, so
-`reward_model: ${dpo}` works wherever a reward stage's output does (ppo, rsft, rlvr, evaluation) and scores
-the same rendered text (`training.scoring.score_texts`), summing over the answer's tokens only.
-
-Why it exists: a model can hold a preference in its token likelihoods where no linear head on its last
-hidden state finds it. On SmolLM2-135M-Instruct's arithmetic pairs a Bradley-Terry classifier plateaus at
-0.58-0.66 held-out pairwise accuracy, while the recipe's DPO stage read this way ranks 0.87 of the held-out
-pairs right after 16 steps (docs/results.md, "From preferences alone").
+pi is a `dpo` stage's output, ref the model it started from, beta its `train.beta`. The dpo stage writes
+`implicit_reward.json` (`write_marker`) beside its checkpoint, so `reward_model: ${dpo}` works wherever a
+reward stage's output does (ppo, rsft, rlvr, evaluation) and scores the same rendered text
+(`training.scoring.score_texts`), summing over the answer's tokens only. Why: a model can hold a preference
+in its token likelihoods where no linear head on its last hidden state finds it; on SmolLM2's arithmetic
+pairs this reward ranked held-out pairs far better than a Bradley-Terry classifier did (measured:
+docs/results.md, "From preferences alone").
 
 Cost: two forward passes (policy and reference) per scored batch, both whole models; with LoRA the
 checkpoint's merged weights stand for the policy, exactly on CPU (fp32), to bf16 rounding on a GPU.

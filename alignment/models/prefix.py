@@ -37,8 +37,8 @@ def shared_prefix(rows: list[list[int]]) -> int:
 
 
 def cache_name(model) -> str:
-    """The forward's name for the KV cache: `cache` since transformers 5.2x, `past_key_values` before (the vLLM
-    environment's transformers 5.19). A PEFT model's is its base model's."""
+    """The forward's name for the KV cache: `cache` in the newer transformers 5 releases (5.24 here),
+    `past_key_values` before (the vLLM environment's transformers 5.19). A PEFT model's is its base model's."""
     model = model.get_base_model() if isinstance(model, PeftModel) else model
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -63,8 +63,8 @@ def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | N
     the keys and values are wanted: a causal LM is asked for the logits of no position (`logits_to_keep`, an empty
     index), so its head computes nothing. Asked for the last position's, as `generate` asks, torch's CPU linear
     would run that one-row strided slice of a frozen model as a product over a copy of the head's weight
-    (`sampling.decode.contiguous_head_input`; SmolLM2 in bf16: 250 ms a call on one thread, for logits thrown
-    away); the keys and values are the same either way."""
+    (`sampling.decode.contiguous_head_input`: slow in bf16, for logits thrown away); the keys and values are the
+    same either way."""
     cache = DynamicCache(config=model.config.get_text_config(decoder=True)) if cache is None else cache
     none = {}  # the positions whose logits are kept: none
     if takes_logits_to_keep(model):

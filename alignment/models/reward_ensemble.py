@@ -1,7 +1,6 @@
 """Reward models trained k times on the same pairs from different seeds, read as one reward (Coste et al. 2023,
 "Reward Model Ensembles Help Mitigate Overoptimization", arXiv:2310.02743). Members agree where the pairs taught
-them and disagree where a policy pushed by one of them drifts off the pairs; the combinations below reward
-that agreement:
+them and disagree where a policy pushed by one of them drifts off the pairs; the combinations reward that agreement:
 
     mean: (1/k) sum_i r_i                      the ensemble's mean score
     min:  min_i r_i                            worst-case optimisation (WCO): the most pessimistic member
@@ -9,11 +8,9 @@ that agreement:
                                                (population) variance times `penalty`
 
 A `reward` stage with `ensemble: {members: k}` writes member 0 as its ordinary checkpoint (so tools that know
-nothing of ensembles load the folder as one reward model) and members 1..k-1 under `members/`, and `reward_ensemble.json` beside them
-(`write_marker`); `load_reward_model` then returns a `RewardEnsemble`, and `reward_model: ${rm}` reads the
-combined score wherever one member's would be read (ppo, rsft, rlvr, evaluation: `training.scoring`). The
-members' scores are combined as they are: each was trained on the same pairs with the same centering, so
-their offsets agree to the extent the members do.
+nothing of ensembles load the folder as one reward model), members 1..k-1 under `members/`, and
+`reward_ensemble.json` beside them (`write_marker`); `load_reward_model` then returns a `RewardEnsemble`, and
+`reward_model: ${rm}` reads the combined score (`combine_scores`) wherever one member's would be read.
 """
 
 from __future__ import annotations
@@ -65,7 +62,10 @@ def read_marker(path: str | Path) -> tuple[list[str], str, float]:
 
 
 def combine_scores(scores: torch.Tensor, combine: str, penalty: float = 0.0) -> torch.Tensor:
-    """[members, n] scores -> [n] combined, as the module docstring defines."""
+    """[members, n] scores -> [n] combined, as the module docstring defines.
+
+    The members' scores are combined as they are: each was trained on the same pairs with the same centering,
+    so their offsets agree to the extent the members do."""
     if combine == "mean":
         return scores.mean(dim=0)
     if combine == "min":

@@ -55,7 +55,7 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
 
-    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a 1 MB model is noise
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a model this small is noise
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

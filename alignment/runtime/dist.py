@@ -5,18 +5,13 @@
 
 Engines (README "Distributed runs"): `accelerate launch` names one in the environment it gives each
 process (`launched_engine()`: fsdp2, zero1/2/3, or None for plain data parallel); `engine_of(state)`
-names the one accelerate actually set up (adding ddp and single). `start_engine()` runs at the start
-of a recipe: it refuses launches that would not shard (one process, FSDP1, DeepSpeed missing, mixed
-precision on CPU), turns FSDP2 on where accelerate leaves it off (CPU process groups), and checks that
-every process sees the same `output_dir`. Every stage then checks the engine its accelerator really
-runs (`check_engine`) before training. `full_weights()` loads a model whole on every process even
-under ZeRO-3 or FSDP's CPU-RAM-efficient loading, for the models that are used but not trained.
+names the one accelerate actually set up (adding ddp and single). `start_engine()` checks the launch at the
+start of a recipe, `check_engine` each stage's accelerator before training. `full_weights()` loads a model
+whole on every process even under ZeRO-3 or FSDP's CPU-RAM-efficient loading, for the models that are used
+but not trained.
 
 Every message of the toolkit goes through Python `logging`, under the `alignment` logger
-(`get_logger(__name__)` in each module). `configure_logging()`, called by the CLI, prints INFO
-and above to stdout as plain lines, from rank 0 only (every rank runs every stage, and one line
-per event is what a user wants), with secrets masked (`redact.py`). Without it, as under pytest
-or in a user's own script, the logger prints nothing below WARNING until the host configures it.
+(`get_logger(__name__)` in each module); `configure_logging()` prints it from rank 0 with secrets masked.
 """
 
 from __future__ import annotations
@@ -172,7 +167,11 @@ def keeps_configured_state() -> bool:
 
 
 def start_engine(output_dir: Path) -> str | None:
-    """At the start of a run: check the launch, set up FSDP2 on CPU, check `output_dir` is shared."""
+    """At the start of a run: check the launch, set up FSDP2 on CPU, check `output_dir` is shared.
+
+    It refuses launches that would not shard (one process, FSDP1, DeepSpeed missing, mixed precision on CPU),
+    turns FSDP2 on where accelerate leaves it off (CPU process groups), and checks that every process sees the
+    same `output_dir`. Every stage then checks the engine its accelerator really runs (`check_engine`)."""
     state = distributed_state()
     asked = launched_engine()
     check_launch(asked, state.num_processes)
@@ -287,7 +286,11 @@ class StdoutHandler(logging.StreamHandler):
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """Plain `message` lines on stdout from rank 0, secrets masked; idempotent."""
+    """Plain `message` lines on stdout from rank 0, secrets masked; idempotent.
+
+    Called by the CLI: INFO and above as plain lines, from rank 0 only (every rank runs every stage, and one
+    line per event is what a user wants), with secrets masked (`redact.py`). Without it, as under pytest or in
+    a user's own script, the logger prints nothing below WARNING until the host configures it."""
     logger = logging.getLogger(ROOT)
     logger.setLevel(level)
     if not any(isinstance(h, StdoutHandler) for h in logger.handlers):
