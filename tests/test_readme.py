@@ -93,7 +93,7 @@ def test_every_relative_link_reaches_a_file_and_its_heading(path):
 
 def shown_align_commands(text: str) -> list[list[str]]:
     """Every `align ...` command line of the README's shell blocks and inline code, as tokens."""
-    lines = [line for block in code_blocks(text, "bash") for line in block.splitlines()]
+    lines = [line for block in code_blocks(text, "bash") for line in block.replace("\\\n", " ").splitlines()]
     lines += re.findall(r"`(align [^`]*)`", prose(text))
     commands = []
     for line in lines:
