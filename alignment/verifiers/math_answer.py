@@ -232,7 +232,7 @@ def run_in_worker(func: Callable, args: tuple, timeout: float) -> Any:
     evaluation, a dataloader thread) we run the check in a worker process instead, a one-process
     ``multiprocessing.Pool`` started with "spawn" (forking a process that has threads can deadlock):
     the worker calls math-verify in *its* main thread, so the alarm-based timeouts still apply there,
-    and the caller waits at most ``timeout`` (twice, plus 5 s slack for start-up) on the result; if that
+    and the caller waits at most ``timeout`` (twice, plus `_STARTUP_SLACK_S` for start-up) on the result; if that
     backstop fires, the worker is killed and a fresh one starts on the next call. Calls from threads
     are serialised through one worker (math-verify takes milliseconds; a slow one does not eat the
     others' timeout budget)."""
