@@ -5,6 +5,7 @@ YAML examples parse, and its example recipe validates."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -136,3 +137,16 @@ def test_readme_yaml_examples_parse_and_its_recipe_validates(tmp_path):
         path = tmp_path / f"recipe{i}.yaml"
         path.write_text(block)
         load_recipe(path)  # schema, references, TRL configs: no model or dataset is fetched
+
+
+def test_the_files_and_functions_the_readme_names_exist():
+    """Paths like `alignment/data/formatting.py`, tests/test_x.py, configs/..., recipes/... and dotted callables
+    like `alignment.runtime.dist.configure_logging()`: a rename elsewhere must update the manual."""
+    text = README.read_text()
+    paths = set(re.findall(r"(?<![\w/.-])((?:alignment|tests|scripts|configs|recipes)/[\w./-]*\w)", text))
+    missing = sorted(path for path in paths if not (REPO / path).exists())
+    for dotted in set(re.findall(r"\b(alignment(?:\.\w+)+)\(\)", text)):
+        module, _, name = dotted.rpartition(".")
+        if not hasattr(importlib.import_module(module), name):
+            missing.append(dotted)
+    assert paths and not missing, missing
