@@ -5,7 +5,7 @@ arithmetic prompts' 46 tokens), so a batch that runs them all computes those tok
 prefix runs once on one row, its KV cache is repeated for every row, and each row runs only its rest, laid out
 [prefix, its own columns] with position ids counted over real tokens, so left padding inside the rest does not
 shift them. The outputs equal the unshared forward's up to summation order (the prefix comes from a batch of
-one): 2e-5 in log-prob on SmolLM2 (tests/test_prefix.py holds them to 1e-4 on the test models).
+one): tests/test_prefix.py holds them to 1e-4 in log-prob on the test models.
 
 Used by the sampler's prefill (`sampling.decode.prefill_once`), the evaluation's KL reference pass
 (`after_prefix`, handed to `rl.sequence_logprobs` in the model's place) and reward-model scoring
