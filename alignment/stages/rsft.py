@@ -306,7 +306,7 @@ def write_output(ctx, policy: str, records: list[dict], load_policy, save_checkp
     """The last policy (merged weights) and every round's selected data into the stage output."""
     if Path(policy).is_relative_to(ctx.work_dir):
         shutil.copytree(policy, ctx.out_dir, dirs_exist_ok=True)
-        if len(records) > 1:  # its base is an intermediate round that is not kept (see module docstring)
+        if len(records) > 1:  # its base is an intermediate round that is not kept (see `run`)
             shutil.rmtree(ctx.out_dir / "adapter", ignore_errors=True)
     else:  # no round selected anything: the output is the starting policy
         save_checkpoint(load_policy(policy, ctx.recipe.trust_remote_code), tokenizer, ctx.out_dir, ctx.save_dtype())

@@ -56,7 +56,7 @@ class ModelShape:
                    vocab=config.vocab_size)
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
-        """Bytes one decoder layer saves for backward per token (the module docstring lists them)."""
+        """Bytes one decoder layer saves for backward per token (`peak_bytes` lists them)."""
         kv = self.kv_heads * self.head_dim
         norms = 2 * (FP32 * self.hidden + 2 * dtype_bytes * self.hidden + FP32)
         attention = dtype_bytes * (2 * self.heads * self.head_dim + 2 * kv) + FP32 * self.heads
