@@ -23,7 +23,7 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 INSTALL = 'pip install torch==2.13.0 && pip install -e ".[dev]" && align run recipes/quickstart.yaml --jobs 2'
 TESTS = "python -m pytest -q"
 
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 # [text](target): text may wrap across lines, the target holds no spaces; images and bare URLs alike.
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
