@@ -181,7 +181,8 @@ class PPOLoop:
 
     def setup_accelerator(self) -> tuple[Accelerator, str]:
         """The accelerator (trackers from the recipe's `report_to`) and its engine; vLLM sampling is refused
-        under an engine that partitions the weights, since vLLM takes them whole for every rollout."""
+        under an engine that partitions the weights, since vLLM takes them whole for every rollout. Every engine
+        runs in tests/test_distributed.py on 2 CPU processes (gloo); on GPUs the same code runs with NCCL."""
         report_to = self.ctx.recipe.report_to
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
         accelerator = Accelerator(log_with=trackers or None, project_dir=str(self.ctx.out_dir / "logs"),
