@@ -8,7 +8,7 @@ Each seed runs `align run RECIPE --jobs J seed=S output_dir=OUT/seed-S` (a finis
 the runner skips finished stages) and its `eval/metrics.json` is read back. Writes OUT/seeds.md and
 OUT/seeds.json: per stage and metric the mean, min and max over the seeds, and per seed the gain of every
 stage over `--baseline` in points of the headline metric, with the machine, the command and the wall time
-of each run. The README's quickstart table comes from this script.
+of each run. The quickstart figures of docs/results.md (and the README's table) come from this script.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 "What is in box qxv?" asks for a digit drawn at random per row: no policy can know it, and the `open_box()` tool
 of the `SecretBox` environment shows it. The tool takes no arguments, so a call needs no copying from the prompt
-(what the tiny model did not learn in minutes of CPU training for the calculator, README), and the answer repeats
+(what the tiny model did not learn in minutes of CPU for the calculator, docs/results.md), and the answer repeats
 the digit the tool shows. Boxes are named by letters, so no other digit is in sight, and the tool shows its digit
 `SHOWN` times: a from-scratch model's attention starts out nearly uniform over the context, and a digit filling a
 larger share of it is copied sooner (in the test's SFT mixture, shown once, seeds 1 and 2 of 0-2 had not learned

@@ -57,9 +57,9 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
     # The README's command on 2 threads, plus one stage beside the recipe's: GRPO on the reward model alone,
     # evaluated with the others. The test suite pins one thread per process (conftest); the quickstart gets
     # two, which go to sft (nothing runs beside it), and one to each stage after it, with --jobs 2 as with
-    # --jobs 3, so the figures below are the README's whatever the cores of the machine running this test and
-    # whatever else runs beside a stage (its floats depend on its thread count only). --jobs 3 runs the added
-    # stage beside the others rather than after them.
+    # --jobs 3, so the figures below are those of docs/results.md whatever the cores of the machine running this
+    # test and whatever else runs beside a stage (its floats depend on its thread count only). --jobs 3 runs the
+    # added stage beside the others rather than after them.
     result = run_cli("run", REPO / "recipes" / "quickstart.yaml", "--jobs", "3", f"output_dir={tmp_path / 'qs'}",
                      GRPO_ON_RM, "evaluate.after=[sft, ppo, dpo, rsft, rlvr, grpo_rm]",
                      timeout=1800, env={"OMP_NUM_THREADS": "2"})
@@ -80,7 +80,8 @@ def check_quickstart_outputs(out):
     # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
     # DPO (the pairs) and RLVR (the verifier) recover the carry; PPO and RSFT learn from preferences alone,
     # through the reward model, and must gain the issue's 10 points without the reward-hacking flag. Measured
-    # over seeds 1-3 (README): PPO +29.4 to +34.0 (kl_target 0.5), RSFT +26.0 or more, DPO +29.7, RLVR +24.7.
+    # over seeds 1-3 (docs/results.md#the-quickstart): PPO +29.4 to +34.0 (kl_target 0.5), RSFT +26.0 or more,
+    # DPO +29.7, RLVR +24.7.
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
     for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("grpo_rm", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
         assert metrics[stage]["arithmetic/pass@1"] > sft + gain, f"{stage} does not beat SFT by {gain:.0%}"

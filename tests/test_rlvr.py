@@ -525,7 +525,7 @@ def test_verifier_raising_on_some_rows_does_not_stop_training(tmp_path):
 # on 2000 ground-truth rows needs ~250 steps at batch 16 to fix them (0.57 -> 0.77), and GRPO's per-prompt
 # signal is weaker and 8x costlier, so minutes of CPU are far too few for GRPO to raise greedy accuracy here.
 # Where GRPO does gain in CPU minutes (the quickstart's weaker SFT, each sample batch serving several optimizer
-# steps) tests/test_quickstart.py asserts it; the README has the figures.
+# steps) tests/test_quickstart.py asserts it; docs/results.md has the figures.
 GRPO_ARITHMETIC = {"max_steps": 30, "num_generations": 8, "per_device_train_batch_size": 64, "learning_rate": 2.0e-5,
                    "max_completion_length": 8, "temperature": 1.0, "logging_steps": 5}
 

@@ -1,4 +1,4 @@
-"""scripts/seeds.py: the across-seeds table the README's quickstart figures come from."""
+"""scripts/seeds.py: the across-seeds table the quickstart figures of docs/results.md come from."""
 
 import importlib.util
 import json
