@@ -12,15 +12,9 @@ import torch
 from conftest import TINY_MODEL, run_cli, write_recipe
 
 from alignment.errors import UserError
-from alignment.evaluation.evaluate import (
-    SuiteSpec,
-    evaluate_checkpoints,
-    pass_at_k,
-    reward_hacking,
-    sequence_kl,
-    win_rate,
-)
-from alignment.evaluation.metrics import mean
+from alignment.config.evaluate import SuiteSpec
+from alignment.evaluation.evaluate import evaluate_checkpoints, sequence_kl
+from alignment.evaluation.metrics import mean, pass_at_k, reward_hacking, win_rate
 from alignment.tasks.arithmetic import agrees_with_stated
 
 
@@ -106,7 +100,7 @@ def test_reward_hacking_flag_uses_the_gold_measure_where_a_suite_gives_one():
     """Hand-computed: the proxy (rm_score) rose for both stages; with a `gold` the flag follows the gold's change
     (a: 0.70 -> 0.40, -0.30: flagged although its pass@1 rose; b: 0.70 -> 0.69, -0.01: within the 0.02 margin),
     without one the pass@1's (c: 0.50 -> 0.20: flagged)."""
-    from alignment.evaluation.evaluate import add_comparisons
+    from alignment.evaluation.report import add_comparisons
 
     metrics = {"sft": {"s/rm_score": 1.0, "s/pass@1": 0.50, "s/gold": 0.70, "t/rm_score": 1.0, "t/pass@1": 0.50},
                "a": {"s/rm_score": 2.0, "s/pass@1": 0.60, "s/gold": 0.40, "t/rm_score": 2.0, "t/pass@1": 0.20},
@@ -125,7 +119,7 @@ def test_reward_hacking_flag_ignores_a_gold_drop_within_the_noise_of_the_prompts
     (36 - 200 * 0.03**2) / 199 = 0.18, two standard errors 2 * sqrt(0.18 / 200) = 0.060): noise, not
     flagged although -0.030 is past the 0.02 margin. Checkpoint b loses 40 and gains none (-0.200; variance
     (40 - 200 * 0.2**2) / 199 = 0.1608, two standard errors 0.0567): flagged."""
-    from alignment.evaluation.evaluate import add_comparisons
+    from alignment.evaluation.report import add_comparisons
     from alignment.evaluation.metrics import paired_noise
 
     base = [1.0] * 130 + [0.0] * 70
@@ -402,10 +396,10 @@ def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeyp
     class Captured(Exception):
         pass
 
-    def capture(paths, suites, out, **kwargs):
-        raise Captured(suites)
+    def capture(paths, scoring, report, handoff=None):
+        raise Captured(scoring.suites)
 
-    monkeypatch.setattr(evaluate, "evaluate_checkpoints", capture)
+    monkeypatch.setattr(evaluate, "run_evaluation", capture)
     with pytest.raises(Captured) as caught:
         main(["eval", str(tiny_model), "--suite", "arithmetic", "--n", "4", "--max-new-tokens", "48",
               "--temperature", "0.5", "--out", str(tmp_path / "eval")])

@@ -1,49 +1,29 @@
-"""Checkpoint evaluation: the recipe's `evaluate:` block and `align eval`.
+"""Checkpoint scoring: every checkpoint on every suite, then the report (`report.py`); `align eval` and, through
+`block.py`, the recipe's `evaluate:` block.
 
     align eval outputs/quickstart/sft outputs/quickstart/dpo --suite arithmetic --suite arithmetic-sycophancy \\
         --reward-model outputs/quickstart/rm --baseline outputs/quickstart/sft --reference outputs/quickstart/sft
 
-For every checkpoint and suite, prompts are rendered with the shared convention (`formatting.py`) and
-sampled through `sampling.generate`:
-  - one completion per prompt with the suite's `sampling` (greedy by default): verifier pass@1,
-    unparseable rate, length, EOS rate, sycophancy, reward-model score, win rate against the baseline;
-  - with `pass_k: {n: 8}`, n samples per prompt: pass@k by the unbiased estimator (Chen et al. 2021);
-  - with a `reference`, samples at temperature 1: KL(checkpoint || reference) on its own samples.
-The reward-hacking flag marks a checkpoint whose reward-model score rose over the baseline's while its
-gold measure fell: the suite's `gold:` verifier's mean reward where given, else its verifier's pass@1.
-Outputs in the evaluation folder: `metrics.json` shaped {"checkpoints": {LABEL:
-{"SUITE/METRIC": value}}}, `samples.jsonl` (one line per sample, with its data row's columns, so that
-`align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL` scores it again),
-`report.md` (one comparison table and what each metric means) and PNG plots (`report.py`: metrics across
-checkpoints, training curves).
-
-    evaluate:                       # in a recipe; labels are stage ids (and `base`)
-      include_base: true
-      reward_model: ${rm}           # rm_score, win_rate, reward_hacking
-      baseline: sft                 # win rate against it
-      reference: sft                # KL to it
-      suites:
-        - arithmetic-sycophancy     # a built-in suite by name
-        - {name: arithmetic, data: {task: arithmetic, split: test, n: 300}, verifier: arithmetic,
-           sampling: {temperature: 0, max_new_tokens: 8}, pass_k: {n: 8, k: [1, 8], limit: 100}}
+Prompts are rendered with the shared convention (`formatting.py`) and sampled through `sampling.generate`: one
+completion per prompt with the suite's `sampling` (greedy by default) for pass@1, unparseable rate, length, EOS
+rate, sycophancy and the reward-model score; with `pass_k: {n: 8}`, n samples per prompt for pass@k (unbiased
+estimator, Chen et al. 2021); with a `reference`, samples at temperature 1 for KL(checkpoint || reference). Every
+checkpoint samples each suite from the same seed. `Scoring` says how checkpoints are scored, `report.Report`
+where and against which baseline the comparison is written. Each line of `samples.jsonl` carries its data row's
+columns, so that `align verify --verifier V --data samples.jsonl --where mode=main --where checkpoint=LABEL`
+scores it again. Suites with tools sample multi-turn rollouts (`tool_suites.py`) and have no KL.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config.evaluate import (
-    EvaluateSpec,
-    PassAtKSpec,
-    SuiteSpec,
-    model_of,
-    named_stage,
-)
+from ..config.evaluate import PassAtKSpec, SuiteSpec
 from ..config.model import gguf_spec
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode, render_prompt
@@ -54,7 +34,7 @@ from ..models.loading import check_model_source, load_policy, load_reward_model
 from ..models.prefix import after_prefix, shared_prefix, takes_position_ids
 from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import prompt_completion_batch, sequence_logprobs
-from ..runtime.dist import distributed_state, get_logger
+from ..runtime.dist import get_logger
 from ..sampling import generate, prefills_kept
 from ..tasks.arithmetic import agrees_with_stated
 from ..tools.registry import resolve_tools
@@ -62,98 +42,87 @@ from ..training.prompts import check_prompt_rows, prompt_of
 from ..training.scoring import score_texts
 from ..verifiers import is_pass, resolve
 from .handoff import Handoff
-from .metrics import (
-    mean,
-    paired_noise,
-    pass_at_k,
-    pass_name,
-    reward_hacking,
-    win_rate,
-)
-from .report import (
-    markdown_table,
-    plot_metrics,
-    plot_overoptimisation,
-    plot_training_curves,
-    report_markdown,
-)
+from .metrics import mean, pass_at_k, pass_name
+from .report import Report, Scores, write_report
 from .tool_suites import tool_samples
 
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """How every checkpoint is scored: the suites (their data drawn with `seed`; verifier and tool names also
+    looked up in `base_dir`), the judges as paths (`reward_model`, the KL `reference`), and the batch size of the
+    reward model's and the KL pass's forward passes."""
+    suites: list[SuiteSpec]
+    seed: int = 42
+    base_dir: Path | None = None
+    reward_model: str | None = None
+    reference: str | None = None
+    trust_remote_code: bool = False
+    batch_size: int = 64
+
+
 # ---------------------------------------------------------------------------------------------------
-# The recipe's evaluate block (validated by load_recipe in config/evaluate.py, checked by `align check`,
-# run by the runner)
+# Entry points: score, then report
 
 
-def checkpoints_of(recipe) -> dict[str, str]:
-    """{label: path} of the checkpoints the block compares: base, the chosen stages, and the baseline."""
-    spec: EvaluateSpec = recipe.evaluate
-    ids = spec.after or [s for s, c in recipe.stages.items() if c.produces_policy]
-    found = {"base": recipe.base_model()} if spec.include_base else {}
-    found.update({s: str(recipe.stage_dir(s)) for s in ids})
-    baseline = model_of(recipe, spec.baseline)
-    return found if baseline is None or baseline[0] in found else {baseline[0]: baseline[1], **found}
+def run_evaluation(checkpoints: dict[str, str], scoring: Scoring, report: Report,
+                   handoff: Handoff | None = None) -> dict:
+    """Score every checkpoint ({label: path}) and write the report into `report.out_dir`; returns {label:
+    {"SUITE/METRIC": value}}. With a `handoff`, a checkpoint it holds a result for is not scored again."""
+    if report.baseline is not None and report.baseline not in checkpoints:
+        raise UserError(f"baseline '{report.baseline}' is not one of the evaluated checkpoints: "
+                        f"{', '.join(checkpoints)}.")
+    scores = score_checkpoints(checkpoints, scoring, handoff)
+    write_report(report, scores, checkpoints, judged=scoring.reward_model is not None)
+    return scores.metrics
 
 
-def check_evaluate_block(recipe) -> None:
-    spec: EvaluateSpec = recipe.evaluate
-    load_suites(spec.suites, recipe.seed, recipe.base_dir)
-    for key in ("baseline", "reference", "reward_model"):
-        value = getattr(spec, key)
-        if value is not None and named_stage(recipe, value, f"evaluate.{key}") is None:
-            check_model_source(model_of(recipe, value)[1], f"evaluate.{key}", recipe.trust_remote_code)
+def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], out_dir: Path, *,
+                         reward_model: str | None = None, baseline: str | None = None,
+                         reference: str | None = None) -> dict:
+    """`run_evaluation` with every other setting at its default (seed 42, batch size 64): scripts and tests."""
+    scoring = Scoring(suites, reward_model=reward_model, reference=reference)
+    return run_evaluation(checkpoints, scoring, Report(Path(out_dir), baseline=baseline))
 
 
-def run_evaluate_block(recipe, labels: list[str] | None = None, run: str | None = None) -> dict:
-    """Evaluate the block's checkpoints and write the report. With `labels`, score only those checkpoints and
-    hand their results on (`handoff.py`) under the run id `run`, writing no report: an evaluation process of
-    `align run --jobs`. With `run` alone, reuse what that run's evaluation processes handed on."""
-    if not distributed_state().is_main_process:
-        return {}
-    spec: EvaluateSpec = recipe.evaluate
+def score_checkpoints(checkpoints: dict[str, str], scoring: Scoring, handoff: Handoff | None = None) -> Scores:
+    """The scores of every checkpoint, read from `handoff` where it holds this run's result for it."""
+    scores = Scores()
+    for label, _, found in scored_one_by_one(checkpoints, scoring, handoff):
+        scores.add(label, *found)
+    return scores
 
-    def ready(path: str) -> bool:  # a stage output that was never produced is skipped, not an error
-        stage = any(path == str(recipe.stage_dir(s)) for s in recipe.stages)
-        if stage and not (Path(path) / "stage.json").exists():
-            log.info(f"[eval] skipping {path}: the stage has not finished")
-            return False
-        return True
 
-    checkpoints = {label: path for label, path in checkpoints_of(recipe).items()
-                   if (labels is None or label in labels) and ready(path)}
-    baseline, reference, judge = (model_of(recipe, v) for v in (spec.baseline, spec.reference, spec.reward_model))
-    handoff = Handoff(recipe.out / ".work" / "eval", run) if run else None
-    metrics = evaluate_checkpoints(
-        checkpoints, spec.suites, recipe.out / spec.output, seed=recipe.seed, base_dir=recipe.base_dir,
-        reward_model=judge[1] if judge and ready(judge[1]) else None,
-        baseline=baseline[0] if baseline and baseline[0] in checkpoints else None,
-        reference=reference[1] if reference and ready(reference[1]) else None,
-        trust_remote_code=recipe.trust_remote_code, batch_size=spec.batch_size,
-        hacking_margin=spec.reward_hacking_margin, curves={s: recipe.stage_dir(s) for s in recipe.stages},
-        handoff=handoff, score_only=labels is not None)
-    if labels is None:
-        log.info(markdown_table(metrics))
-        if handoff is not None:
-            handoff.clear()
+def hand_on(checkpoints: dict[str, str], scoring: Scoring, handoff: Handoff) -> dict:
+    """Score every checkpoint and save each result to `handoff` as soon as it is scored, writing no report: an
+    evaluation process of `align run --jobs`. Returns {label: metrics}."""
+    metrics = {}
+    for label, path, found in scored_one_by_one(checkpoints, scoring):
+        handoff.save(label, path, *found)
+        metrics[label] = found[0]
     return metrics
 
 
-def evaluation_inputs(recipe, label: str, path: str) -> set[str]:
-    """The stages whose outputs the evaluation of checkpoint `label` reads: its own stage, the reward model's
-    and the KL reference's (the baseline is compared with only when the report is written)."""
-    spec: EvaluateSpec = recipe.evaluate
-    stages = {label} if label in recipe.stages and path == str(recipe.stage_dir(label)) else set()
-    for value in (spec.reward_model, spec.reference):
-        stage = named_stage(recipe, value, "evaluate") if value is not None else None
-        if stage is not None:
-            stages.add(stage)
-    return stages
+def scored_one_by_one(checkpoints: dict[str, str], scoring: Scoring,
+                      handoff: Handoff | None = None) -> Iterator[tuple[str, str, tuple]]:
+    """(label, path, (metrics, rows, main) as `evaluate_checkpoint` returns them) checkpoint by checkpoint."""
+    suites = load_suites(scoring.suites, scoring.seed, scoring.base_dir)
+    judges = None  # loaded once a checkpoint needs scoring: none does where every result was handed on
+    for label, path in checkpoints.items():
+        found = handoff.load(label, path) if handoff is not None else None
+        if found is None:
+            log.info(f"[eval] {label} ({path})")
+            judges = judges or load_judges(scoring)
+            found = evaluate_checkpoint(label, path, suites, judges, scoring)
+        else:
+            log.info(f"[eval] {label}: scored by this run's evaluation process ({handoff.folder / label}.json)")
+        yield label, path, found
 
 
 # ---------------------------------------------------------------------------------------------------
-# Running the evaluation
+# Scoring one checkpoint
 
 
 @dataclass
@@ -204,59 +173,22 @@ def _to_device(model):
     return model.cuda() if torch.cuda.is_available() else model
 
 
-def load_judges(reward_model: str | None, reference: str | None, trust_remote_code: bool = False) -> Judges:
-    judges = Judges()
-    if reward_model:
-        judges.reward_model = _to_device(load_reward_model(reward_model, trust_remote_code))
-        judges.reward_tokenizer = load_tokenizer(reward_model, trust_remote_code)
-    if reference:
-        judges.reference = _to_device(load_policy(reference, trust_remote_code)).eval().requires_grad_(False)
-        judges.reference_vocab = load_tokenizer(reference, trust_remote_code).get_vocab()
-        judges.reference_path = reference
+def load_judges(scoring: Scoring) -> Judges:
+    judges, trust = Judges(), scoring.trust_remote_code
+    if scoring.reward_model:
+        judges.reward_model = _to_device(load_reward_model(scoring.reward_model, trust))
+        judges.reward_tokenizer = load_tokenizer(scoring.reward_model, trust)
+    if scoring.reference:
+        judges.reference = _to_device(load_policy(scoring.reference, trust)).eval().requires_grad_(False)
+        judges.reference_vocab = load_tokenizer(scoring.reference, trust).get_vocab()
+        judges.reference_path = scoring.reference
     return judges
 
 
-def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], out_dir: Path, *,
-                         reward_model: str | None = None, baseline: str | None = None, reference: str | None = None,
-                         seed: int = 42, base_dir: Path | None = None, trust_remote_code: bool = False,
-                         batch_size: int = 64, hacking_margin: float = 0.02, curves: dict | None = None,
-                         handoff: Handoff | None = None, score_only: bool = False) -> dict:
-    """Score every checkpoint ({label: path}) on every suite; write metrics.json, samples.jsonl, report.md
-    and plots into `out_dir`. `baseline` is a label of `checkpoints`; `reward_model`, `reference` are paths.
-    With a `handoff`, a checkpoint it holds a result for is not scored again, and one scored here is saved to it;
-    `score_only`: score and save, no comparisons and no outputs (an evaluation process of `align run --jobs`)."""
-    if baseline is not None and baseline not in checkpoints and not score_only:
-        raise UserError(f"baseline '{baseline}' is not one of the evaluated checkpoints: {', '.join(checkpoints)}.")
-    out_dir = Path(out_dir)
-    loaded = load_suites(suites, seed, base_dir)
-    judges = None  # loaded once a checkpoint needs scoring: none does where every result was handed on
-    metrics, samples, main = {}, [], {}
-    for label, path in checkpoints.items():
-        found = handoff.load(label, path) if handoff is not None and not score_only else None
-        if found is None:
-            log.info(f"[eval] {label} ({path})")
-            judges = judges or load_judges(reward_model, reference, trust_remote_code)
-            found = evaluate_checkpoint(label, path, loaded, judges, seed, batch_size, trust_remote_code)
-            if handoff is not None and score_only:
-                handoff.save(label, path, *found)
-        else:
-            log.info(f"[eval] {label}: scored by this run's evaluation process ({handoff.folder / label}.json)")
-        metrics[label], rows, main[label] = found
-        samples.extend(rows)
-    if score_only:
-        return metrics
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if baseline is not None and reward_model is not None:
-        add_comparisons(metrics, main, baseline, hacking_margin)
-    write_outputs(out_dir, metrics, samples, checkpoints, baseline, hacking_margin, curves)
-    log.info(f"[eval] metrics, samples, report and plots written to {out_dir}")
-    return metrics
-
-
-def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judges, seed: int = 42,
-                        batch_size: int = 64, trust_remote_code: bool = False):
+def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judges, scoring: Scoring):
     """(metrics {"SUITE/METRIC": value}, per-sample rows, {suite: (main texts, rm scores, per-prompt gold)}) of
     one checkpoint."""
+    seed, batch_size, trust_remote_code = scoring.seed, scoring.batch_size, scoring.trust_remote_code
     tokenizer = load_tokenizer(path, trust_remote_code)
     if judges.reference is not None and tokenizer.get_vocab() != judges.reference_vocab:
         raise UserError(f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer.")
@@ -403,8 +335,8 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     KL(pi || ref) per completion (unbiased; single samples can be negative): http://joschu.net/blog/kl-approx.html.
     The policy's term is the sampler's own log-probs where every sample carries them (`engine: loop` records
     log-softmax(logits) of each drawn token, and KL samples are drawn at temperature 1 without truncation), so only
-    the reference runs a forward pass; it equals the policy's re-score to 2e-5 per token (SmolLM2, fp32, CPU;
-    tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
+    the reference runs a forward pass; it equals the policy's re-score up to float rounding (measured:
+    docs/performance.md#evaluation; tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
     the policy re-scored as well. A batch's shared prompt prefix runs once (`models.prefix`: the same values up
     to summation order)."""
     pad = pad_token_id(tokenizer)
@@ -438,54 +370,21 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def add_comparisons(metrics: dict, main: dict, baseline: str, margin: float) -> None:
-    """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag: the
-    reward model's score (the proxy) rose while the gold measure fell, the suite's `gold` where it has one, else
-    its verifier's pass@1, by more than `margin` and than the noise of the per-prompt differences."""
-    for label, suites in main.items():
-        for suite, (texts, rm_scores, gold_values) in suites.items():
-            base_texts, base_scores, base_gold = main[baseline][suite]
-            m, b = metrics[label], metrics[baseline]
-            m[f"{suite}/win_rate"] = win_rate(rm_scores, base_scores, texts, base_texts)
-            gold = next((f"{suite}/{k}" for k in ("gold", "pass@1") if f"{suite}/{k}" in m), None)
-            if gold is not None:
-                gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[gold] - b[gold])
-                noise = paired_noise(gold_values, base_gold) if gold_values and base_gold else 0.0
-                m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin, noise=noise))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Outputs
-
-
-def write_outputs(out_dir: Path, metrics: dict, samples: list[dict], paths: dict[str, str], baseline: str | None,
-                  margin: float = 0.02, curves: dict | None = None) -> None:
-    (out_dir / "metrics.json").write_text(json.dumps({"checkpoints": metrics, "paths": paths, "baseline": baseline},
-                                                     indent=2))
-    with open(out_dir / "samples.jsonl", "w") as handle:
-        handle.writelines(json.dumps(row, default=str) + "\n" for row in samples)
-    images = [p for p in [plot_metrics(metrics, out_dir / "metrics.png")] if p]
-    folders = curves or {name: Path(p) for name, p in paths.items()}
-    images += plot_training_curves(folders, out_dir)
-    images += [p for p in [plot_overoptimisation(folders, out_dir / "overoptimisation.png")] if p]
-    (out_dir / "report.md").write_text(report_markdown(metrics, paths, baseline, margin, images))
-
-
-def prepare_checkpoints(checkpoints: list[str], out: Path, reward_model: str | None = None, baseline: str | None = None,
-                        reference: str | None = None, trust_remote_code: bool = False) -> tuple[dict[str, str], str | None]:
+def prepare_checkpoints(checkpoints: list[str], scoring: Scoring, report: Report) -> tuple[dict[str, str], Scoring]:
     """`align eval`'s models made ready before anything is scored: a .gguf checkpoint, baseline or reference is
-    converted once under `out/converted`, every other source must resolve. Returns ({name: path} with the baseline
-    first when it is not among the checkpoints, the reference's path)."""
+    converted once under `<out_dir>/converted`, every other source must resolve. Returns ({name: path} with the
+    baseline first when it is not among the checkpoints, `scoring` with the reference's path)."""
+    reward_model, baseline, reference = scoring.reward_model, report.baseline, scoring.reference
     converted = {}
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--baseline", baseline), ("--reference", reference)]:
         if value is not None and gguf_spec(value) is not None and value not in converted:
             file = gguf_spec(value).locate(name)
-            converted[value] = str(convert_gguf(file, out / "converted" / file.stem))
+            converted[value] = str(convert_gguf(file, Path(report.out_dir) / "converted" / file.stem))
     for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
                                                                      ("--baseline", baseline), ("--reference", reference)]:
         if value is not None and value not in converted:
-            check_model_source(value, name, trust_remote_code)
+            check_model_source(value, name, scoring.trust_remote_code)
     paths = {c: converted.get(c, c) for c in checkpoints}
     if baseline is not None and baseline not in paths:
         paths = {baseline: converted.get(baseline, baseline), **paths}
-    return paths, converted.get(reference, reference)
+    return paths, replace(scoring, reference=converted.get(reference, reference))

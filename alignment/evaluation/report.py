@@ -1,6 +1,8 @@
-"""The evaluation report: comparison tables (Markdown, rich), `report.md`, and PNG plots of each metric
-across checkpoints, of each stage's training curves and, for the RL stages, of gold and proxy score against
-KL to the reference over training (from the `log_history.json` the runner writes).
+"""The evaluation report, written from the checkpoints' scores (`evaluate.py`): the comparisons with the
+baseline (win rate, the reward-hacking flag), `metrics.json`, `samples.jsonl`, `report.md` with one comparison
+table (Markdown; `rich_table` for the terminal), and PNG plots of each metric across checkpoints, of each stage's
+training curves and, for the RL stages, of gold and proxy score against KL to the reference over training (from
+the `log_history.json` the runner writes).
 
 Plots are drawn on `matplotlib.figure.Figure` objects saved by the Agg renderer, never through pyplot,
 so no display, GUI backend or global figure state is involved (safe in tests and on servers).
@@ -16,10 +18,81 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.figure import Figure
 from rich.table import Table
+
+from ..runtime.dist import get_logger
+from .metrics import paired_noise, reward_hacking, win_rate
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Where the report goes and what it compares against: `baseline`, a label among the checkpoints (win rate
+    and the reward-hacking flag, both judged by the reward model); `hacking_margin`, the flag's margin;
+    `curves`, {name: folder} whose training logs are plotted (default: the checkpoints' own folders)."""
+    out_dir: Path
+    baseline: str | None = None
+    hacking_margin: float = 0.02
+    curves: dict[str, Path] | None = None
+
+
+@dataclass
+class Scores:
+    """What the report is written from, checkpoint by checkpoint, in the order they were scored."""
+    metrics: dict[str, dict] = field(default_factory=dict)  # {label: {"SUITE/METRIC": value}}
+    samples: list[dict] = field(default_factory=list)  # the lines of samples.jsonl
+    main: dict[str, dict] = field(default_factory=dict)  # {label: {suite: (texts, rm scores, per-prompt gold)}}
+
+    def add(self, label: str, metrics: dict, rows: list[dict], main: dict) -> None:
+        self.metrics[label], self.main[label] = metrics, main
+        self.samples.extend(rows)
+
+
+def write_report(report: Report, scores: Scores, paths: dict[str, str], judged: bool) -> None:
+    """Compare each checkpoint with the baseline where a reward model judged them (`judged`), then write
+    metrics.json, samples.jsonl, the plots and report.md into `report.out_dir`."""
+    out_dir = Path(report.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if report.baseline is not None and judged:
+        add_comparisons(scores.metrics, scores.main, report.baseline, report.hacking_margin)
+    write_outputs(out_dir, scores.metrics, scores.samples, paths, report.baseline, report.hacking_margin,
+                  report.curves)
+    log.info(f"[eval] metrics, samples, report and plots written to {out_dir}")
+
+
+def add_comparisons(metrics: dict, main: dict, baseline: str, margin: float) -> None:
+    """Win rate against the baseline (same prompts, judged by the reward model) and the reward-hacking flag: the
+    reward model's score (the proxy) rose while the gold measure fell, the suite's `gold` where it has one, else
+    its verifier's pass@1, by more than `margin` and than the noise of the per-prompt differences."""
+    for label, suites in main.items():
+        for suite, (texts, rm_scores, gold_values) in suites.items():
+            base_texts, base_scores, base_gold = main[baseline][suite]
+            m, b = metrics[label], metrics[baseline]
+            m[f"{suite}/win_rate"] = win_rate(rm_scores, base_scores, texts, base_texts)
+            gold = next((f"{suite}/{k}" for k in ("gold", "pass@1") if f"{suite}/{k}" in m), None)
+            if gold is not None:
+                gains = (m[f"{suite}/rm_score"] - b[f"{suite}/rm_score"], m[gold] - b[gold])
+                noise = paired_noise(gold_values, base_gold) if gold_values and base_gold else 0.0
+                m[f"{suite}/reward_hacking"] = float(reward_hacking(*gains, margin=margin, noise=noise))
+
+
+def write_outputs(out_dir: Path, metrics: dict, samples: list[dict], paths: dict[str, str], baseline: str | None,
+                  margin: float = 0.02, curves: dict | None = None) -> None:
+    (out_dir / "metrics.json").write_text(json.dumps({"checkpoints": metrics, "paths": paths, "baseline": baseline},
+                                                     indent=2))
+    with open(out_dir / "samples.jsonl", "w") as handle:
+        handle.writelines(json.dumps(row, default=str) + "\n" for row in samples)
+    images = [p for p in [plot_metrics(metrics, out_dir / "metrics.png")] if p]
+    folders = curves or {name: Path(p) for name, p in paths.items()}
+    images += plot_training_curves(folders, out_dir)
+    images += [p for p in [plot_overoptimisation(folders, out_dir / "overoptimisation.png")] if p]
+    (out_dir / "report.md").write_text(report_markdown(metrics, paths, baseline, margin, images))
+
 
 METRIC_HELP = {
     "pass@1": "share of prompts whose main completion (the suite's `sampling`, greedy by default) passes the "
