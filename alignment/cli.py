@@ -62,27 +62,13 @@ def run(
                                                   "this process (an evaluation process of --jobs; repeatable)"),
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
-    import os
-
     from .config.recipe import load_recipe
-    from .evaluation.evaluate import run_evaluate_block
-    from .evaluation.handoff import RUN_ENV
-    from .run.runner import close_process_group, run_recipe
+    from .run.runner import run_command
 
     _setup()
     loaded = load_recipe(recipe, overrides or [])
-    if eval_only:
-        if loaded.evaluate is None or not os.environ.get(RUN_ENV):
-            raise UserError("--eval-only is the evaluation process of `align run --jobs N` and runs only under it "
-                            "(the recipe's evaluate block, the run's id in the environment); run `align run RECIPE` "
-                            "or `align eval` instead.")
-        run_evaluate_block(loaded, labels=eval_only, run=os.environ[RUN_ENV])
-        return
-    try:
-        run_recipe(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
-                   evaluate=not no_eval, jobs=jobs)
-    finally:
-        close_process_group()
+    run_command(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
+                evaluate=not no_eval, jobs=jobs, eval_only=eval_only)
 
 
 @app.command()
@@ -150,17 +136,17 @@ def eval_checkpoints(
     from rich.console import Console
 
     from .config.evaluate import cli_suites
-    from .evaluation.evaluate import evaluate_checkpoints, prepare_checkpoints
-    from .evaluation.report import rich_table
+    from .evaluation.evaluate import Scoring, prepare_checkpoints, run_evaluation
+    from .evaluation.report import Report, rich_table
 
     _setup()
     suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
                                   temperature=temperature)
-    paths, reference = prepare_checkpoints(checkpoints, out, reward_model=reward_model, baseline=baseline,
-                                           reference=reference, trust_remote_code=trust_remote_code)
-    metrics = evaluate_checkpoints(paths, suites, out, reward_model=reward_model, baseline=baseline,
-                                   reference=reference, seed=seed, base_dir=base_dir,
-                                   trust_remote_code=trust_remote_code)
+    scoring = Scoring(suites, seed=seed, base_dir=base_dir, reward_model=reward_model, reference=reference,
+                      trust_remote_code=trust_remote_code)
+    report = Report(out, baseline=baseline)
+    paths, scoring = prepare_checkpoints(checkpoints, scoring, report)
+    metrics = run_evaluation(paths, scoring, report)
     Console().print(rich_table(metrics))
     print(f"report: {out / 'report.md'}")
 
@@ -274,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _click_classes(name: str) -> tuple[type, ...]:
-    """Class `name` from every click that may raise it: typer >= 0.2x vendors its own copy
-    (typer._click, with Exit and Abort in typer.exceptions), older typer raises click's own. Matching
+    """Class `name` from every click that may raise it: newer typer releases vendor their own copy
+    (typer._click, with Exit and Abort in typer.exceptions), older ones raise click's own. Matching
     all of them keeps a typer upgrade or downgrade from turning a usage error back into a traceback."""
     import importlib
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
-from alignment.evaluation import evaluate
+from alignment.evaluation import block
 from alignment.evaluation.handoff import Handoff
 from alignment.run import jobs, runner
 from alignment.run.runner import run_recipe
@@ -219,7 +219,7 @@ def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(tmp_pa
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # what each evaluation process had
-        alone = evaluate.run_evaluate_block(load_recipe(path))
+        alone = block.run_evaluate_block(load_recipe(path))
     finally:
         torch.set_num_threads(threads)
     assert alone == parallel["checkpoints"]

@@ -29,7 +29,7 @@ from .. import sampling
 from ..config.base import did_you_mean
 from ..config.recipe import GgufSpec, Recipe, TinyModel
 from ..errors import UserError
-from ..evaluation.evaluate import (
+from ..evaluation.block import (
     check_evaluate_block,
     checkpoints_of,
     evaluation_inputs,
@@ -44,7 +44,7 @@ from ..runtime.files import write_atomic
 from ..runtime.redact import redact
 from ..stages import stage_module
 from ..training.context import StageContext
-from .jobs import run_in_parallel
+from .jobs import evaluation_process, run_in_parallel
 from .model_card import write_model_card
 
 log = get_logger(__name__)
@@ -126,6 +126,19 @@ def _checkable(recipe: Recipe, model: str) -> str:
     return model if (Path(model) / "config.json").exists() else recipe.base_model()
 
 
+def run_command(recipe: Recipe, *, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
+                evaluate: bool = True, jobs: int = 1, eval_only: list[str] | None = None) -> None:
+    """What `align run` does: run the recipe (`run_recipe`), then tear the process group down; with `eval_only`
+    (the hidden `--eval-only LABEL`), be an evaluation process of a `--jobs` run instead (`jobs.py`)."""
+    if eval_only:
+        evaluation_process(recipe, eval_only)
+        return
+    try:
+        run_recipe(recipe, force=force, only=only, start_from=start_from, evaluate=evaluate, jobs=jobs)
+    finally:
+        close_process_group()
+
+
 def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
                evaluate: bool = True, jobs: int = 1) -> dict[str, dict]:
     """Run the selected unfinished stages, then the evaluate block. With `jobs` > 1, independent stages
@@ -186,9 +199,9 @@ def check_inputs_produced(recipe: Recipe, stage_ids: list[str]) -> None:
 def flush_denormals() -> bool:
     """Make CPU arithmetic treat denormal floats (below ~1.2e-38 in fp32) as zero. Once a reward model
     separates its pairs by wide margins, its loss gradients shrink to e^-30 and below, and x86 CPUs
-    compute with such numbers in slow microcode: the backward pass ran 4.4x slower, and a 3000-step
-    reward-model run slowed from 4.6 to 1.2 steps/s as training went on (docs/performance.md). No
-    training signal lives in values that small. Returns False where the CPU cannot flush them."""
+    compute with such numbers in slow microcode, so a long reward-model run slows down as it trains
+    (measured: docs/performance.md#denormals). No training signal lives in values that small. Returns
+    False where the CPU cannot flush them."""
     return torch.set_flush_denormal(True)
 
 
