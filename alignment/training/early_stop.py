@@ -1,8 +1,9 @@
 """Early stopping on a gold measure (ppo's `early_stop:`): where over-optimisation of a reward model shows as
 the gold measure falling while the proxy still rises (Gao et al. 2022, arXiv:2210.10760), the policy worth
-keeping is the one where gold peaked. One update's gold is a mean over its rollouts, noisy (its standard error
-shrinks only as 1/sqrt(rollouts)), so the watch compares the average of the last `window` updates; the policy kept is the one that sampled
-the newest rollout in the best window (the check runs between an update's rollout and its training)."""
+keeping is the one where gold peaked. One update's gold is a mean over its rollouts, noisy (its standard
+error shrinks only as 1/sqrt(rollouts)), so the watch compares the average of the last `window` updates; the
+policy kept is the one that sampled the newest rollout in the best window (the check runs between an update's
+rollout and its training)."""
 
 from __future__ import annotations
 
