@@ -40,7 +40,17 @@ MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 1638
 _LOCKED_FLAGS = [(getattr(os, f"ST_{name}", 0), ms) for name, ms in
                  [("NODEV", MS_NODEV), ("NOEXEC", MS_NOEXEC), ("NOATIME", MS_NOATIME),
                   ("NODIRATIME", MS_NODIRATIME), ("RELATIME", MS_RELATIME)]]
+MS_PRIVATE, MNT_DETACH = 1 << 18, 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+# securebits: NOROOT, NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE set, KEEP_CAPS clear, all four locked
+SECURE_BITS = 0b1110_1111
+_CAP_VERSION_3 = 0x20080522
+# pivot_root has no libc wrapper: the syscall's number per machine (the generic table where absent)
+_PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203,
+                       "ppc64": 203, "s390x": 217, "i686": 217, "i386": 217, "armv7l": 218}
+_DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
+              "/dev/stderr": "/proc/self/fd/2"}
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -80,37 +90,73 @@ def _mount_points():
 
 
 def _freeze_file_systems():
-    """Make every existing mount read-only in our mount namespace (the host is unaffected), so the
-    program can write only to the tmpfs mounted afterwards. Mounts that refuse are left as they
-    are; the probe checks that / itself ended up read-only."""
+    """Make every mount of the new root read-only except /tmp and the device nodes. A bind that
+    refuses is a setup error; /proc's own submounts may refuse (the code cannot write there anyway)."""
     for point in _mount_points():
+        if point == "/tmp" or point.startswith(("/tmp/", "/dev/")):
+            continue
         try:
             _remount_read_only(point)
         except OSError:
-            pass
+            if not _under(point, "/proc"):
+                raise
+
+
+def _bind(source_fd, target, is_dir):
+    os.makedirs(target if is_dir else os.path.dirname(target), 0o755, exist_ok=True)
+    if not is_dir:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))  # a mount point for one file
+    _mount(f"/proc/self/fd/{source_fd}", target, None, MS_BIND | MS_REC, None)
+
+
+def _pivot_root(new_root):
+    """Make new_root the root of this mount namespace and detach the old root: unlike chroot, the
+    host's tree is then unreachable, even for a process with capabilities in a user namespace."""
+    number = _PIVOT_ROOT_SYSCALL.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"pivot_root: no syscall number known for {os.uname().machine}")
+    os.chdir(new_root)
+    if _LIBC.syscall(number, b".", b".") != 0:  # the old root is now stacked on top of "."
+        err = ctypes.get_errno()
+        raise OSError(err, f"pivot_root: {os.strerror(err)}")
+    if _LIBC.umount2(b".", MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount the old root: {os.strerror(err)}")
+    os.chdir("/")
 
 
 def _build_view(plan):
-    """Freeze the file systems; hide /tmp & co. and the caller's home behind fresh tmpfs mounts;
-    re-expose the Python installation read-only."""
-    # O_PATH handles taken before anything is hidden let us bind-mount the originals back later
-    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in plan["expose"]}
-    _freeze_file_systems()
-    covered = []
-    for target in sorted(plan["cover"], key=lambda p: p.count("/")):
-        if os.path.isdir(target) and not os.path.islink(target):
-            mode, size = ("1777", plan["tmpfs_mb"]) if target == "/tmp" else ("755", 8)
-            _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,mode={mode}")
-            covered.append(target)
-    for path, fd in handles.items():
-        if any(_under(path, c) for c in covered):
-            os.makedirs(path, 0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
-            _remount_read_only(path)
+    """A fresh root: an empty tmpfs into which only what the interpreter needs (plan["binds"]: the
+    system's program and library directories, the Python installation, the loader's files, a few
+    /dev nodes, /proc) is bind-mounted, then frozen read-only; a private tmpfs /tmp holds the work
+    directory. No host socket, no data, no home, no /run and no /work exist inside."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here propagates to the host
+    binds = {p: os.open(p, os.O_PATH) for p in [*plan["binds"], "/proc"]}
+    root = plan["new_root"]
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path, fd in binds.items():
+        _bind(fd, root + path, os.path.isdir(f"/proc/self/fd/{fd}"))
         os.close(fd)
-    os.makedirs(plan["workdir"], 0o700, exist_ok=True)
+    for path, target in {**plan["links"], **_DEV_LINKS}.items():
+        os.makedirs(os.path.dirname(root + path), 0o755, exist_ok=True)
+        os.symlink(target, root + path)
+    for name, text in _etc_files(plan).items():
+        with open(f"{root}/etc/{name}", "w", encoding="utf-8") as f:
+            f.write(text)
+    os.makedirs(root + "/tmp", 0o755)
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmpfs_mb']}m,mode=1777")
+    os.makedirs(root + plan["workdir"], 0o700)
     if plan["mode"] == "unshare-root":
-        os.chown(plan["workdir"], plan["uid"], plan["gid"])
+        os.chown(root + plan["workdir"], plan["uid"], plan["gid"])
+    _pivot_root(root)
+    _freeze_file_systems()
+
+
+def _etc_files(plan):
+    """Account files naming only the sandbox's users, not the host's."""
+    uid, gid = plan.get("uid", 0), plan.get("gid", 0)
+    return {"passwd": f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{gid}::{plan['workdir']}:/bin/false\n",
+            "group": f"root:x:0:\nsandbox:x:{gid}:\n"}
 
 
 def _supervise(runner_pid, plan):
@@ -140,7 +186,8 @@ def _terminate(runner_pid):
 
 
 def _kill_leftovers():
-    """Without a pid namespace: kill orphans that were reparented to us (we are a subreaper)."""
+    """Without a pid namespace: kill the orphans reparented to us (we are a subreaper) and reap each
+    one, so that none is left a zombie of the caller's init when we exit."""
     for _ in range(100):
         try:
             with open(f"/proc/self/task/{os.getpid()}/children") as f:
@@ -154,12 +201,28 @@ def _kill_leftovers():
                 os.kill(kid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        while True:
+        for _ in kids:  # each was killed: the wait is short
             try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
+                os.waitpid(-1, 0)
             except ChildProcessError:
-                break
+                return
+
+
+def _drop_capabilities():
+    """User-namespace mode: the code is root of its namespace, with every capability over its own
+    mounts and processes (it could remount a bind read-write, or trace the runner). Drop them all for
+    good: the bounding and ambient sets, the process's own sets, and (securebits) uid 0's regaining
+    them at exec."""
+    _prctl(PR_SET_SECUREBITS, SECURE_BITS)
+    with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        _prctl(PR_CAPBSET_DROP, cap)
+    _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    header, data = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0), (ctypes.c_uint32 * 6)()
+    if _LIBC.capset(header, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
 
 
 def _drop_privileges(plan):
@@ -171,7 +234,9 @@ def _drop_privileges(plan):
     if plan["mode"] == "unshare-root":
         os.setgroups([])
         os.setgid(plan["gid"])
-        os.setuid(plan["uid"])
+        os.setuid(plan["uid"])  # clears every capability
+    elif plan["mode"] == "unshare-userns":
+        _drop_capabilities()
     _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot gain privileges
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     _prctl(PR_SET_DUMPABLE, 0)  # other processes (its own children too) cannot read its memory

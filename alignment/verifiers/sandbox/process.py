@@ -18,15 +18,16 @@ files, or the total memory of many processes); the full threat model is docs/san
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import math
 import os
+import re
 import resource
 import secrets
 import select
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -40,9 +41,12 @@ from alignment.errors import UserError
 MODES = ("unshare-root", "unshare-userns", "none")
 EXIT_SYNTAX, EXIT_SETUP = 3, 70  # must match harness.py
 SANDBOX_UID = SANDBOX_GID = 65534  # "nobody"/"nogroup" on Debian, Ubuntu, Fedora
+FALLBACK_PROCESSES = 4  # tasks per call where no cgroup can be made (see _fallback)
 _WORKDIR_INSIDE = "/tmp/work"  # on the sandbox's own tmpfs
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-_SYSTEM_DIRS = {"/", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/opt", "/var", "/proc", "/dev", "/sys"}
+# the sandbox's root holds only these (where they exist) and the Python installation; see _view
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_LOADER_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime")
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _HARNESS = Path(__file__).with_name("harness.py")
 _SAFE_COMPARE = Path(__file__).with_name("safe_compare.py")  # run by the harness, not imported
 _PR_SET_PDEATHSIG = 1
@@ -68,8 +72,10 @@ class Limits:
 @dataclass(frozen=True)
 class SandboxResult:
     """passed: exit 0 and the nonce was written after the tests.
-    status: "passed", "failed", "timeout", "syntax_error" (the code does not compile) or
-    "setup_error" (the sandbox itself failed). output: head and tail of stdout+stderr."""
+    status: "passed", "failed", "timeout", "memory" (the call's processes together reached
+    `memory_mb` and the kernel killed one: cgroup only), "syntax_error" (the code does not compile) or
+    "setup_error" (the sandbox itself failed). output: head and tail of stdout+stderr.
+    memory_bound: "cgroup" (the call's total) or "rlimit" (per process; see `_fallback`)."""
 
     passed: bool
     status: str
@@ -77,6 +83,7 @@ class SandboxResult:
     output: str
     duration_s: float
     mode: str
+    memory_bound: str = "rlimit"
 
 
 def _harness_source() -> str:
@@ -94,34 +101,163 @@ def _python_paths() -> list[str]:
     return [p for p in paths if not any(q != p and p.startswith(q.rstrip("/") + "/") for q in paths)]
 
 
-def _blocked_ancestors(paths: list[str], uid: int) -> list[str]:
-    """The highest directory above each path that `uid` cannot traverse (e.g. /root, mode 700)."""
-    blocked = []
-    for path in paths:
-        parts = Path(path).parts
-        for i in range(2, len(parts) + 1):
-            d = str(Path(*parts[:i]))
-            st = os.stat(d)
-            if st.st_uid != uid and not st.st_mode & stat.S_IXOTH:
-                blocked.append(d)
-                break
-    return blocked
+def _view(host_root: str) -> dict:
+    """What the sandbox's root holds, bound read-only from the host: directories and files to bind,
+    symlinks to copy (merged-/usr systems link /bin to usr/bin)."""
+    binds, links = [], {}
+    for path in (*_SYSTEM_PATHS, *_LOADER_FILES, *_DEVICES):
+        if os.path.islink(path) and not path.startswith("/dev/"):
+            links[path] = os.readlink(path)
+        elif os.path.exists(path):
+            binds.append(path)
+    for path in _python_paths():
+        if not any(path == b or path.startswith(b + "/") for b in binds):
+            binds.append(path)
+    return {"new_root": host_root, "binds": binds, "links": links}
 
 
-def _plan(mode: str, host_workdir: str, limits: Limits) -> dict:
+def _plan(mode: str, host_root: str, host_workdir: str, limits: Limits) -> dict:
     """What the harness does before running the code (see harness.py)."""
     plan = {"mode": mode, "max_processes": limits.max_processes, "tmpfs_mb": limits.tmpfs_mb}
     if mode == "none":
         return {**plan, "workdir": host_workdir}
-    home = os.path.realpath(os.path.expanduser("~"))
-    cover = list(_WORLD_WRITABLE)
-    if os.path.isdir(home) and home not in _SYSTEM_DIRS:
-        cover.append(home)  # ~/.cache/huggingface/token, ~/.netrc, ~/.ssh ...
-    expose = _python_paths()
-    if mode == "unshare-root":
-        cover += _blocked_ancestors(expose, SANDBOX_UID)
-    return {**plan, "workdir": _WORKDIR_INSIDE, "uid": SANDBOX_UID, "gid": SANDBOX_GID,
-            "cover": sorted(set(cover)), "expose": expose}
+    return {**plan, **_view(host_root), "workdir": _WORKDIR_INSIDE, "uid": SANDBOX_UID, "gid": SANDBOX_GID}
+
+
+class _CallGroup:
+    """A cgroup of one call, made under the caller's own: every process of the call together stays
+    under `memory_mb` (no swap) and, where the pids controller is there, under max_processes + 2 tasks
+    (unshare and the supervisor). `create` returns None where no such cgroup can be made (not root,
+    a read-only cgroup file system, no memory controller): the caller then falls back to rlimits."""
+
+    def __init__(self, dirs: list[str], events: str):
+        self.dirs, self.events = dirs, events
+        self.fds = [os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC) for d in dirs]
+
+    @classmethod
+    def create(cls, limits: Limits) -> _CallGroup | None:
+        try:
+            bases = _cgroup_bases()
+        except (OSError, ValueError):
+            return None
+        name, budget = f"alignment-sandbox-{secrets.token_hex(8)}", str(limits.memory_mb * 1024 * 1024)
+        tasks = str(limits.max_processes + 2)
+        if "memory" in bases:  # cgroup v1: one hierarchy per controller
+            groups = [(bases["memory"], {"memory.limit_in_bytes": budget}, {"memory.memsw.limit_in_bytes": budget}),
+                      (bases.get("pids"), {}, {"pids.max": tasks})]
+            events = "memory.oom_control"
+        elif "v2" in bases and _enable_v2(bases["v2"]):
+            groups, events = [(bases["v2"], {"memory.max": budget}, {"memory.swap.max": "0", "pids.max": tasks})], "memory.events"
+        else:
+            return None
+        made: list[str] = []
+        try:
+            for base, required, optional in groups:
+                if base is None:
+                    continue
+                try:
+                    os.mkdir(os.path.join(base, name))
+                except OSError:
+                    if required:
+                        raise
+                    continue  # the pids group is a bonus: RLIMIT_NPROC still applies
+                made.append(os.path.join(base, name))
+                _write_settings(made[-1], required, optional)
+            return cls(made, os.path.join(made[0], events))
+        except OSError:
+            _remove_groups(made)
+            return None
+
+    def enter(self) -> None:
+        """In the child before exec (preexec_fn): move itself into every group ("0" = the writer)."""
+        for fd in self.fds:
+            os.write(fd, b"0")
+
+    def oom_kills(self) -> int:
+        try:
+            with open(self.events, encoding="ascii") as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+        except OSError:
+            return 0
+        return int(counts.get("oom_kill", 0))
+
+    def close(self) -> None:
+        """Kill whatever is still in the groups, then remove them."""
+        for fd in self.fds:
+            os.close(fd)
+        _remove_groups(self.dirs)
+
+
+def _cgroup_bases() -> dict[str, str]:
+    """The caller's own cgroup directory for "memory" and "pids" (v1) and "v2" (the unified tree)."""
+    own = {}
+    with open("/proc/self/cgroup", encoding="utf-8") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(",") if controllers else ["v2"]:
+                own[controller] = path
+    bases: dict[str, str] = {}
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            fstype, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+            keys = ["v2"] if fstype == "cgroup2" else [k for k in ("memory", "pids") if k in options]
+            root = fields[3]
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            for key in keys if fstype in ("cgroup", "cgroup2") else []:
+                path = own.get(key)
+                if key in bases or path is None or not (path + "/").startswith(root.rstrip("/") + "/"):
+                    continue
+                directory = os.path.join(point, path[len(root.rstrip("/")):].lstrip("/"))
+                if os.access(directory, os.W_OK):
+                    bases[key] = directory
+    return bases
+
+
+def _enable_v2(base: str) -> bool:
+    """Whether children of `base` get the memory controller (enabling it fails where `base` holds
+    processes and is not the root: the v2 rule that processes live only in leaves)."""
+    try:
+        with open(os.path.join(base, "cgroup.subtree_control"), encoding="ascii") as f:
+            if "memory" in f.read().split():
+                return True
+        with open(os.path.join(base, "cgroup.subtree_control"), "w", encoding="ascii") as f:
+            f.write("+memory")
+    except OSError:
+        return False
+    try:
+        with open(os.path.join(base, "cgroup.subtree_control"), "w", encoding="ascii") as f:
+            f.write("+pids")
+    except OSError:
+        pass  # RLIMIT_NPROC still applies
+    return True
+
+
+def _write_settings(directory: str, required: dict[str, str], optional: dict[str, str]) -> None:
+    for name, value in {**required, **optional}.items():
+        try:
+            with open(os.path.join(directory, name), "w", encoding="ascii") as f:
+                f.write(value)
+        except OSError:
+            if name in required:
+                raise
+
+
+def _remove_groups(dirs: list[str]) -> None:
+    """SIGKILL what is left in each group, then rmdir it (retried while its last tasks exit)."""
+    for directory in dirs:
+        for _ in range(100):
+            try:
+                with open(os.path.join(directory, "cgroup.procs"), encoding="ascii") as f:
+                    pids = [int(pid) for pid in f.read().split()]
+                for pid in pids:
+                    _kill(pid)
+                os.rmdir(directory)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
 
 
 def _command(mode: str, result_fd: int, payload: str) -> list[str]:
@@ -140,7 +276,17 @@ def _env(workdir: str) -> dict[str, str]:
             "HOME": workdir, "TMPDIR": workdir}
 
 
-def _limiter(limits: Limits):
+def _fallback(limits: Limits, mode: str, group: _CallGroup | None) -> Limits:
+    """The limits to apply: as given under a cgroup; without one, the call's total is bounded by
+    rlimits instead, at most FALLBACK_PROCESSES tasks (RLIMIT_NPROC, threads count) sharing
+    `memory_mb` of address space. "none" mode has no per-call process count, so no total."""
+    if group is not None or mode == "none":
+        return limits
+    processes = max(1, min(limits.max_processes, FALLBACK_PROCESSES))
+    return dataclasses.replace(limits, max_processes=processes, memory_mb=max(1, limits.memory_mb // processes))
+
+
+def _limiter(limits: Limits, group: _CallGroup | None):
     """preexec_fn: runs in the forked child before exec; only async-signal-safe-ish syscalls."""
     cpu = math.ceil(limits.timeout) + 1
     mib = 1024 * 1024
@@ -156,6 +302,8 @@ def _limiter(limits: Limits):
     # namespace: root ignores it, and set before unshare creates a user namespace it would cap that
     # namespace at the caller's own process count (ucounts are checked at every level).
     def preexec() -> None:
+        if group is not None:
+            group.enter()
         for which, value in settings:
             resource.setrlimit(which, value)
         if _LIBC is not None and sys.platform.startswith("linux"):
@@ -188,6 +336,38 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def _stop(proc: subprocess.Popen, mode: str, timed_out: bool) -> int:
+    """End the run and reap its top process, leaving no zombie behind for the caller's init.
+
+    Killing unshare and the namespace's init together would orphan the init, and its zombie would
+    go to the caller's init (a trainer that is pid 1 of a container never reaps it). So the init
+    dies first, unshare reaps it and exits, and only then is the group killed and unshare reaped."""
+    if timed_out and mode == "none":  # no pid namespace: let the supervisor kill orphans first
+        os.kill(proc.pid, signal.SIGTERM)  # not proc.send_signal: it may reap the leader
+        _wait(proc, 1.0)
+    elif timed_out:
+        for child in _children(proc.pid):
+            _kill(child)  # the namespace's init: every process inside dies with it
+        _wait(proc, 1.0)
+    _kill_group(proc.pid)  # the leader is not reaped yet, so its pgid cannot be reused
+    return proc.wait()
 
 
 def _read_available(fd: int, limit: int = 256) -> bytes:
@@ -223,12 +403,20 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=retry)
 
 
-def _classify(timed_out: bool, rc: int, nonce_ok: bool) -> str:
+def _classify(timed_out: bool, rc: int, nonce_ok: bool, out_of_memory: bool) -> str:
     if timed_out:
         return "timeout"
     if rc == 0 and nonce_ok:
         return "passed"
+    if out_of_memory:
+        return "memory"
     return {EXIT_SYNTAX: "syntax_error", EXIT_SETUP: "setup_error"}.get(rc, "failed")
+
+
+def _write_payload(path: str, plan: dict, code: str, tests: str, nonce: str) -> None:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
+        json.dump({"plan": plan, "code": code, "tests": tests, "nonce": nonce,
+                   "safe_compare": _SAFE_COMPARE.read_text(encoding="utf-8")}, f)
 
 
 def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
@@ -236,40 +424,41 @@ def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
     start = time.monotonic()
     host = tempfile.mkdtemp(prefix="alignment-sandbox-")  # mode 0700
     read_fd, write_fd = os.pipe()
+    group = _CallGroup.create(limits)
     try:
+        applied = _fallback(limits, mode, group)
         workdir = os.path.join(host, "work")
         os.mkdir(workdir, 0o700)
-        plan = _plan(mode, workdir, limits)
+        plan = _plan(mode, host, workdir, applied)
         nonce = secrets.token_hex(16)
         payload = os.path.join(host, "payload.json")
-        with open(os.open(payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
-            json.dump({"plan": plan, "code": code, "tests": tests, "nonce": nonce,
-                       "safe_compare": _SAFE_COMPARE.read_text(encoding="utf-8")}, f)
+        _write_payload(payload, plan, code, tests, nonce)
         out_path = os.path.join(host, "output")
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(
                 _command(mode, write_fd, payload), stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, env=_env(plan["workdir"]), cwd=host,
-                start_new_session=True, pass_fds=(write_fd,), preexec_fn=_limiter(limits),
+                start_new_session=True, pass_fds=(write_fd,), preexec_fn=_limiter(applied, group),
             )
         os.close(write_fd)
         write_fd = -1
         timed_out = _wait(proc, limits.timeout)
-        if timed_out and mode == "none":  # no pid namespace: let the supervisor kill orphans first
-            os.kill(proc.pid, signal.SIGTERM)  # not proc.send_signal: it may reap the leader
-            _wait(proc, 1.0)
-        _kill_group(proc.pid)  # the leader is not reaped yet, so its pgid cannot be reused
-        rc = proc.wait()
+        rc = _stop(proc, mode, timed_out)
+        out_of_memory = group is not None and group.oom_kills() > 0
         nonce_ok = _read_available(read_fd) == nonce.encode()
         output = _read_output(out_path, limits.output_bytes)
     finally:
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)
+        if group is not None:
+            group.close()
         _remove_tree(host)
-    status = _classify(timed_out, rc, nonce_ok)
+    status = _classify(timed_out, rc, nonce_ok, out_of_memory)
+    if status == "memory":
+        output += "\n[sandbox: the call's processes together reached memory_mb; the kernel killed one]\n"
     return SandboxResult(status == "passed", status, None if timed_out else rc, output,
-                         time.monotonic() - start, mode)
+                         time.monotonic() - start, mode, "rlimit" if group is None else "cgroup")
 
 
 _PROBE_CODE = "import os, socket\ninterfaces = [name for _, name in socket.if_nameindex()]\n"
