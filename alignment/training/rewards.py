@@ -3,17 +3,12 @@
 TRL's GRPOTrainer / RLOOTrainer call each reward function as
 ``f(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., log_metric=..., **columns)``
 where every dataset column arrives as a list (one value per completion). `VerifierReward` adapts a
-resolved `Verifier` to that call: it rebuilds one example dict per completion (the row's columns,
-with `prompt` set back to the prompt as written in the data, not the rendered text), scores each
-completion with `Verifier.score`, and returns floats. It never raises for a bad completion: a row
-the verifier raises on scores 0.0 (status "error") and is counted, so training goes on.
+resolved `Verifier` to that call: one example dict per completion (the row's columns, `prompt` as written
+in the data), scored with `Verifier.score`. It never raises for a bad completion: a row the verifier
+raises on scores 0.0 (status "error") and is counted, so training goes on. Besides TRL's own
+``rewards/<name>/mean`` it logs ``unparseable/<name>`` and ``errors/<name>`` per logging step, and running
+totals from `counts` in the stage's final metrics.
 
-What it logs, besides TRL's own ``rewards/<name>/mean`` (TRL names a reward by its ``__name__``):
-``unparseable/<name>`` and ``errors/<name>`` (share of completions, per logging step, through TRL's
-``log_metric`` hook) and, in the stage's final metrics, running totals from `counts`.
-
-    from alignment.config.verifier import VerifierSpec
-    from alignment.training.rewards import build_rewards
     rewards = build_rewards([VerifierSpec(name="arithmetic")], search_dirs=[recipe_dir])
     GRPOTrainer(..., reward_funcs=rewards, args=GRPOConfig(reward_weights=[r.weight for r in rewards]))
 """
