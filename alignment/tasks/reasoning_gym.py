@@ -29,7 +29,7 @@ from ..config.tasks import ReasoningGymParams
 from ..errors import UserError
 from ..verifiers.base import VerifyResult
 
-log = logging.getLogger(__name__)
+log = logging.getLogger(__name__)  # under the toolkit's `alignment` logger, without importing torch
 
 HELD_OUT_SPLITS = ("test", "validation", "eval", "heldout")
 MAX_ANSWER_CHARS = 20_000
@@ -60,20 +60,29 @@ def task_names() -> list[str]:
 def build(params: ReasoningGymParams, split: str, seed: int) -> list[dict]:
     """`params.n` rows of the train split, or of the held-out one for `test`, `validation`, `eval` or `heldout`;
     deterministic in (params, split, seed). Each task gets its weight's share of `n` (largest remainders), and
-    the rows of all tasks are interleaved in a seeded order."""
+    the rows of all tasks are interleaved in a seeded order. Not covered: a few generators iterate over sets of
+    strings (word_ladder, ransom_note, ...), so their rows also depend on the interpreter's hash seed; set
+    PYTHONHASHSEED for the same rows in every run and every process of one."""
     library = _library()
     known = task_names()
+    for name in params.tasks:
+        if name not in known:
+            raise UserError(f"Task reasoning_gym, `tasks: {{{name}: ...}}`: unknown reasoning-gym task '{name}'"
+                            f"{did_you_mean(name, known)}; the installed reasoning-gym has {len(known)}: "
+                            f"{', '.join(known)}.")
     held_out = split in HELD_OUT_SPLITS
     instruction = _instruction(library, params.system_prompt)
     rows: list[dict] = []
-    for name, count in _shares(params.n, {name: task.weight for name, task in params.tasks.items()}).items():
-        if name not in known:
-            raise UserError(f"Task reasoning_gym: unknown reasoning-gym task '{name}'{did_you_mean(name, known)}; "
-                            f"the installed reasoning-gym has {len(known)}: {', '.join(known)}.")
+    shares = _shares(params.n, {name: task.weight for name, task in params.tasks.items()})
+    for name, count in shares.items():
         config = params.tasks[name].config
         entries = _entries(library, name, config, count, held_out, params.test_fraction, seed)
         rows += [_row(name, config, entry, instruction, params.format) for entry in entries]
     random.Random(f"{seed}-{split}-reasoning_gym").shuffle(rows)
+    unanswered = sum(row["answer"] is None for row in rows)
+    log.info(f"reasoning_gym ({'held-out' if held_out else 'training'} questions): "
+             + ", ".join(f"{name} {count}" for name, count in shares.items())
+             + (f"; {unanswered} rows without a reference answer (no `completion`)" if unanswered else ""))
     return rows
 
 
@@ -110,6 +119,9 @@ def _entries(library, name: str, config: dict, count: int, held_out: bool, fract
     share = fraction if held_out else 1 - fraction
     start = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "big") % SEED_SPAN
     start += SEED_SPAN if held_out else 0
+    if count == 0:  # a task whose weight rounds to no rows: its config is still checked
+        _dataset(library, name, config, seed=start, size=1)
+        return []
     budget, drawn, found = math.ceil((count + 20) / share * 4), 0, []
     while len(found) < count and drawn < budget:
         size = min(budget - drawn, math.ceil((count - len(found)) / share * 1.2) + 8)
@@ -129,12 +141,14 @@ def _dataset(library, name: str, config: dict, **fixed):
     fields = list(getattr(config_class, "__dataclass_fields__", {}))
     unknown = [key for key in config if key not in fields]
     if unknown:
+        keys = ", ".join(f for f in fields if f not in fixed)
         raise UserError(f"Task reasoning_gym: '{name}' has no config key '{unknown[0]}'"
-                        f"{did_you_mean(unknown[0], fields)}; its keys: {', '.join(f for f in fields if f not in fixed)}.")
+                        f"{did_you_mean(unknown[0], fields)}; its keys: {keys}.")
     try:
         return library.create_dataset(name, **config, **fixed)
     except (AssertionError, ValueError, TypeError) as error:  # reasoning-gym validates configs with assert
-        raise UserError(f"Task reasoning_gym: '{name}' refused its config {config}: {error or type(error).__name__}.") from None
+        raise UserError(f"Task reasoning_gym: '{name}' refused its config {config}: "
+                        f"{error or type(error).__name__}.") from None
 
 
 def _row(name: str, config: dict, entry: dict, instruction: str | None, fmt: str) -> dict:
