@@ -73,7 +73,7 @@ class Limits:
 class SandboxResult:
     """passed: exit 0 and the nonce was written after the tests.
     status: "passed", "failed", "timeout", "memory" (the call's processes together reached
-    `memory_mb` and the kernel killed one: cgroup only), "syntax_error" (the code does not compile) or
+    `memory_mb` and the kernel killed one of them: cgroup only), "syntax_error" (the code does not compile) or
     "setup_error" (the sandbox itself failed). output: head and tail of stdout+stderr.
     memory_bound: "cgroup" (the call's total) or "rlimit" (per process; see `_fallback`)."""
 
@@ -378,15 +378,15 @@ def _read_available(fd: int, limit: int = 256) -> bytes:
         return b""
 
 
-def _read_output(path: str, limit: int) -> str:
-    """Head and tail of the output file (a failing test's traceback is at the end)."""
-    size = os.path.getsize(path)
+def _read_output(path: str, limit: int, size: int) -> str:
+    """Head and tail of the first `size` bytes of the output file (a failing test's traceback is at
+    the end)."""
     with open(path, "rb") as f:
         if size <= limit:
-            return f.read().decode("utf-8", "replace")
+            return f.read(size).decode("utf-8", "replace")
         head = f.read(limit // 2)
         f.seek(size - limit // 2)
-        tail = f.read()
+        tail = f.read(limit // 2)
     skipped = size - len(head) - len(tail)
     return f"{head.decode('utf-8', 'replace')}\n[... {skipped} bytes skipped ...]\n{tail.decode('utf-8', 'replace')}"
 
@@ -404,12 +404,14 @@ def _remove_tree(path: str) -> None:
 
 
 def _classify(timed_out: bool, rc: int, nonce_ok: bool, out_of_memory: bool) -> str:
+    # a call whose processes together broke the budget fails, whatever its own exit (the kernel may
+    # have killed a child it did not wait for) and before the timeout it may have caused
+    if out_of_memory:
+        return "memory"
     if timed_out:
         return "timeout"
     if rc == 0 and nonce_ok:
         return "passed"
-    if out_of_memory:
-        return "memory"
     return {EXIT_SYNTAX: "syntax_error", EXIT_SETUP: "setup_error"}.get(rc, "failed")
 
 
@@ -443,10 +445,11 @@ def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
         os.close(write_fd)
         write_fd = -1
         timed_out = _wait(proc, limits.timeout)
+        printed = os.path.getsize(out_path)  # unshare adds a line of its own when _stop kills its child
         rc = _stop(proc, mode, timed_out)
         out_of_memory = group is not None and group.oom_kills() > 0
         nonce_ok = _read_available(read_fd) == nonce.encode()
-        output = _read_output(out_path, limits.output_bytes)
+        output = _read_output(out_path, limits.output_bytes, printed)
     finally:
         for fd in (read_fd, write_fd):
             if fd >= 0:
