@@ -224,13 +224,14 @@ def script_tokenizer():
     return tokenizer
 
 
-def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, **limits):
+def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, max_new_tokens=400,
+               **limits):
     tokenizer = script_tokenizer()
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, {k: list(v) for k, v in scripts.items()}))
     fmt = ToolFormat("hermes", native=False)
     box = resolve_tools(tools, environment, list(search_dirs))
     trajectories = start(tokenizer, fmt, box, list(scripts), rows or [{} for _ in scripts])
-    rollout(None, tokenizer, trajectories, fmt, SamplingSpec(max_new_tokens=400), RolloutLimits(**limits))
+    rollout(None, tokenizer, trajectories, fmt, SamplingSpec(max_new_tokens=max_new_tokens), RolloutLimits(**limits))
     return tokenizer, fmt, dict(zip(scripts, trajectories))
 
 
@@ -412,7 +413,7 @@ def test_an_evaluation_suite_reports_every_count(monkeypatch, broken_env):
     samples, scores, records = tool_samples(None, tokenizer, suite, "eval")
     assert [s.text for s in samples] == ["6", "7"]
     assert scores == {"tool_call_rate": 0.5, "turns": 1.5, "tool_errors": 0.0, "parse_failures": 0.0,
-                      "truncated_tool_outputs": 0.0, "reward_errors": 1.0}
+                      "skipped_calls": 0.0, "truncated_tool_outputs": 0.0, "reward_errors": 1.0}
     assert [r["reward_errors"] for r in records] == [1, 1]
 
 

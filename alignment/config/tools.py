@@ -45,6 +45,12 @@ class ToolUse(Strict):
                                         "marker, and counted (truncated_tool_outputs)")
     tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take")
     max_tool_time: float = Field(60.0, gt=0, description="seconds all tool calls of one rollout may take together")
+    max_tool_calls: int = Field(8, ge=1, description="tool calls (malformed ones included) run per assistant turn; "
+                                "the rest are not run: one error result says how many, counted (skipped_calls)")
+    max_step_tool_time: float | None = Field(600.0, gt=0, description="seconds all tool calls of one batch of "
+                                             "rollouts may take together (rlvr: a generation step; rsft: a round's "
+                                             "sampling; evaluation: a suite); later calls fail, counted as "
+                                             "tool_errors; null: no bound")
 
     @property
     def uses_tools(self) -> bool:
@@ -53,7 +59,7 @@ class ToolUse(Strict):
     @model_validator(mode="after")
     def _tools_named(self):
         given = self.model_fields_set & {"max_turns", "tool_format", "max_tool_output_tokens", "tool_timeout",
-                                         "max_tool_time", "describe_tools"}
+                                         "max_tool_time", "describe_tools", "max_tool_calls", "max_step_tool_time"}
         if given and not self.uses_tools:
             raise ValueError(f"{', '.join(sorted(given))} only apply with `tools:` or `environment:`")
         return self

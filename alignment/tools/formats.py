@@ -16,15 +16,56 @@ tokenizes only that piece and appends the ids; the conversation is never re-toke
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
-from ..data.formatting import as_messages, end_of_turn, render_prompt
+from ..data.formatting import (
+    as_messages,
+    encode,
+    end_of_turn,
+    marker_tokens,
+    render_prompt,
+)
 from ..errors import UserError
 
 STYLES = ("hermes", "llama3_json", "mistral")
-HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+MAX_JSON_DEPTH = 32  # deepest nesting of a call's JSON; deeper is a parse failure (json's C decoder would recurse)
 DUMMY_USER = {"role": "user", "content": "dummy"}
+# Stands for a result's content while the template renders around it: private-use characters, which no template
+# trims (a `| trim` strips whitespace) or writes itself.
+SENTINEL = "\ue000tool-result-{}\ue000"
+WORD_JOINER = "\u2060"  # breaks a marker's text where a tokenizer would still match it
+
+
+def clean_text(text: str) -> str:
+    """`text` as valid UTF-8: a lone surrogate (JSON's "\\ud800" decodes to one) is written as its escape, which
+    a tokenizer and a JSON file both accept."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def control_ids(tokenizer) -> set[int]:
+    """Ids of the tokenizer's special and added tokens (the template's markers), the unknown token aside."""
+    ids = set(tokenizer.convert_tokens_to_ids(sorted(marker_tokens(tokenizer))))
+    return ids - {tokenizer.unk_token_id, None}
+
+
+def data_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` as data: the text of a special token in it is tokenized as plain characters
+    (`split_special_tokens`), so it cannot become a control token. Text without such text gets the ids `encode`
+    gives it. Where the tokenizer still matches a marker (an added token that is not special), each marker's
+    text is broken by a word joiner after its first character."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if not set(ids) & control_ids(tokenizer):
+        return ids
+    return encode(tokenizer, defang(tokenizer, text))
+
+
+def defang(tokenizer, text: str) -> str:
+    """`text` with every marker token's text broken by a word joiner, so no tokenizer reads it as the marker."""
+    for marker in sorted(marker_tokens(tokenizer), key=len, reverse=True):
+        if len(marker) > 1:
+            text = text.replace(marker, marker[0] + WORD_JOINER + marker[1:])
+    return text
 
 
 @dataclass
@@ -53,17 +94,52 @@ def _call_from(data, keys: tuple[str, ...]) -> Call:
         raise ValueError('a tool call must be a JSON object with a string "name"')
     arguments = next((data[k] for k in keys if k in data), {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        arguments = json.loads(arguments)
+        arguments = _loads(arguments)
     if not isinstance(arguments, dict):
         raise ValueError(f'"{keys[0]}" must be a JSON object')
     return Call(data["name"], arguments)
 
 
 def _loads(text: str):
+    """Decoded JSON, or ValueError: malformed, or nested deeper than MAX_JSON_DEPTH (json's decoder recurses,
+    so a deep text would raise RecursionError, which no caller expects)."""
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"invalid JSON ({error.msg} at character {error.pos})") from None
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if json_depth(data) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def json_depth(data) -> int:
+    """Nesting depth of decoded JSON (a scalar is 0), computed without recursion."""
+    deepest, stack = 0, [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest  # enough to refuse; the rest need not be walked
+        stack += [(child, depth + 1) for child in children]
+    return deepest
+
+
+def hermes_bodies(text: str) -> list[str]:
+    """The bodies of `<tool_call>...</tool_call>` pairs, left to right, each closed by the first closing tag after
+    it (a lazy regex's matches), found with `str.find` so that many unclosed tags stay linear to scan."""
+    bodies, position = [], 0
+    while (start := text.find(HERMES_OPEN, position)) >= 0:
+        end = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
+        if end < 0:
+            break
+        bodies.append(text[start + len(HERMES_OPEN):end])
+        position = end + len(HERMES_CLOSE)
+    return bodies
 
 
 @dataclass(frozen=True)
@@ -98,12 +174,15 @@ class ToolFormat:
     def parse(self, text: str) -> tuple[list[Call], list[str]]:
         """(well-formed calls, one reason per malformed call) in the assistant turn `text`."""
         parse = {"hermes": self._parse_hermes, "llama3_json": self._parse_llama, "mistral": self._parse_mistral}
-        return parse[self.style](text)
+        try:
+            return parse[self.style](text)
+        except Exception as error:  # noqa: BLE001 - model text must never end the step: what is not read is a failure
+            return [], [f"the tool call could not be read ({type(error).__name__})"]
 
     @staticmethod
     def _parse_hermes(text: str) -> tuple[list[Call], list[str]]:
         calls, failures = [], []
-        for body in HERMES_CALL.findall(text):
+        for body in hermes_bodies(text):
             try:
                 calls.append(_call_from(_loads(body.strip()), ("arguments", "parameters")))
             except ValueError as error:
@@ -195,3 +274,23 @@ class ToolFormat:
                             "(it is not prefix-preserving), so tool results cannot be appended to what the model "
                             "sampled.")
         return after[cut + len(token):]
+
+    def result_ids(self, tokenizer, results: list[tuple[str, str]]) -> list[int]:
+        """The token ids of `result_text`: the template's own text with its control tokens, each result's content
+        as data (`data_ids`), so a tool's output cannot forge the template's turn markers. Results without any
+        marker's text are tokenized whole, exactly as `encode(result_text)`."""
+        markers = marker_tokens(tokenizer)
+        if not any(marker in content for _, content in results for marker in markers):
+            return encode(tokenizer, self.result_text(tokenizer, results))
+        tags = [SENTINEL.format(i) for i in range(len(results))]
+        text = self.result_text(tokenizer, [(name, tag) for (name, _), tag in zip(results, tags)])
+        pieces, rest = [], text
+        for tag in tags:
+            head, found, rest = rest.partition(tag)
+            if not found:  # the template changed the stand-in (escaped it): break the markers' text instead
+                return encode(tokenizer, self.result_text(tokenizer, [(n, defang(tokenizer, c)) for n, c in results]))
+            pieces.append(head)
+        ids = []
+        for head, (_, content) in zip(pieces, results):
+            ids += encode(tokenizer, head) + data_ids(tokenizer, content)
+        return ids + encode(tokenizer, rest)

@@ -5,13 +5,14 @@
     tools = toolbox.bind(toolbox.new_environment(row)[0])   # {name: callable} for one rollout
 
 A tool is named like a verifier: a built-in key (`builtins.BUILTINS`) or `module:function` (a file next to the
-recipe is found). It is described to the model by transformers' `get_json_schema` (type hints on every argument,
-a Google-style docstring with an `Args:` section); one that cannot be described is refused at `align check`.
+recipe is found; it runs in the toolbox's worker process, tools/worker.py). It is described to the model by
+transformers' `get_json_schema` (type hints on every argument, a Google-style docstring with an `Args:` section); one
+that cannot be described is refused at `align check`; a call's arguments must fit that schema (`check_arguments`).
 
 An environment (`environment: module:Class`, as TRL's `environment_factory`) is a class built without arguments,
 once per rollout: `reset(row)` gets the dataset row (every column) before the first turn and may return text
-appended to the last user message; its public methods are tools; an optional `reward()` scores the finished
-rollout (the stage adds it to the verifiers' reward with weight 1).
+appended to the last user message; the public methods its class defines are tools (only those: nothing it sets on
+itself); an optional `reward()` scores the finished rollout (the stage adds it with weight 1).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FunctionType
 from typing import Any
 
 from transformers.utils import get_json_schema
@@ -28,6 +30,7 @@ from ..config.tools import ToolSpec
 from ..errors import UserError
 from ..verifiers.registry import _load_target
 from .builtins import BUILTINS
+from .worker import ToolWorker, WorkerTool, bind_options, tool_name
 
 ENVIRONMENT_HOOKS = ("reset", "reward")
 
@@ -58,25 +61,9 @@ def schema_of(fn: Callable, name: str, hidden: tuple[str, ...] = ()) -> dict:
     return schema
 
 
-def bind_options(fn: Callable, name: str, options: dict) -> Callable:
-    """`fn` with the recipe's options as fixed keyword arguments; an option `fn` does not take is an error."""
-    if not options:
-        return fn
-    parameters = inspect.signature(fn).parameters
-    unknown = [k for k in options if k not in parameters]
-    if unknown:
-        raise UserError(f"Tool '{name}' has no argument(s) {', '.join(map(repr, unknown))} to bind from `options:`; "
-                        f"its arguments: {', '.join(parameters) or 'none'}.")
-
-    def bound(**arguments):
-        return fn(**arguments, **options)
-
-    bound.__name__, bound.__doc__ = name, fn.__doc__
-    return bound
-
-
 def resolve_tool(spec: ToolSpec, search_dirs: list[Path]) -> tuple[Callable, dict]:
-    """(callable taking the model's arguments, schema) of one `tools:` entry."""
+    """(callable taking the model's arguments, schema) of one `tools:` entry; a `module:function` tool is
+    imported here for its schema and checked, and runs in the toolbox's worker process (`Toolbox.bind`)."""
     if spec.name in BUILTINS:
         try:
             fn = BUILTINS[spec.name](**spec.options)
@@ -87,15 +74,66 @@ def resolve_tool(spec: ToolSpec, search_dirs: list[Path]) -> tuple[Callable, dic
         raise UserError(f"Unknown tool '{spec.name}': the built-in tools are {', '.join(sorted(BUILTINS))}; your "
                         "own is named as module:function (a .py file next to the recipe is found).")
     fn = load_target(spec.name, "Tool", search_dirs)
-    name = spec.name.rpartition(":")[2].rpartition(".")[2]
+    name = tool_name(spec.name)
     schema = schema_of(fn, name, hidden=tuple(spec.options))
     return bind_options(fn, name, spec.options), schema
 
 
-def environment_tools(instance: Any) -> dict[str, Callable]:
-    """The public methods of an environment instance other than its hooks: its tools."""
-    return {name: getattr(instance, name) for name in dir(instance)
-            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and callable(getattr(instance, name))}
+def environment_methods(cls: type) -> list[str]:
+    """The names of an environment class's public methods other than its hooks: its tools. Only methods the class
+    defines count: a callable an instance keeps as an attribute (a grader, say) is no tool and cannot be called."""
+    return [name for name in dir(cls) if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and
+            isinstance(inspect.getattr_static(cls, name), (FunctionType, staticmethod, classmethod))]
+
+
+def environment_tools(instance: Any, names: list[str] | None = None) -> dict[str, Callable]:
+    """{name: the class's method bound to `instance`} of the environment's tools (`names`: those described)."""
+    cls = type(instance)
+    return {name: inspect.getattr_static(cls, name).__get__(instance, cls)
+            for name in (environment_methods(cls) if names is None else names)}
+
+
+def check_arguments(parameters: dict, arguments: dict) -> str | None:
+    """Why `arguments` do not fit a tool's JSON schema `parameters` (unknown or missing names, a value of the
+    wrong JSON type), or None when they do. Types are checked one level into arrays and objects."""
+    properties = parameters.get("properties", {})
+    unknown = [k for k in arguments if k not in properties]
+    if unknown:
+        return f"unexpected argument(s) {', '.join(map(repr, unknown))}; it takes {', '.join(properties) or 'none'}"
+    missing = [k for k in parameters.get("required", []) if k not in arguments]
+    if missing:
+        return f"missing argument(s) {', '.join(map(repr, missing))}"
+    for key, value in arguments.items():
+        problem = _type_problem(properties[key], value)
+        if problem:
+            return f"argument '{key}' {problem}"
+    return None
+
+
+JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
+              "object": (dict,), "null": (type(None),)}
+
+
+def _type_problem(schema: dict, value) -> str | None:
+    types = schema.get("type")
+    if types is None:
+        return None
+    types = [types] if isinstance(types, str) else list(types)
+
+    def fits(kind: str) -> bool:  # bool is an int in Python, never a JSON integer or number
+        return kind not in JSON_TYPES or (isinstance(value, JSON_TYPES[kind])
+                                         and not (isinstance(value, bool) and kind in ("integer", "number")))
+
+    if not any(fits(kind) for kind in types):
+        return f"must be of type {' or '.join(types)}, not {type(value).__name__}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"must be one of {schema['enum']}"
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            inner = _type_problem({k: v for k, v in schema["items"].items() if k != "items"}, item)
+            if inner:
+                return f"has an item that {inner}"
+    return None
 
 
 @dataclass
@@ -105,6 +143,13 @@ class Toolbox:
     tools: dict[str, Callable] = field(default_factory=dict)
     schemas: list[dict] = field(default_factory=list)
     environment: Callable | None = None
+    environment_names: list[str] = field(default_factory=list)  # the environment's described methods
+    worker: ToolWorker | None = None  # runs the `module:function` tools (their entries in `tools` call it)
+
+    @property
+    def parameters(self) -> dict[str, dict]:
+        """{tool name: the JSON schema of its arguments}, as the model is shown them."""
+        return {s["function"]["name"]: s["function"].get("parameters", {}) for s in self.schemas}
 
     def new_environment(self, row: dict) -> tuple[Any, str | None]:
         """(a fresh environment reset to `row`, the text its reset returned) or (None, None)."""
@@ -115,8 +160,8 @@ class Toolbox:
         return instance, note if isinstance(note, str) and note else None
 
     def bind(self, instance: Any) -> dict[str, Callable]:
-        """{tool name: callable} for one rollout: the standalone tools plus the environment's methods."""
-        return {**self.tools, **(environment_tools(instance) if instance is not None else {})}
+        """{tool name: callable} for one rollout: the standalone tools plus the environment's described methods."""
+        return {**self.tools, **(environment_tools(instance, self.environment_names) if instance is not None else {})}
 
 
 def check_environment(factory: Any, target: str) -> list[dict]:
@@ -150,6 +195,10 @@ def resolve_tools(specs: list[ToolSpec], environment: str | None, search_dirs: l
         name = schema["function"]["name"]
         if name in toolbox.tools:
             raise UserError(f"{where}.tools.{index}: a second tool named '{name}'.")
+        if spec.name not in BUILTINS:  # the recipe's own code: in the worker process, where a timeout stops it
+            toolbox.worker = toolbox.worker or ToolWorker([], search_dirs)
+            toolbox.worker.targets.append((spec.name, spec.options))
+            fn = WorkerTool(toolbox.worker, name)
         toolbox.tools[name] = fn
         toolbox.schemas.append(schema)
     if environment:
@@ -162,5 +211,6 @@ def resolve_tools(specs: list[ToolSpec], environment: str | None, search_dirs: l
         if clash:
             raise UserError(f"{where}.environment: method(s) {clash} have the name of a tool in `tools:`.")
         toolbox.environment = factory
+        toolbox.environment_names = [s["function"]["name"] for s in schemas]
         toolbox.schemas += schemas
     return toolbox

@@ -1,0 +1,152 @@
+"""A recipe's own tools (`module:function`) run in a worker process that a timeout can stop.
+
+    worker = ToolWorker([("my_tools:lookup", {"table": "t"})], search_dirs)
+    ok, output = worker.call("lookup", {"key": "a"}, timeout=10.0)
+
+One worker per toolbox, started at its first call: a `spawn` process (nothing of the trainer's is copied into it: no
+model, no CUDA context) that imports the tools itself, the recipe's folder first, binds their `options:` and runs one
+call at a time. A call past its timeout, or one that ends the process, is an error; the worker is then killed and
+the next call starts a new one (its start is not a call's time). A tool must therefore be importable from its file.
+Limits: the worker bounds time only; it is an ordinary process of this user (the machine's files, network and
+memory). The `python` tool runs model code in its own sandbox instead; environments stay in the training process
+(tools/rollout.py says why).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+START_TIMEOUT = 120.0  # seconds a new worker may take to import the tools before its calls fail
+
+
+def bind_options(fn: Callable, name: str, options: dict) -> Callable:
+    """`fn` with the recipe's options as fixed keyword arguments; an option `fn` does not take is an error."""
+    import inspect
+
+    from ..errors import UserError
+
+    if not options:
+        return fn
+    parameters = inspect.signature(fn).parameters
+    unknown = [k for k in options if k not in parameters]
+    if unknown:
+        raise UserError(f"Tool '{name}' has no argument(s) {', '.join(map(repr, unknown))} to bind from `options:`; "
+                        f"its arguments: {', '.join(parameters) or 'none'}.")
+
+    def bound(**arguments):
+        return fn(**arguments, **options)
+
+    bound.__name__, bound.__doc__ = name, fn.__doc__
+    return bound
+
+
+def tool_name(target: str) -> str:
+    """The name a `module:function` tool is called by: the function's own name."""
+    return target.rpartition(":")[2].rpartition(".")[2]
+
+
+def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) -> None:
+    """The worker's loop: import the tools, say "ready", then answer each (name, arguments) with (ok, text)."""
+    from ..verifiers.registry import _load_target
+
+    try:
+        tools = {tool_name(target): bind_options(_load_target(target, target, [Path(d) for d in search_dirs]),
+                                                 tool_name(target), options) for target, options in targets}
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which turns it into call errors
+        connection.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+    connection.send(("ready", ""))
+    while True:
+        try:
+            name, arguments = connection.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
+        try:
+            value = tools[name](**arguments)
+            reply = (True, value if isinstance(value, str) else str(value))
+        except Exception as error:  # noqa: BLE001 - a raising tool is an observation, not a crash
+            reply = (False, f"{type(error).__name__}: {error}")
+        connection.send(reply)
+
+
+def _kill(process, connection) -> None:
+    connection.close()
+    if process.is_alive():
+        process.kill()
+    process.join(5)
+
+
+class ToolWorker:
+    """The worker process of one toolbox's `module:function` tools: `call` starts it when needed and kills it
+    when a call runs past its timeout. `start_seconds` is how long the last start took (0 when none was needed),
+    so the caller can leave it out of a tool's time and count it in the step's."""
+
+    def __init__(self, targets: list[tuple[str, dict]], search_dirs: list[Path]):
+        self.targets = list(targets)
+        self.search_dirs = [str(d) for d in search_dirs]
+        self.process = self.connection = self._finalizer = None
+        self.start_seconds = 0.0
+
+    def _start(self) -> str | None:
+        """None once a worker is ready, else why none could start."""
+        self.start_seconds = 0.0
+        if self.process is not None and self.process.is_alive():
+            return None
+        self.stop()
+        began = time.monotonic()
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(target=_serve, args=(child, self.targets, self.search_dirs),
+                                  name="alignment-tools", daemon=True)
+        process.start()
+        child.close()
+        try:
+            state, detail = parent.recv() if parent.poll(START_TIMEOUT) else ("failed", "it did not start in time")
+        except (EOFError, OSError):
+            state, detail = "failed", f"it ended while starting (exit code {process.exitcode})"
+        self.start_seconds = time.monotonic() - began
+        if state != "ready":
+            _kill(process, parent)
+            return f"the tools' worker process could not start: {detail}"
+        self.process, self.connection = process, parent
+        self._finalizer = weakref.finalize(self, _kill, process, parent)
+        return None
+
+    def call(self, name: str, arguments: dict, timeout: float) -> tuple[bool, str]:
+        """(ok, output or why it failed) of one call; past `timeout` seconds the worker is killed."""
+        problem = self._start()
+        if problem:
+            return False, problem
+        try:
+            self.connection.send((name, arguments))
+            if not self.connection.poll(timeout):
+                self.stop()
+                return False, f"'{name}' did not finish within {timeout:g} s (its worker process was stopped)"
+            return self.connection.recv()
+        except (EOFError, OSError):  # the tool ended the process (os._exit, a crash, SystemExit)
+            code = self.process.exitcode if self.process is not None else None
+            self.stop()
+            return False, f"'{name}' ended its worker process (exit code {code})"
+
+    def stop(self) -> None:
+        """Kill the worker, if any; the next call starts a new one."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.process = self.connection = self._finalizer = None
+
+
+class WorkerTool:
+    """One tool of a `ToolWorker`, callable like the function itself (`timeout` per call; a failure raises)."""
+
+    def __init__(self, worker: ToolWorker, name: str, timeout: float = START_TIMEOUT):
+        self.worker, self.__name__, self.timeout = worker, name, timeout
+
+    def __call__(self, **arguments) -> str:
+        ok, output = self.worker.call(self.__name__, arguments, self.timeout)
+        if not ok:
+            raise RuntimeError(output)
+        return output
