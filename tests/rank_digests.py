@@ -60,7 +60,8 @@ def install(folder: Path) -> None:
     save = ppo.PPOLoop.save_final
 
     def save_final(loop):
-        write_digest(folder, {n: p for n, p in loop.ac.named_parameters() if p.requires_grad}, loop.ctx.stage_id)
+        trained = {n: p for n, p in loop.actor_critic.named_parameters() if p.requires_grad}
+        write_digest(folder, trained, loop.ctx.stage_id)
         return save(loop)
 
     ppo.PPOLoop.save_final = save_final
@@ -72,10 +73,10 @@ def install(folder: Path) -> None:
         crash = crashes.get(loop.ctx.stage_id) == str(loop.update) and not marker.exists()
         save_state(loop)  # ends with a barrier: every process has decided before rank 0 writes the marker
         if crash:
-            if loop.acc.is_main_process:
+            if loop.accelerator.is_main_process:
                 folder.mkdir(parents=True, exist_ok=True)
                 marker.write_text(str(loop.update))
-            loop.acc.wait_for_everyone()
+            loop.accelerator.wait_for_everyone()
             os.kill(os.getpid(), signal.SIGKILL)
 
     ppo.PPOLoop.save_state = save_state_then_crash
