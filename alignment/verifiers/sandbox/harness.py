@@ -5,11 +5,11 @@ Arguments: RESULT_FD PAYLOAD_PATH. The payload (JSON, deleted once read) holds t
 a per-run nonce, the isolation plan and the source of safe_compare.py.
 
 Two processes: the *supervisor* (pid 1 of the new pid namespace: `_build_view`, `_supervise`) builds
-the read-only file-system view, forks the runner and reaps everything until it exits; the *runner*
-(`_run`) drops privileges, seals the process (`_seal_process`, `_guard`), runs the solution, then the
-tests, and only if both finished raises the PASS audit event, on which the hook writes the nonce to
-RESULT_FD. The caller counts a pass only for exit status 0 plus the nonce. Details and what this does
-not close: docs/sandbox.md.
+a minimal read-only root and pivots into it, forks the runner and reaps everything until it exits;
+the *runner* (`_run`) drops privileges, seals the process (`_seal_process`, `_guard`), runs the
+solution, then the tests, and only if both finished raises the PASS audit event, on which the hook
+writes the nonce to RESULT_FD. The caller counts a pass only for exit status 0 plus the nonce.
+Details and what this does not close: docs/sandbox.md.
 
 Exit codes: 0 tests passed (nonce written), 1 failed, 3 the solution is not valid Python,
 70 the sandbox could not be set up.
@@ -129,7 +129,7 @@ def _build_view(plan):
     """A fresh root: an empty tmpfs into which only what the interpreter needs (plan["binds"]: the
     system's program and library directories, the Python installation, the loader's files, a few
     /dev nodes, /proc) is bind-mounted, then frozen read-only; a private tmpfs /tmp holds the work
-    directory. No host socket, no data, no home, no /run and no /work exist inside."""
+    directory, another /dev/shm. No host socket, no data, no home, no /run and no /work exist inside."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here propagates to the host
     binds = {p: os.open(p, os.O_PATH) for p in [*plan["binds"], "/proc"]}
     root = plan["new_root"]
@@ -140,11 +140,13 @@ def _build_view(plan):
     for path, target in {**plan["links"], **_DEV_LINKS}.items():
         os.makedirs(os.path.dirname(root + path), 0o755, exist_ok=True)
         os.symlink(target, root + path)
+    os.makedirs(root + "/etc", 0o755, exist_ok=True)
     for name, text in _etc_files(plan).items():
         with open(f"{root}/etc/{name}", "w", encoding="utf-8") as f:
             f.write(text)
-    os.makedirs(root + "/tmp", 0o755)
-    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmpfs_mb']}m,mode=1777")
+    for scratch in ("/tmp", "/dev/shm"):  # /dev/shm: multiprocessing's semaphores
+        os.makedirs(root + scratch, 0o755)
+        _mount("tmpfs", root + scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={plan['tmpfs_mb']}m,mode=1777")
     os.makedirs(root + plan["workdir"], 0o700)
     if plan["mode"] == "unshare-root":
         os.chown(root + plan["workdir"], plan["uid"], plan["gid"])

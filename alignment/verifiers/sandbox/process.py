@@ -5,14 +5,14 @@
     result.passed, result.status, result.output
 
 `unshare` (new network, pid and mount namespaces) starts an isolated ``python -I -S -B`` running
-`harness.py` under rlimits, in an empty work directory, with a stripped environment (no HF_TOKEN or any
-other variable of the caller); output is read back bounded; the process group is killed after the run.
+`harness.py`, which sees only a minimal read-only root; under rlimits and a per-call cgroup bounding
+the memory of all the call's processes together (`_CallGroup`; rlimits alone where none can be made),
+with a stripped environment. Output is read back bounded; every process started is killed and reaped.
 A run passes only if it exits 0 *and* writes a per-run nonce after the tests ran, so exiting early fails.
 Isolation modes are probed once (`isolation`): "unshare-root", "unshare-userns", or "none", which
 `require_isolation` refuses unless ``allow_unsandboxed: true``.
-
-Limits: namespaces plus rlimits, not a VM (no protection against kernel exploits, reads of world-readable
-files, or the total memory of many processes); the full threat model is docs/sandbox.md.
+Limits: namespaces, cgroups and rlimits, not a VM (no protection against kernel exploits); the full
+threat model, per mode, is docs/sandbox.md.
 """
 
 from __future__ import annotations
@@ -163,6 +163,9 @@ class _CallGroup:
                     continue  # the pids group is a bonus: RLIMIT_NPROC still applies
                 made.append(os.path.join(base, name))
                 _write_settings(made[-1], required, optional)
+                if not (os.access(os.path.join(base, "cgroup.procs"), os.W_OK)  # moving a process needs both
+                        and os.access(os.path.join(made[-1], "cgroup.procs"), os.W_OK)):
+                    raise PermissionError(f"cannot move processes into {made[-1]}")
             return cls(made, os.path.join(made[0], events))
         except OSError:
             _remove_groups(made)
@@ -485,7 +488,7 @@ def _probe() -> tuple[str | None, dict[str, str]]:
         tests = _PROBE_TESTS + ("assert os.getuid() == 65534\n" if mode == "unshare-root" else "")
         try:
             result = execute(mode, _PROBE_CODE, tests, Limits(timeout=30))
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:
             failures[mode] = str(exc)
             continue
         if result.passed:
