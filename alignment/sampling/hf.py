@@ -25,6 +25,7 @@ from ..config.sampling import SamplingSpec
 from ..data.formatting import encode
 from ..errors import UserError
 from ..models.prefix import shared_prefix, takes_position_ids
+from ..runtime.cpu import warn_slow_bf16
 from ..runtime.progress import counting, track
 from .decode import decode_batch
 from .samples import (
@@ -74,6 +75,8 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
         raise UserError("`draw: inverse_cdf` is how this toolkit's decode loop draws tokens, and a sharded (FSDP2) model "
                         "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
                         "stage's sampling block.")
+    if settings.dtype == "bfloat16" and device.type == "cpu":
+        warn_slow_bf16()  # where bf16 is slow here: `align check` refuses it for a recipe, a program is warned
     merged = lora_merged(model) if settings.merge_lora else nullcontext()
     packed = prepacked_linears(model) if prepacks(settings) else nullcontext()
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), merged, weights_as(model, settings.dtype), packed:

@@ -171,9 +171,9 @@ def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,
 
 @cache
 def onednn_runs_bf16() -> bool:
-    """An x86 CPU on which torch's oneDNN runs bf16 natively (AVX512-BF16 or AMX): there torch's own bf16 matmul is
-    oneDNN's, so a prepacked weight gives the same bits; elsewhere torch takes another path, whose sums could
-    differ."""
+    """An x86 CPU on which torch hands its bf16 matmul to oneDNN (AVX-512 or AMX, as far as ONEDNN_MAX_CPU_ISA lets
+    oneDNN use them): there a prepacked weight gives torch's own bits; elsewhere torch takes another path, whose sums
+    could differ. Natively only with AVX512-BF16 or AMX (`runtime.cpu.bf16_native`, what dtype choices ask)."""
     return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 

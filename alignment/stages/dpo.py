@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..models.implicit_reward import write_marker
 from ..models.loading import load_policy
 from ..models.lora import peft_config
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import loads_partitioned
 from ..training.buckets import training_dataset, with_length_sampling
 from ..training.context import StageContext
@@ -73,6 +74,7 @@ def several_passes(train: dict) -> bool:
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     trl_config(ctx)
     ctx.load_tokenizer()
     check_stage_data(ctx)

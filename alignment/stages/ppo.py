@@ -44,6 +44,7 @@ from ..rl import (
     prompt_completion_batch,
     value_loss,
 )
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import PARTITIONED, check_engine
 from ..runtime.progress import track
 from ..sampling import generate
@@ -576,6 +577,7 @@ def gold_key(ctx: StageContext, gold: list) -> str:
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     tokenizer = ctx.load_tokenizer()
     prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
                 resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"))

@@ -37,6 +37,7 @@ from ..models.loading import (
 from ..models.lora import peft_config
 from ..models.reward_ensemble import member_dir, write_marker
 from ..models.saving import save_checkpoint
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
 from ..training.buckets import training_dataset, with_length_sampling
 from ..training.context import StageContext
@@ -63,6 +64,7 @@ def trl_config(ctx: StageContext):
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     trl_config(ctx)
     ctx.load_tokenizer()
     check_stage_data(ctx)

@@ -22,6 +22,7 @@ from ..data.formatting import prompt_and_completion, render_example
 from ..data.loading import check_columns, check_strings, file_rows
 from ..errors import UserError
 from ..models.loading import load_policy
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
 from ..training.context import StageContext
 from ..training.rows import count_truncated, drop_overlong, row_lengths, token_rows
@@ -119,6 +120,7 @@ def _empty_answer(row: dict) -> bool:
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
