@@ -46,7 +46,7 @@ PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 2
 # securebits: NOROOT, NO_SETUID_FIXUP and NO_CAP_AMBIENT_RAISE set, KEEP_CAPS clear, all four locked
 SECURE_BITS = 0b1110_1111
 _CAP_VERSION_3 = 0x20080522
-# pivot_root has no libc wrapper: the syscall's number per machine (the generic table where absent)
+# pivot_root has no libc wrapper: the syscall's number per machine (an unknown one is a setup error)
 _PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203,
                        "ppc64": 203, "s390x": 217, "i686": 217, "i386": 217, "armv7l": 218}
 _DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
