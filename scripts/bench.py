@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BATCHxNEW_TOKENS,... of the vllm section")
     parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
-    parser.add_argument("--no-bf16", action="store_true", help="decode section: leave out the bf16 rows (a CPU "
-                        "without AMX or AVX512-BF16 computes bf16 slowly)")
+    parser.add_argument("--no-bf16", action="store_true", help="decode section: leave out the bf16 rows (left out "
+                        "anyway, with the reason, on a CPU without AMX or AVX512-BF16, which computes bf16 slowly)")
     parser.add_argument("--rounds", type=int, default=1, help="decode section: run the roofline and every sampler "
                         "this many times in rotation and report medians (a machine whose speed drifts moves every "
                         "sampler of a round alike; 3 for the docs' tables)")

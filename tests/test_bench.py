@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from alignment.runtime import cpu
 from alignment.sampling.samples import onednn_runs_bf16
 
 
@@ -31,19 +32,23 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
 
 
 def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(capsys):
-    """The decode section at micro size: for every recipe shape, the roofline rows (fp32 and bf16: the test model is
-    fp32 on CPU) and each sampler's useful tokens/s, GFLOP/s and share of the roofline, the sampled shapes with the
-    inverse-CDF draws too. No speed is asserted (the machine may be loaded)."""
+    """The decode section at micro size: for every recipe shape, the roofline rows (fp32, and bf16 where bf16 is fast
+    here: the test model is fp32 on CPU) and each sampler's useful tokens/s, GFLOP/s and share of the roofline, the
+    sampled shapes with the inverse-CDF draws too. No speed is asserted (the machine may be loaded)."""
     bench = load_bench()
+    half = torch.cuda.is_available() or cpu.bf16_native()
     results = bench.main(["--size", "micro", "--sections", "decode", "--rounds", "2"])
     shapes = {name: temperature for name, _, _, temperature, *_ in bench.SIZES["micro"]["decode"]}
     for name, temperature in shapes.items():
         rows = {r["variant"].split(f", {name}:")[0]: r for r in results if f", {name}:" in r["variant"]}
         samplers = {"ours: engine loop (default)", "ours: engine generate", "plain: model.generate",
-                    "transformers: generate_batch (continuous batching)",
-                    "ours: engine loop, dtype bfloat16", "plain: model.generate, bf16 weights"}
+                    "transformers: generate_batch (continuous batching)"}
+        if half:
+            samplers |= {"ours: engine loop, dtype bfloat16", "plain: model.generate, bf16 weights"}
         if temperature > 0:
-            samplers |= {"ours: engine loop, draw inverse_cdf", "ours: engine loop, dtype bfloat16, draw inverse_cdf"}
+            samplers |= {"ours: engine loop, draw inverse_cdf"}
+        if temperature > 0 and half:
+            samplers |= {"ours: engine loop, dtype bfloat16, draw inverse_cdf"}
         assert set(rows) == samplers
         for r in rows.values():
             assert r["unit"] == "tokens/s" and r["rate"] > 0 and r["gflops"] > 0 and 0 < r["of_roofline"]
@@ -52,7 +57,7 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
             assert r["vs_plain"] > 0
         assert rows["plain: model.generate"]["vs_plain"] == 1.0
     roofs = [r["variant"].rsplit(", ", 1)[-1] for r in results if r["variant"].startswith("roofline")]
-    assert sorted(roofs) == sorted(["float32", "bfloat16"] * len(shapes))
+    assert sorted(roofs) == sorted(["float32", *(["bfloat16"] if half else [])] * len(shapes))
     assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 and len(r["rates"]) == 2
                for r in results if r["variant"].startswith("roof"))
     # the roofline takes each shape's faster kernel: torch.matmul, or (CPU) the weight prepacked, as MKL's fp32 sgemm
@@ -64,6 +69,19 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
         assert ("prepacked" in r["kernels"]) is packs
     header = capsys.readouterr().out
     assert all(column in header for column in ("GFLOP/s", "of roofline", "tokens/s", "vs plain"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the bf16 rows always run")
+@pytest.mark.parametrize("native", [False, True])
+def test_the_bf16_rows_run_only_where_the_cpu_multiplies_bf16_natively(monkeypatch, capsys, native):
+    """The lower ISA forced (`bf16_native` false, as under ONEDNN_MAX_CPU_ISA=AVX2): the decode section leaves its
+    bf16 rows out and prints why; on a native-bf16 CPU they run as before."""
+    bench = load_bench()
+    monkeypatch.setattr(cpu, "bf16_native", lambda: native)
+    results = bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts", "--no-generate-batch"])
+    bf16 = [r["variant"] for r in results if "bf16" in r["variant"] or "bfloat16" in r["variant"]]
+    said = "decode: bf16 rows left out: " in capsys.readouterr().out
+    assert (len(bf16) == 4 and not said) if native else (bf16 == [] and said)
 
 
 def test_bench_rounds_ratio_is_taken_within_each_round():

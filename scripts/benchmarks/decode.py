@@ -1,8 +1,9 @@
 """The `decode` section (`--size smollm2`: its only default): useful tokens/s of each sampler (`samplers`) at
 the recipes' sampling shapes (a size's `decode`, RECIPE_SHAPES in scripts/bench.py) beside this machine's
 matmul rate at the decode's shapes (`roofline`). On a model that is not bf16 already, also our loop with
-`dtype: bfloat16` and plain `generate` on bf16 weights, beside the bf16 roofline (`--no-bf16` leaves them
-out); `--no-generate-batch` leaves out transformers' continuous batching. `--rounds R` runs them all R times
+`dtype: bfloat16` and plain `generate` on bf16 weights, beside the bf16 roofline, where bf16 is fast (a GPU, or a
+CPU with AVX512-BF16 or AMX: elsewhere they are left out with the reason printed; `--no-bf16` leaves them out
+anywhere); `--no-generate-batch` leaves out transformers' continuous batching. `--rounds R` runs them all R times
 in rotation and reports medians, and each sampler's ratio to plain `generate` within a round (`vs plain`),
 which a machine whose speed drifts between minutes leaves alone. Rows are printed as each shape ends.
 """
@@ -30,6 +31,11 @@ def decode_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
     return [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(count)]
 
 
+def significant(value: float) -> float:
+    """`value` to 4 significant digits: a slow sampler's small GFLOP/s stays above zero in the table and the JSON."""
+    return float(f"{value:.4g}")
+
+
 def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict,
                 params: int) -> list[dict]:
     """One row per sampler: its median useful tokens/s over the rounds (and each round's), GFLOP/s and share of
@@ -46,9 +52,21 @@ def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict,
         rows.append({"section": "decode", "variant": f"{sampler.variant}, {shape}", "rate": round(rate, 2),
                      "unit": "tokens/s", "peak_mib": round(peaks[sampler.variant], 1),
                      "seconds": round(statistics.median(seconds[sampler.variant]), 2), "mfu": None,
-                     "gflops": round(gflops, 3), "of_roofline": round(gflops / roofline, 4),
+                     "gflops": significant(gflops), "of_roofline": significant(gflops / roofline),
                      "rates": [round(r, 2) for r in own], "vs_plain": None if ratio is None else round(ratio, 3)})
     return rows
+
+
+def bf16_runs_fast(device) -> bool:
+    """Whether the bf16 rows belong on this machine: on a GPU, or on a CPU that multiplies bf16 natively; elsewhere
+    they crawl (`alignment.runtime.cpu.slow_bf16`), so they are left out and the reason is printed."""
+    from alignment.runtime.cpu import slow_bf16
+
+    why = None if device.type != "cpu" else slow_bf16()
+    if why:
+        print(f"decode: bf16 rows left out: {why} (the sampler's `dtype: bfloat16` would be slower than fp32 "
+              "here, and plain bf16 generate far slower)", flush=True)
+    return why is None
 
 
 def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
@@ -70,7 +88,7 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     params = sum(p.numel() for p in model.parameters())
     has_vllm = importlib.util.find_spec("vllm") is not None
-    half = model.dtype != torch.bfloat16 and not args.no_bf16
+    half = model.dtype != torch.bfloat16 and not args.no_bf16 and bf16_runs_fast(model.device)
     if not has_vllm:
         print("decode: vLLM is not installed here, so it has no rows (bash scripts/vllm_env.sh builds its "
               "environment; run this command in it)", flush=True)
