@@ -61,11 +61,11 @@ class Limits:
     """Resource limits for one run. timeout is wall-clock seconds; sizes in MiB."""
 
     timeout: float = 5.0
-    memory_mb: int = 1024  # RLIMIT_AS, per process
+    memory_mb: int = 1024  # the call's total (cgroup, see _fallback without one) and RLIMIT_AS per process
     file_size_mb: int = 16  # RLIMIT_FSIZE: largest file, and largest output
-    max_processes: int = 32  # RLIMIT_NPROC (namespaced modes only)
+    max_processes: int = 32  # RLIMIT_NPROC (namespaced modes only) and the cgroup's task count
     max_open_files: int = 64  # RLIMIT_NOFILE
-    tmpfs_mb: int = 64  # size of the private /tmp (the work directory lives there)
+    tmpfs_mb: int = 64  # size of the private /tmp (the work directory lives there) and of /dev/shm
     output_bytes: int = 64 * 1024  # output read back into the caller (head and tail)
 
 
