@@ -3,9 +3,10 @@
     worker = ToolWorker([("my_tools:lookup", {"table": "t"})], search_dirs)
     ok, output = worker.call("lookup", {"key": "a"}, timeout=10.0)
 
-One worker per toolbox, started at its first call: a `spawn` process (nothing of the trainer's is copied into it: no
-model, no CUDA context) that imports the tools itself, the recipe's folder first, binds their `options:` and runs one
-call at a time. A call past its timeout, or one that ends the process, is an error; the worker is then killed and
+One worker per toolbox, started at its first call: a fresh interpreter (`python -m alignment.tools.worker`: nothing
+of the trainer's is copied into it, no model, no CUDA context, and unlike multiprocessing's `spawn` it never re-runs
+the trainer's main script) that imports the tools itself, the recipe's folder first, binds their `options:` and runs
+one call at a time. A call past its timeout, or one that ends the process, is an error; the worker is then killed and
 the next call starts a new one (its start is not a call's time). A tool must therefore be importable from its file.
 Limits: the worker bounds time only; it is an ordinary process of this user (the machine's files, network and
 memory). The `python` tool runs model code in its own sandbox instead; environments stay in the training process
@@ -14,10 +15,14 @@ memory). The `python` tool runs model code in its own sandbox instead; environme
 
 from __future__ import annotations
 
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 START_TIMEOUT = 120.0  # seconds a new worker may take to import the tools before its calls fail
@@ -73,11 +78,11 @@ def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) 
         connection.send(reply)
 
 
-def _kill(process, connection) -> None:
+def _kill(process: subprocess.Popen, connection: Connection) -> None:
     connection.close()
-    if process.is_alive():
+    if process.poll() is None:
         process.kill()
-    process.join(5)
+    process.wait()
 
 
 class ToolWorker:
@@ -94,26 +99,28 @@ class ToolWorker:
     def _start(self) -> str | None:
         """None once a worker is ready, else why none could start."""
         self.start_seconds = 0.0
-        if self.process is not None and self.process.is_alive():
+        if self.process is not None and self.process.poll() is None:
             return None
         self.stop()
         began = time.monotonic()
-        context = multiprocessing.get_context("spawn")
-        parent, child = context.Pipe()
-        process = context.Process(target=_serve, args=(child, self.targets, self.search_dirs),
-                                  name="alignment-tools", daemon=True)
-        process.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        # The trainer's import path, so the worker imports this package and the tools as the trainer does.
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                   stdin=subprocess.DEVNULL, env=environment, start_new_session=True)
+        theirs.close()
+        connection = Connection(ours.detach())
         try:
-            state, detail = parent.recv() if parent.poll(START_TIMEOUT) else ("failed", "it did not start in time")
+            connection.send((self.targets, self.search_dirs))
+            state, detail = connection.recv() if connection.poll(START_TIMEOUT) else ("failed", "it did not start in time")
         except (EOFError, OSError):
-            state, detail = "failed", f"it ended while starting (exit code {process.exitcode})"
+            state, detail = "failed", f"it ended while starting (exit code {process.poll()})"
         self.start_seconds = time.monotonic() - began
         if state != "ready":
-            _kill(process, parent)
+            _kill(process, connection)
             return f"the tools' worker process could not start: {detail}"
-        self.process, self.connection = process, parent
-        self._finalizer = weakref.finalize(self, _kill, process, parent)
+        self.process, self.connection = process, connection
+        self._finalizer = weakref.finalize(self, _kill, process, connection)
         return None
 
     def call(self, name: str, arguments: dict, timeout: float) -> tuple[bool, str]:
@@ -128,7 +135,10 @@ class ToolWorker:
                 return False, f"'{name}' did not finish within {timeout:g} s (its worker process was stopped)"
             return self.connection.recv()
         except (EOFError, OSError):  # the tool ended the process (os._exit, a crash, SystemExit)
-            code = self.process.exitcode if self.process is not None else None
+            try:
+                code = self.process.wait(5) if self.process is not None else None
+            except subprocess.TimeoutExpired:
+                code = None
             self.stop()
             return False, f"'{name}' ended its worker process (exit code {code})"
 
@@ -150,3 +160,8 @@ class WorkerTool:
         if not ok:
             raise RuntimeError(output)
         return output
+
+
+if __name__ == "__main__":  # the worker: its end of the socket pair is argv[1]
+    channel = Connection(int(sys.argv[1]))
+    _serve(channel, *channel.recv())
