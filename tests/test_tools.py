@@ -429,3 +429,34 @@ def test_sampler_logprobs_equal_the_policys_on_the_models_own_tokens(tiny_model,
     trajectories, encoded = calculator_rollout(model, tokenizer, SamplingSpec(max_new_tokens=8, batch_size=2),
                                                monkeypatch, prompts)
     assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=2e-4)
+
+
+# --- rlvr: sampling options the tool rollout cannot honour, the environment's reward in the group signal ---------
+@pytest.mark.parametrize("train, key", [({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                                        ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs")])
+def test_rlvr_refuses_sampling_options_the_tool_rollout_would_ignore(train, key):
+    from alignment.config.stages.rlvr import Config
+    from alignment.training.tool_rollouts import ToolRollouts
+
+    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
+                    tool_format="hermes", train=train)
+    with pytest.raises(UserError, match=f"stages.rlvr.train.{key}: with tools"):
+        ToolRollouts(config, script_tokenizer(), [], "stages.rlvr")
+    inert = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"], tool_format="hermes",
+                   train={"repetition_penalty": 1.0, "generation_kwargs": {}})
+    ToolRollouts(inert, script_tokenizer(), [], "stages.rlvr")
+
+
+def test_the_environment_reward_counts_in_the_group_signal():
+    """Groups of 2 whose verifier rewards are equal but whose environment rewards differ are not flat."""
+    from alignment.training.rewards import GroupSignal, VerifierReward
+    from alignment.training.tool_rollouts import EnvironmentReward
+    from alignment.verifiers import resolve
+
+    verifier = VerifierReward(resolve(lambda completion: 1.0), 1.0, "v")
+    environment = EnvironmentReward()
+    signal = GroupSignal([verifier, environment], stop_ids=[9], num_generations=2)
+    ids = [[9]] * 4
+    verifier(prompts=["p"] * 4, completions=["x"] * 4, completion_ids=ids)
+    assert environment(environment_reward=[1.0, 0.0, 0.5, 0.5], completion_ids=ids) == [1.0, 0.0, 0.5, 0.5]
+    assert signal.metrics()["zero_variance_groups"] == 0.5

@@ -253,7 +253,8 @@ def run(ctx: StageContext) -> dict:
         reward_funcs = tools.rewards(reward_funcs)
         args.reward_weights = [*args.reward_weights, 1.0] if tools.has_environment_reward else args.reward_weights
     over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
-    signal = GroupSignal(rewards, [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
+    signal = GroupSignal([*rewards, *(tools.extra_rewards if tools else [])],
+                         [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
                          args.num_generations_eval)
     trainer = trainer_class(
         model=model, reward_funcs=reward_funcs, args=args, processing_class=tokenizer,

@@ -46,6 +46,11 @@ def check_engine(config, where: str) -> None:
                         "(configs/accelerate/ddp.yaml) or a single process.")
     # TRL's vLLM engine samples TRL's own single-turn completions, which rollout_func replaces; rlvr has no
     # sampling block for this toolkit's vLLM backend (which runs the tool rollouts of rsft and evaluation).
+    ignored = {"min_p": None, "repetition_penalty": 1.0, "generation_kwargs": None}  # key: the value that does nothing
+    for key, inert in ignored.items():
+        if config.train.get(key, inert) not in (inert, {}):
+            raise UserError(f"{where}.train.{key}: with tools, rlvr's multi-turn rollouts sample with temperature, "
+                            f"top_p and top_k only, so `{key}` would be ignored; drop it (or sample without tools).")
     if config.train.get("use_vllm"):
         raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
                         "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
@@ -75,6 +80,7 @@ class ToolRollouts:
         self.format.result_text(tokenizer, [("check", "ok")])  # a template that cannot render results fails now
         self.rows: dict[str, dict] = {}
         self.totals: Counter = Counter()
+        self.environment_reward = EnvironmentReward()
 
     @property
     def has_environment_reward(self) -> bool:
@@ -118,7 +124,12 @@ class ToolRollouts:
         """TRL reward functions: each verifier on the final answers, plus the environment's reward if any. TRL
         calls every reward function on each batch, so only the first logs the batch's counts."""
         wrapped = [AnswerReward(reward, log_counts=i == 0) for i, reward in enumerate(verifier_rewards)]
-        return wrapped + ([environment_reward] if self.has_environment_reward else [])
+        return wrapped + self.extra_rewards
+
+    @property
+    def extra_rewards(self) -> list:
+        """The rewards the tools add to the stage's (the environment's, weight 1): a `GroupSignal` counts them."""
+        return [self.environment_reward] if self.has_environment_reward else []
 
     def metrics(self) -> dict:
         """For stage.json: counts summed over the training rollouts of every process (each samples its own
@@ -159,11 +170,24 @@ class AnswerReward:
         return self.inner(prompts=prompts, completions=answers if answers is not None else completions, **kwargs)
 
 
-def environment_reward(prompts=None, completions=None, environment_reward=None, **_) -> list[float]:
-    """The environment's reward() of each finished rollout (TRL logs it as rewards/environment_reward)."""
-    if environment_reward is None:  # never a silent 0: the rollout_func's field did not reach the reward call
-        raise RuntimeError("the rollout's environment_reward field did not reach the reward function")
-    return [float(r or 0.0) for r in environment_reward]
+class EnvironmentReward:
+    """The environment's reward() of each finished rollout as a TRL reward function of weight 1 (TRL logs it as
+    rewards/environment_reward); like every reward of the stage, it reports to the stage's `GroupSignal`, so a group
+    is only counted without variance when its total reward, this one included, is the same."""
+
+    __name__ = "environment_reward"
+    weight = 1.0
+
+    def __init__(self):
+        self.signal = None  # set by GroupSignal
+
+    def __call__(self, prompts=None, completions=None, environment_reward=None, completion_ids=None, **kwargs):
+        if environment_reward is None:  # never a silent 0: the rollout_func's field did not reach the reward call
+            raise RuntimeError("the rollout's environment_reward field did not reach the reward function")
+        rewards = [float(r or 0.0) for r in environment_reward]
+        if self.signal is not None:
+            self.signal.record(self, rewards, completion_ids, kwargs.get("log_metric"))
+        return rewards
 
 
 def sample_trajectories(model, tokenizer, tools: ToolRollouts, prompts: list, rows: list[dict],
