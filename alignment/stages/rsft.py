@@ -33,6 +33,7 @@ from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import completion_logprob_sums
 from ..runtime.files import write_atomic
 from ..sampling import generate
+from ..tools.rollout import COUNTS
 from ..training.context import StageContext
 from ..training.prompts import prompt_of
 from ..training.rewards import (
@@ -197,8 +198,7 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     if token_rows_of:  # what the rollouts did with their tools, per sample
         records = [r["trajectory"] for r in token_rows_of]
         stats["tool_call_rate"] = sum(r["tool_calls"] > 0 for r in records) / n
-        stats.update({key: sum(r[key] for r in records) for key in ("tool_calls", "tool_errors", "parse_failures",
-                                                                     "truncated_tool_outputs")})
+        stats.update({key: sum(r[key] for r in records) for key in COUNTS})
     stats.update(gold_means(list(gold), [s.text for s in samples],
                             [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples]))
     if selected:  # how good the selection is by the gold measure: the data the round trains on
@@ -326,7 +326,7 @@ def stage_result(records: list[dict], rewards) -> dict:
                                        for key, v in stats.items() if key != "round"}})
         metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
                         ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
-                         "tool_call_rate", "tool_errors", "parse_failures")
+                         "tool_call_rate", *COUNTS)
                         or key.startswith(("gold/", "selected_gold/"))})
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
