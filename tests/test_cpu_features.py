@@ -65,8 +65,17 @@ def test_bf16_requests_finds_sampling_blocks_and_train_flags(tmp_path):
     keys = [key for key, _ in cpu.bf16_requests(loaded.stages["dpo"], "stages.dpo")]
     assert sorted(keys) == ["stages.dpo.on_policy.dtype", "stages.dpo.train.bf16"]
     assert cpu.bf16_requests(SamplingSpec(), "s") == []
-    assert cpu.bf16_requests({"a": [SamplingSpec(dtype="bfloat16")]}, "x") == [("x.a[0].dtype", "samples on a bf16 "
+    assert cpu.bf16_requests({"a": [SamplingSpec(dtype="bfloat16")]}, "x") == [("x.a.0.dtype", "samples on a bf16 "
                                                                                   "copy of the weights")]
+
+
+def test_bf16_requests_finds_an_evaluate_blocks_suites(tmp_path):
+    suite = {"name": "arith", "data": {"task": "arithmetic", "n": 4}, "sampling": {"dtype": "bfloat16"},
+             "pass_k": {"n": 2}}
+    recipe = {**sft_recipe(tmp_path), "evaluate": {"suites": [suite]}}
+    loaded = load_recipe(write_recipe(tmp_path, recipe))
+    keys = [key for key, _ in cpu.bf16_requests(loaded.evaluate, "evaluate")]
+    assert keys == ["evaluate.suites.0.sampling.dtype", "evaluate.suites.0.pass_k.dtype"]  # pass_k inherits dtype
 
 
 @no_gpu

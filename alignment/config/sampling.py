@@ -90,8 +90,9 @@ class SamplingSpec(Strict):
     dtype: Literal["model", "bfloat16"] = Field(
         "model", description="transformers backend: the weights' type while sampling. `model`: as loaded (fp32 on "
         "CPU, bf16 on a GPU), the samples exactly today's. `bfloat16`: a bf16 copy of the weights for the call, the "
-        "model's own put back after it: 1.4-1.8x the tokens/s of fp32 on a CPU with AMX or AVX512-BF16 (slower on "
-        "one without), other samples, their log-probs the bf16 model's (docs/performance.md)")
+        "model's own put back after it: 1.4-1.8x the tokens/s of fp32 on a CPU with AMX or AVX512-BF16, other "
+        "samples, their log-probs the bf16 model's (docs/performance.md); on a CPU without them bf16 is far slower "
+        "than fp32, and `align check` refuses it there (alignment/runtime/cpu.py)")
 
     @model_validator(mode="after")
     def _compile_needs_static(self):

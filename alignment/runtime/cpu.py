@@ -107,7 +107,7 @@ def bf16_requests(config, where: str) -> list[tuple[str, str]]:
             found += bf16_requests(value, f"{where}.{name}")
     elif isinstance(config, (list, tuple)):
         for i, item in enumerate(config):
-            found += bf16_requests(item, f"{where}[{i}]")
+            found += bf16_requests(item, f"{where}.{i}")
     elif isinstance(config, dict):
         for key, item in config.items():
             found += bf16_requests(item, f"{where}.{key}")
