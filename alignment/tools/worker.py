@@ -15,6 +15,7 @@ memory). The `python` tool runs model code in its own sandbox instead; environme
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
@@ -25,15 +26,14 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from ..errors import UserError
+from ..verifiers.registry import _load_target
+
 START_TIMEOUT = 120.0  # seconds a new worker may take to import the tools before its calls fail
 
 
 def bind_options(fn: Callable, name: str, options: dict) -> Callable:
     """`fn` with the recipe's options as fixed keyword arguments; an option `fn` does not take is an error."""
-    import inspect
-
-    from ..errors import UserError
-
     if not options:
         return fn
     parameters = inspect.signature(fn).parameters
@@ -56,8 +56,6 @@ def tool_name(target: str) -> str:
 
 def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) -> None:
     """The worker's loop: import the tools, say "ready", then answer each (name, arguments) with (ok, text)."""
-    from ..verifiers.registry import _load_target
-
     try:
         tools = {tool_name(target): bind_options(_load_target(target, target, [Path(d) for d in search_dirs]),
                                                  tool_name(target), options) for target, options in targets}
