@@ -235,12 +235,16 @@ def completion_logprob_sums(model: torch.nn.Module, prompt_ids: list[list[int]],
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from log-probs of tokens sampled from pi.
 
-    Shapes: [B, T], [B, T] -> [B, T]. With d = logp - logp_ref:
+    Shapes: [B, T], [B, T] -> [B, T]. With d = logp - logp_ref, as estimates of the KL's value:
       k1 = d                      (unbiased, high variance, can be negative)
       k2 = 0.5 * d**2             (biased, low variance, >= 0)
       k3 = exp(-d) - 1 + d        (unbiased, low variance, >= 0)
     Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html.
     Swapping the arguments estimates the other direction for samples from the second argument.
+    Unbiased in value is not unbiased in gradient: as a reward (detached, through the score function
+    E[grad log pi * k]) only k1 gives grad KL(pi || ref); k3 gives grad KL(pi || ref) - grad KL(ref || pi)
+    and k2 gives grad E[d**2 / 2] - grad KL(pi || ref), both zero to first order at the reference, so
+    `penalized_rewards` takes k1 only (tests/test_reward_paths.py checks this exactly).
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -276,7 +280,12 @@ def penalized_rewards(
     r_t = -kl_coef * KL_t + 1[t = last real token] * score  (Ziegler et al. 2019, eq. 2 and
     Stiennon et al. 2020, eq. 1). kl and rewards are 0 at masked positions. A row whose mask is
     all zero gets no score (its rewards stay 0) rather than an error. Pass detached tensors.
+    `kl_estimator` must be k1: the penalty is a reward here, and k2 and k3 bias its gradient (`kl_estimate`).
     """
+    if kl_estimator != "k1":
+        raise ValueError(f"the KL penalty in the reward takes the k1 estimator, not {kl_estimator!r}: as a reward "
+                         "only k1's expected gradient is the KL's (k2 and k3 are unbiased or low-variance values, "
+                         "with biased gradients: see kl_estimate)")
     kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
     kl = torch.where(mask != 0, kl, torch.zeros_like(kl))
     rewards = -kl_coef * kl

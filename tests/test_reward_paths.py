@@ -56,3 +56,49 @@ def test_a_checkpoint_whose_tokenizer_reloads_differently_is_refused(tmp_path, t
     monkeypatch.setattr(tokenizer_module, "load_tokenizer", lambda name, *a, **k: AutoTokenizer.from_pretrained(name))
     with pytest.raises(UserError, match="does not reload to the one the model was trained with"):
         save_checkpoint(load_policy(str(tiny_model)), tokenizer, tmp_path / "stage")
+
+
+# --- the KL penalty in the reward keeps the KL's gradient --------------------------------------------------
+
+
+def reward_path_gradients():
+    """For a categorical policy pi = softmax(theta) and a reference, exactly (no sampling): the gradient of
+    KL(pi || ref), of KL(ref || pi), and for each estimator k the gradient PPO follows when k is paid as a reward,
+    E_pi[grad log pi * k] (k detached); with each estimator's expected value."""
+    from alignment.rl import kl_estimate
+
+    generator = torch.Generator().manual_seed(0)
+    ref = torch.log_softmax(torch.randn(6, generator=generator, dtype=torch.float64), 0)
+    theta = (ref + 0.5 * torch.randn(6, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    logp = torch.log_softmax(theta, 0)
+    p = logp.exp()
+    forward = torch.autograd.grad((p * (logp - ref)).sum(), theta, retain_graph=True)[0]
+    reverse = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta, retain_graph=True)[0]
+    value, paid = {}, {}
+    for kind in ("k1", "k2", "k3"):
+        estimate = kl_estimate(logp.detach(), ref, kind)
+        value[kind] = float((p.detach() * estimate).sum())
+        paid[kind] = torch.autograd.grad((p.detach() * logp * estimate).sum(), theta, retain_graph=True)[0]
+    return float((p * (logp - ref)).sum()), forward, reverse, value, paid
+
+
+def test_only_k1_paid_as_a_reward_follows_the_kl_gradient():
+    kl, forward, reverse, value, paid = reward_path_gradients()
+    assert value["k1"] == pytest.approx(kl) and value["k3"] == pytest.approx(kl)  # both unbiased in value
+    assert torch.allclose(paid["k1"], forward)  # and k1 in gradient
+    assert torch.allclose(paid["k3"], forward - reverse)  # k3: the two directions' gradients cancel near ref
+    for kind in ("k2", "k3"):
+        assert (paid[kind] - forward).norm() > 0.5 * forward.norm()
+
+
+@pytest.mark.parametrize("kind", ["k2", "k3"])
+def test_k2_and_k3_are_refused_in_the_reward(kind):
+    from alignment.config.stages.ppo import Config
+    from alignment.rl import penalized_rewards
+
+    zeros = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match="k1"):
+        penalized_rewards(torch.zeros(1), zeros, zeros, torch.ones(1, 3), 0.1, kind)
+    with pytest.raises(ValueError, match=f"{kind} is refused in the reward.*k1"):
+        Config(reward_model="rm", data={"task": "arithmetic", "n": 4}, kl_estimator=kind)
+    assert Config(reward_model="rm", data={"task": "arithmetic", "n": 4}).kl_estimator == "k1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..base import Strict
 from ..data import DataSpec
@@ -119,10 +119,14 @@ class Config(StageConfig):
     kl_horizon: int = Field(10000, gt=0, description="horizon of the adaptive KL controller, in episodes: each update "
                             "multiplies kl_coef by 1 + clip(KL / kl_target - 1, -0.2, 0.2) x episodes / kl_horizon "
                             "(Ziegler et al. 2019)")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimate from d = log p - log "
-                                                    "p_ref: k1 = d (unbiased, can be negative), k2 = d^2 / 2, k3 = "
-                                                    "exp(-d) - 1 + d (unbiased, >= 0) (Schulman, "
-                                                    "\"Approximating KL divergence\", http://joschu.net/blog/kl-approx.html)")
+    kl_estimator: Literal["k1"] = Field("k1", description="per-token KL estimate in the penalty, from d = log p - "
+                                        "log p_ref: k1 = d, the one estimator whose expected gradient as a reward "
+                                        "is the gradient of KL(pi || ref). k2 = d^2 / 2 and k3 = exp(-d) - 1 + d "
+                                        "(Schulman, \"Approximating KL divergence\", "
+                                        "http://joschu.net/blog/kl-approx.html) estimate the KL's value with less "
+                                        "variance, k3 without bias, but as a reward their gradients are biased (k3's "
+                                        "is grad KL(pi || ref) - grad KL(ref || pi), zero to first order at the "
+                                        "reference), so they are refused here")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="how each update samples its completions")
     missing_eos_penalty: float | None = Field(None, description="subtracted from the score of unfinished completions "
                                               "(no end-of-turn token within max_new_tokens), as TRL's; null: none")
@@ -141,6 +145,17 @@ class Config(StageConfig):
                              "scored once, with a value for every token. Multi-turn rollouts with tools run in rlvr "
                              "(GRPO, which needs no critic over the tool results) and rsft; use one of them")
         return data
+
+    @field_validator("kl_estimator", mode="before")
+    @classmethod
+    def _k1_in_the_reward(cls, value):
+        if value in ("k2", "k3"):
+            raise ValueError(f"{value} is refused in the reward: the KL penalty is paid as a reward (no gradient "
+                             "flows through it), and then only k1's expected gradient is the gradient of "
+                             "KL(pi || ref); k3's is grad KL(pi || ref) - grad KL(ref || pi) and k2's "
+                             "grad E[d^2/2] - grad KL(pi || ref), both zero to first order at the reference, so the "
+                             "penalty would barely hold the policy near it. Use k1 (the default)")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self):
