@@ -15,7 +15,13 @@ from transformers import AutoModelForSequenceClassification
 from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
 from alignment.models.loading import load_reward_model
-from alignment.models.reward_ensemble import RewardEnsemble, combine_scores, read_marker
+from alignment.models.reward_ensemble import (
+    RewardEnsemble,
+    combine_scores,
+    read_marker,
+    read_standardisation,
+    standardised,
+)
 from alignment.models.tokenizer import load_tokenizer
 from alignment.run.runner import make_context, run_recipe
 from alignment.stages import reward
@@ -64,7 +70,10 @@ def test_the_stage_trains_each_member_from_its_own_seed_and_scores_with_their_co
     prompts, answers = ["What is 12+7?", "What is 40+3?", "What is 5+5?"], ["19", "44", "10"]
     each = torch.tensor([score_texts(member(m), tokenizer, prompts, answers) for m in members])
     combined = score_texts(model, tokenizer, prompts, answers)
-    assert combined == pytest.approx((each.mean(0) - 0.5 * each.var(0, unbiased=False)).tolist(), abs=1e-5)
+    stats = read_standardisation(ctx.out_dir, 3)  # each member's mean and std on the stage's held-out pairs
+    assert stats is not None and stats != pytest.approx([stats[0]] * 3)
+    aligned = standardised(each, stats)
+    assert combined == pytest.approx((aligned.mean(0) - 0.5 * aligned.var(0, unbiased=False)).tolist(), abs=1e-5)
     assert combined != pytest.approx(each[0].tolist(), abs=1e-4)  # not one member's score
     check_reward_model("${rm}", str(ctx.out_dir), "stages.ppo.reward_model")
 

@@ -102,3 +102,56 @@ def test_k2_and_k3_are_refused_in_the_reward(kind):
     with pytest.raises(ValueError, match=f"{kind} is refused in the reward.*k1"):
         Config(reward_model="rm", data={"task": "arithmetic", "n": 4}, kl_estimator=kind)
     assert Config(reward_model="rm", data={"task": "arithmetic", "n": 4}).kl_estimator == "k1"
+
+
+# --- reward-model ensembles combine standardised members ---------------------------------------------------
+
+OFFSETS = [0.0, 0.8, -0.8]
+
+
+def offset_members(scores: torch.Tensor) -> torch.Tensor:
+    """Three members that rank every answer alike and differ by a Bradley-Terry offset each: [3, n]."""
+    return torch.stack([scores + offset for offset in OFFSETS])
+
+
+def test_min_and_uwo_do_not_follow_a_members_offset():
+    from alignment.models.reward_ensemble import combine_scores, member_statistics
+
+    reference = offset_members(torch.tensor([-1.0, 0.5, 2.0, 0.0, 1.5], dtype=torch.float64))  # the stage's pairs
+    stats = member_statistics(reference.tolist())
+    answers = offset_members(torch.tensor([0.3, -0.4, 1.2], dtype=torch.float64)).requires_grad_(True)
+    for combine in ("min", "uwo"):
+        combined = combine_scores(answers, combine, penalty=1.0, standardisation=stats)
+        assert combined.tolist() == pytest.approx(answers[0].tolist())  # the members agree: one member's score
+        weights = torch.autograd.grad(combined.sum(), answers)[0][:, 0]
+        assert (weights >= 0).all(), (combine, weights)  # no member is paid to be lowered
+    uwo = combine_scores(answers, "uwo", penalty=1.0, standardisation=stats)
+    assert torch.autograd.grad(uwo.sum(), answers)[0][:, 0].tolist() == pytest.approx([1 / 3] * 3)
+    assert combine_scores(answers, "mean").tolist() == pytest.approx(answers[0].tolist())  # mean: as it was
+
+
+def test_an_ensemble_folder_without_statistics_loads_with_mean_and_is_refused_with_min(tmp_path, tiny_model):
+    import json
+
+    from alignment.models.loading import load_reward_model
+    from alignment.models.reward_ensemble import RewardEnsemble
+    from alignment.training.scoring import check_reward_model
+
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path / "rm"
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)
+    for path in (folder, folder / "members" / "1"):
+        classifier.save_pretrained(path)
+        load_tokenizer(str(tiny_model)).save_pretrained(path)
+    for combine in ("mean", "min", "uwo"):  # the marker an older reward stage wrote
+        (folder / "reward_ensemble.json").write_text(json.dumps({"members": [".", "members/1"], "combine": combine,
+                                                                "penalty": 1.0}))
+        if combine == "mean":
+            assert isinstance(load_reward_model(str(folder)), RewardEnsemble)
+            continue
+        with pytest.raises(UserError, match=f"combines its members with {combine} but was written without .*reward "
+                                            "stage again"):
+            load_reward_model(str(folder))
+        with pytest.raises(UserError, match="written without"):
+            check_reward_model("${rm}", str(folder), "stages.ppo.reward_model")

@@ -26,7 +26,7 @@ from transformers import (
 from ..errors import UserError
 from ..runtime.dist import full_weights
 from .implicit_reward import ImplicitRewardModel, is_implicit_reward_model, read_marker
-from .reward_ensemble import RewardEnsemble, is_reward_ensemble
+from .reward_ensemble import RewardEnsemble, is_reward_ensemble, read_standardisation
 from .reward_ensemble import read_marker as read_ensemble
 
 
@@ -130,7 +130,8 @@ def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     if is_reward_ensemble(name):
         members, combine, penalty = read_ensemble(name)
         with full_weights():
-            return RewardEnsemble([_load_reward_model(m, trust_remote_code, dtype) for m in members], combine, penalty)
+            return RewardEnsemble([_load_reward_model(m, trust_remote_code, dtype) for m in members], combine, penalty,
+                                  read_standardisation(name, len(members)))
     if is_implicit_reward_model(name):
         reference, beta = read_marker(name)
         return ImplicitRewardModel(load_policy(name, trust_remote_code, dtype),

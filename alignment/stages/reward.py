@@ -35,7 +35,7 @@ from ..models.loading import (
     load_reward_model,
 )
 from ..models.lora import peft_config
-from ..models.reward_ensemble import member_dir, write_marker
+from ..models.reward_ensemble import MARKER, member_dir, member_statistics, write_marker
 from ..models.saving import save_checkpoint
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
@@ -224,7 +224,7 @@ def run(ctx: StageContext) -> dict:
         done = train_member(ctx, trainer, counts, member_dir(ctx.out_dir, member))
         members.update(member_metrics(member, done["metrics"]))
     if ctx.is_main:
-        write_marker(ctx.out_dir, ensemble.members, ensemble.combine, ensemble.penalty)
+        write_marker(ctx.out_dir, ensemble.members, ensemble.combine, ensemble.penalty, standardisation(ctx, pairs))
     result["metrics"].update(members)
     PartialState().wait_for_everyone()  # the members and the marker are on disk
     if pairs.held_out and ctx.is_main:
@@ -249,6 +249,27 @@ def train_member(ctx: StageContext, trainer, counts: dict, out_dir) -> dict:
                      f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
     save_model(trainer, trainer.processing_class, out_dir, ctx.save_dtype(), save=save_reward_model)
     return final_metrics(trainer, **counts, **held_out)
+
+
+# Pairs whose chosen and rejected texts standardise the members: the mean and std of a member's scores settle
+# long before this many texts, and scoring them costs a forward pass per member per text.
+STANDARDISE_PAIRS = 512
+
+
+def standardisation(ctx: StageContext, pairs: Pairs) -> list[tuple[float, float]]:
+    """Each member's (mean, std) of scores on the chosen and rejected texts of the held-out pairs (the training
+    pairs where none are held out), at most STANDARDISE_PAIRS of them: the texts the stage has, drawn from the
+    start policy's distribution with on_policy. Written into the marker, they make the ensemble one fixed
+    function, the same in every stage and evaluation that reads it (`models/reward_ensemble.py`)."""
+    (ctx.out_dir / MARKER).unlink(missing_ok=True)  # one left by an interrupted run would load member 0 as the ensemble
+    source = (pairs.held_out or pairs.train)[:STANDARDISE_PAIRS]
+    texts = [p["chosen_ids"] for p in source] + [p["rejected_ids"] for p in source]
+    tokenizer, scores = ctx.load_tokenizer(), []
+    for member in range(ctx.config.ensemble.members):
+        model = load_reward_model(str(member_dir(ctx.out_dir, member)), ctx.recipe.trust_remote_code)
+        scores.append(score_ids(model, tokenizer, texts))
+        del model
+    return member_statistics(scores)
 
 
 def ensemble_accuracy(ctx: StageContext, held_out: list[dict]) -> dict:

@@ -20,7 +20,10 @@ class EnsembleSpec(Strict):
                          "score head's initialisation and its batch order); the stage takes about members x as long")
     combine: Literal["mean", "min", "uwo"] = Field("mean", description="how a reader combines the members' "
                                                    "scores: mean; min (worst-case optimisation); uwo (mean minus "
-                                                   "`penalty` x the members' variance: uncertainty-weighted)")
+                                                   "`penalty` x the members' variance: uncertainty-weighted). min "
+                                                   "and uwo read each member standardised by the mean and std of "
+                                                   "its scores on the stage's held-out pairs (else its training "
+                                                   "pairs), since a Bradley-Terry model's offset is arbitrary")
     penalty: float = Field(1.0, ge=0, description="uwo: the weight of the members' variance subtracted from their mean")
 
     @model_validator(mode="after")
