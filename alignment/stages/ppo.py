@@ -58,7 +58,10 @@ from ..training.actor_critic import (
 from ..training.buckets import bucketed_order
 from ..training.context import StageContext
 from ..training.early_stop import GoldWatch
+from ..training.health import report as report_health
+from ..training.health import reward_trend
 from ..training.memory import StepShape, needs_checkpointing
+from ..training.prompt_filter import filter_rows
 from ..training.prompts import prompt_of
 from ..training.rewards import build_gold, build_rewards, gold_means, resolve_all
 from ..training.rollout import Rollout, RolloutStats
@@ -166,6 +169,8 @@ class PPOLoop:
         self.reward = Scorer(ctx, self.accelerator.device)
         self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.reward.rewards],
                                               [g.verifier for g in self.reward.gold])
+        kept, self.filtered = filter_rows(ctx, self.rows, self.reward.rewards, self.config.rollout)  # prompt_filter
+        self.rows, self.prompts = [self.rows[i] for i in kept], [self.prompts[i] for i in kept]
         self.actor_critic, self.reference_logprobs = self.setup_models()
         self.total = self.total_updates()
         self.wrapped, self.optimizer, self.scheduler = self.setup_optimizer()
@@ -290,7 +295,9 @@ class PPOLoop:
             metrics.update({"early_stop/best_update": self.watch.best_update or None,
                             "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
                             "early_stop/stopped_at": self.stopped_at})
-        return {"metrics": metrics, "log_history": self.history}
+        metrics.update(**self.filtered, **{k: v for r in self.reward.rewards for k, v in r.totals().items()},
+                       **reward_trend(self.history, "score", "score_std"))
+        return {"metrics": report_health("ppo", self.ctx.stage_id, metrics), "log_history": self.history}
 
     def one_update(self) -> dict | None:
         """One rollout and its training; None when `early_stop` ends the run at this rollout (not trained on).

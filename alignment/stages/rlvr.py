@@ -37,6 +37,10 @@ from ..runtime.dist import log_share
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
 from ..training.buckets import LENGTH_SAMPLERS
 from ..training.context import StageContext
+from ..training.dynamic_sampling import DynamicSampling
+from ..training.health import report as report_health
+from ..training.health import reward_trend
+from ..training.prompt_filter import filter_rows, trl_sampling
 from ..training.prompts import prompt_of
 from ..training.rewards import (
     SOURCE_PROMPT,
@@ -244,6 +248,8 @@ def run(ctx: StageContext) -> dict:
     rewards = verifier_rewards + reward_model_reward(ctx, tokenizer, model)  # in the order of reward_weights
     verifiers, gold_verifiers = [r.verifier for r in verifier_rewards], [g.verifier for g in gold]
     train_rows = prompt_rows(ctx, tokenizer, ctx.config.data, "data", verifiers, gold_verifiers)
+    kept, filtered = filter_rows(ctx, train_rows, verifier_rewards, trl_sampling(args))  # all, unless prompt_filter
+    train_rows = [train_rows[i] for i in kept]
     eval_rows = None
     if ctx.config.eval_data:
         eval_rows = prompt_rows(ctx, tokenizer, ctx.config.eval_data, "eval_data", verifiers, gold_verifiers)
@@ -264,6 +270,8 @@ def run(ctx: StageContext) -> dict:
         **({"rollout_func": tools} if tools else {}),
     )
     signal.training = lambda: trainer.model.training
+    dynamic = ctx.config.dynamic_sampling and DynamicSampling(trainer, signal, ctx.config.dynamic_sampling.max_draws,
+                                                              ctx.seed, ctx.where)
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
@@ -272,7 +280,13 @@ def run(ctx: StageContext) -> dict:
         tools.save(ctx.out_dir)
         totals.update(tools.metrics())
     signal.report(ctx.stage_id, args.max_completion_length, masked=args.mask_truncated_completions)
-    return final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals)
+    if dynamic:
+        dynamic.report()
+        totals.update(dynamic.metrics())
+    result = final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals,
+                           **filtered)
+    trend = reward_trend(result["log_history"], "reward", "reward_std")
+    return {**result, "metrics": report_health("rlvr", ctx.stage_id, {**result["metrics"], **trend})}
 
 
 def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -> int:

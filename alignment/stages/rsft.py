@@ -35,6 +35,9 @@ from ..runtime.files import write_atomic
 from ..sampling import generate
 from ..tools.rollout import COUNTS
 from ..training.context import StageContext
+from ..training.health import report as report_health
+from ..training.health import round_trend
+from ..training.prompt_filter import filter_rows
 from ..training.prompts import prompt_of
 from ..training.rewards import (
     build_gold,
@@ -279,6 +282,8 @@ def run(ctx: StageContext) -> dict:
     scorer, rewards = make_scorer(ctx)
     gold = build_gold(cfg.gold, [ctx.recipe.base_dir], ctx.where)
     rows = ctx.load_prompt_rows(ctx.config.data, "data", [r.verifier for r in rewards], [g.verifier for g in gold])
+    kept, filtered = filter_rows(ctx, rows, rewards, cfg.sampling)  # every row, unless prompt_filter is set
+    rows = [rows[i] for i in kept]
     records = finished_rounds(ctx)
     policy = records[-1]["policy"] if records else ctx.start_model
     if records:
@@ -299,7 +304,9 @@ def run(ctx: StageContext) -> dict:
         write_output(ctx, policy, records, load_policy, save_checkpoint, tokenizer)
         if cfg.uses_tools:  # how the policy calls its tools, beside the checkpoint
             ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where).save(ctx.out_dir)
-    return stage_result(records, rewards)
+    result = stage_result(records, rewards)
+    signals = {**result["metrics"], **filtered, **round_trend([r["stats"] for r in records])}
+    return {**result, "metrics": report_health("rsft", ctx.stage_id, signals)}
 
 
 def write_output(ctx, policy: str, records: list[dict], load_policy, save_checkpoint, tokenizer) -> None:

@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..runtime.dist import get_logger, log_share
 from ..verifiers import VerifyResult, is_pass, resolve
 from .scoring import score_texts
+from .signal import SPREAD_EPS
 
 log = get_logger(__name__)
 
@@ -240,6 +241,7 @@ class GroupSignal:
         self.training = training
         self.pending: dict[str, list[float]] = {}
         self.counts: Counter = Counter()
+        self.last_flat: list[bool] | None = None  # the last batch's groups (every process's): no reward spread
         for reward in rewards:
             reward.signal = self
 
@@ -253,7 +255,8 @@ class GroupSignal:
         batch = gather_object(list(zip(totals, cut)))
         size = self.sizes[0] if self.training() else self.sizes[1]
         groups = [[total for total, _ in batch[i:i + size]] for i in range(0, len(batch), size)]
-        flat = sum(max(g) - min(g) <= 1e-9 for g in groups)
+        self.last_flat = [max(g) - min(g) <= SPREAD_EPS for g in groups]  # dynamic sampling reads it
+        flat = sum(self.last_flat)
         truncated = sum(c for _, c in batch)
         if self.training():
             self.counts.update(groups=len(groups), zero_variance=flat, completions=len(batch), truncated=truncated)

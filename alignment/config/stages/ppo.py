@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from ..base import Strict
 from ..data import DataSpec
 from ..sampling import SamplingSpec
+from ..signal import PromptFilterKey
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
@@ -91,7 +92,7 @@ class EarlyStopSpec(Strict):
                                  "null: train every update and still keep the best")
 
 
-class Config(StageConfig):
+class Config(StageConfig, PromptFilterKey):
     kind: Literal["ppo"] = Field("ppo", description="ppo: RLHF with PPO in our own loop on accelerate: rollouts scored "
                                  "by a reward model and/or verifiers, a per-token KL penalty to the start policy, GAE, "
                                  "clipped policy and value updates (Ziegler et al. 2019; Ouyang et al. 2022)")

@@ -7,12 +7,13 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
+from ..signal import DynamicSamplingSpec, PromptFilterKey
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
-class Config(StageConfig, ToolUse):
+class Config(StageConfig, ToolUse, PromptFilterKey):
     kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
                                   "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
                                   "penalty to the "
@@ -31,6 +32,10 @@ class Config(StageConfig, ToolUse):
                                      "the rendered conversation is a reward (as ppo's)")
     reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")
     gold: list[VerifierSpec] = gold_field()
+    dynamic_sampling: DynamicSamplingSpec | None = Field(None, description="drop the prompt groups whose rewards "
+                                                         "do not differ and refill the batch from fresh prompts, up to "
+                                                         "max_draws generations per batch (DAPO, Yu et al. 2025, "
+                                                         "arXiv:2503.14476); counted in stage.json. Off by default (null)")
 
     @model_validator(mode="after")
     def _tools_need_grpo(self):

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..sampling import SamplingSpec
+from ..signal import PromptFilterKey
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import StageConfig
@@ -18,7 +19,7 @@ class RsftSampling(SamplingSpec):
     max_new_tokens: int = Field(256, gt=0, description="most tokens sampled per completion; one cut off without an "
                                 "end-of-turn token is never selected")
 
-class Config(StageConfig, ToolUse):
+class Config(StageConfig, ToolUse, PromptFilterKey):
     kind: Literal["rsft"] = Field("rsft", description="rsft: rejection-sampling fine-tuning: sample N completions per "
                                   "prompt, keep the best, SFT on them (trl.SFTTrainer), for several rounds (expert "
                                   "iteration; RAFT, Dong et al. 2023; ReST-EM, Singh et al. 2023)")
