@@ -155,3 +155,100 @@ def test_an_ensemble_folder_without_statistics_loads_with_mean_and_is_refused_wi
             load_reward_model(str(folder))
         with pytest.raises(UserError, match="written without"):
             check_reward_model("${rm}", str(folder), "stages.ppo.reward_model")
+
+
+# --- the DPO implicit reward does not pay for not finishing ------------------------------------------------
+
+BETA = 0.1
+QUESTION = "What is 37+48?"
+ANSWERS = ["85", "85 85", "85 85 85 85", "8", "85 is it", "84", "75 85", "1 2 3", "85 and 85", "ok"]
+
+
+@pytest.fixture(scope="module")
+def implicit(tiny_model):
+    """A DPO-like policy (the tiny model with every weight nudged) read as an implicit reward against the tiny
+    model, and the tokenizer."""
+    from alignment.models.implicit_reward import ImplicitRewardModel
+    from alignment.models.loading import load_policy
+
+    policy = load_policy(str(tiny_model))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return ImplicitRewardModel(policy, load_policy(str(tiny_model)), BETA), load_tokenizer(str(tiny_model))
+
+
+def test_an_unfinished_answer_never_scores_above_the_same_answer_finished(implicit):
+    from alignment.training.scoring import score_texts
+
+    judge, tokenizer = implicit
+    prompts = [QUESTION] * len(ANSWERS)
+    finished = score_texts(judge, tokenizer, prompts, ANSWERS, finished=[True] * len(ANSWERS))
+    cut = score_texts(judge, tokenizer, prompts, ANSWERS, finished=[False] * len(ANSWERS))
+    as_sampled = [judge.score(*map(list, zip(*[encoded(tokenizer, a, False)])), tokenizer.pad_token_id)[0]
+                  for a in ANSWERS]
+    paid = [i for i in range(len(ANSWERS)) if as_sampled[i] > finished[i] + 1e-6]
+    assert paid, "the perturbed policy lowers the end of turn after none of the answers: the test shows nothing"
+    for i in range(len(ANSWERS)):  # min(as sampled, finished): skipping the end-of-turn term never pays
+        assert cut[i] == pytest.approx(min(as_sampled[i], finished[i]), abs=1e-5), ANSWERS[i]
+        assert cut[i] <= finished[i] + 1e-5 and cut[i] <= as_sampled[i] + 1e-5
+
+
+def encoded(tokenizer, answer: str, done: bool) -> tuple[list[int], list[int]]:
+    from alignment.data.formatting import encode_prompt_completion, render_completion, render_prompt
+
+    text = render_completion(tokenizer, QUESTION, answer) if done else answer
+    return encode_prompt_completion(tokenizer, render_prompt(tokenizer, QUESTION), text)
+
+
+def ppo_returns(judge, tokenizer, answers: list[str], done: list[bool], kl_coef: float) -> list[float]:
+    """Each sample's PPO return (score at the last token, minus kl_coef x the k1 KL on every token) with the
+    DPO policy itself as PPO's policy: the sampled ids end with the end of turn where the sample finished."""
+    from alignment.rl import penalized_rewards, prompt_completion_batch, sequence_logprobs
+    from alignment.training.scoring import score_texts
+
+    scores = torch.tensor(score_texts(judge, tokenizer, [QUESTION] * len(answers), answers, finished=done))
+    rows = [encoded(tokenizer, a, d) for a, d in zip(answers, done)]
+    ids, attention, mask = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tokenizer.pad_token_id)
+    with torch.no_grad():
+        logprobs = sequence_logprobs(judge.policy, ids, attention, mask.shape[1])
+        ref_logprobs = sequence_logprobs(judge.reference, ids, attention, mask.shape[1])
+    rewards, _ = penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef)
+    return rewards.sum(1).tolist()
+
+
+def test_ppo_on_an_implicit_reward_does_not_gain_by_length_or_by_not_finishing(implicit):
+    """At kl_coef = beta the DPO policy is PPO's optimum: every finished sample's return is 0 whatever its
+    length, and a cut-off one's is min(0, beta x the end of turn's log-ratio), never above a finished one's."""
+    judge, tokenizer = implicit
+    short, long = ANSWERS[0], ANSWERS[2]
+    returns = ppo_returns(judge, tokenizer, [short, long, long, "85 85 85 85 85 85"], [True, True, False, False], BETA)
+    assert returns[:2] == pytest.approx([0.0, 0.0], abs=1e-4)
+    assert max(returns[2:]) <= 1e-4
+    below = ppo_returns(judge, tokenizer, [short, long], [True, True], BETA / 2)
+    assert below != pytest.approx([0.0, 0.0], abs=1e-4)  # below beta the log-ratio itself pays (the warning's case)
+
+
+def test_ppo_says_when_kl_coef_is_below_the_implicit_rewards_beta(tmp_path, tiny_model, implicit, logged):
+    from conftest import recipe_dict, write_recipe
+
+    from alignment.config.recipe import load_recipe
+    from alignment.models.implicit_reward import write_marker
+    from alignment.run.runner import make_context
+    from alignment.stages.ppo import Scorer
+
+    judge, tokenizer = implicit
+    dpo = tmp_path / "dpo"
+    judge.policy.save_pretrained(dpo)
+    tokenizer.save_pretrained(dpo)
+    write_marker(dpo, str(tiny_model), BETA)
+    for kl, target, warned in [(BETA / 2, None, True), (BETA, None, False), (BETA, 0.5, True), (2 * BETA, None, False)]:
+        stage = {"policy": str(tiny_model), "reward_model": str(dpo), "data": {"task": "arithmetic", "n": 4},
+                 "kl_coef": kl, "kl_target": target, "rollout": {"batch_size": 4}, "train": {"mini_batch_size": 4}}
+        recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", stage, str(tiny_model))))
+        Scorer(make_context(recipe, "ppo"), "cpu")
+        said = logged()
+        assert ("past the DPO policy" in said) == warned, (kl, target, said)
+        if warned:
+            assert (f"kl_coef {kl:g} is below the implicit reward's beta {BETA:g}" in said) == (target is None)

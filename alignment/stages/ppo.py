@@ -65,7 +65,7 @@ from ..training.prompt_filter import filter_rows
 from ..training.prompts import prompt_of
 from ..training.rewards import build_gold, build_rewards, gold_means, resolve_all
 from ..training.rollout import Rollout, RolloutStats
-from ..training.scoring import check_reward_model, score_texts
+from ..training.scoring import check_reward_model, implicit_reward_kl_note, score_texts
 from ..training.sharding import can_merge_lora, gathered, save_trained
 from ..training.trainer import NonFiniteError
 
@@ -122,6 +122,9 @@ class Scorer:
             path = ctx.resolve_model(cfg.reward_model)
             self.model = load_reward_model(path, trust).to(device)
             self.tokenizer = load_tokenizer(path, trust)
+            note = implicit_reward_kl_note(self.model, cfg.kl_coef, cfg.kl_target)
+            if note and ctx.is_main:
+                log.warning(f"[{ctx.where}] {note}")
         self.rewards = build_rewards(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)
         self.gold = build_gold(cfg.gold, [ctx.recipe.base_dir], ctx.where)
         self.penalty = cfg.missing_eos_penalty

@@ -79,7 +79,8 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
     text (as `sampling.Sample.text`). A finished answer is rendered as `render_prompt(p) +
     render_completion(p, c)`, the text the reward stage trains on; one that was cut off (`finished[i]` false,
     as `Sample.finished`) as `render_prompt(p) + c`, without the end-of-turn token it never sampled, so the
-    reward model judges what was sampled rather than a finished answer it was not."""
+    reward model judges what was sampled rather than a finished answer it was not. An implicit reward scores a
+    cut-off answer at the lower of that reading and the same text finished (`implicit_scores`)."""
     finished = [True] * len(completions) if finished is None else finished
     if not len(prompts) == len(completions) == len(finished):
         raise ValueError(f"{len(prompts)} prompts, {len(completions)} completions and {len(finished)} finished flags")
@@ -89,9 +90,46 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
             tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
         encoded.append((prompt_ids, completion_ids))
     if isinstance(reward_model, ImplicitRewardModel):
-        pad = pad_token_id(tokenizer)
-        return reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
+        return implicit_scores(reward_model, tokenizer, prompts, completions, finished, encoded, batch_size)
     return score_ids(reward_model, tokenizer, [p + c for p, c in encoded], batch_size)
+
+
+def implicit_scores(reward_model: ImplicitRewardModel, tokenizer, prompts: list, completions: list[str],
+                    finished: list[bool], encoded: list[tuple[list[int], list[int]]], batch_size: int) -> list[float]:
+    """The implicit reward of each encoded (prompt, completion); a cut-off one scores min(r(y), r(y + end of turn)).
+
+    beta * log pi/ref summed over an unfinished answer skips the end-of-turn term, where the DPO policy says
+    whether the answer should end, so a reading without it can pay for not finishing. The minimum never pays
+    more than ending the same text would, nor more than the text as sampled; in PPO at kl_coef = beta (where
+    the DPO policy is the optimum) a cut-off answer's return is min(0, beta * that term's log-ratio), never
+    above a finished answer's 0, whatever its length (tests/test_reward_paths.py)."""
+    pad = pad_token_id(tokenizer)
+    scores = reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
+    cut = [i for i, done in enumerate(finished) if not done]
+    if cut:
+        ended = [encode_prompt_completion(tokenizer, render_prompt(tokenizer, prompts[i]),
+                                          render_completion(tokenizer, prompts[i], completions[i])) for i in cut]
+        as_finished = reward_model.score([p for p, _ in ended], [c for _, c in ended], pad, batch_size)
+        for i, value in zip(cut, as_finished):
+            scores[i] = min(scores[i], value)
+    return scores
+
+
+def implicit_reward_kl_note(reward_model, kl_coef: float, kl_target: float | None) -> str | None:
+    """What a ppo stage should be told when its reward is a dpo output's implicit reward and its KL coefficient
+    is below (or, adaptive, may fall below) that dpo stage's beta; None otherwise. The KL-regularised optimum
+    is ref * (pi_dpo / ref) ** (beta / kl_coef): the DPO policy itself at kl_coef = beta, past it below."""
+    if not isinstance(reward_model, ImplicitRewardModel):
+        return None
+    beta = reward_model.beta
+    past = (f"kl_coef {kl_coef:g} is below the implicit reward's beta {beta:g}" if kl_coef < beta else
+            f"kl_target adapts kl_coef (from {kl_coef:g}) and may take it below the implicit reward's beta {beta:g}"
+            if kl_target is not None else None)
+    if past is None:
+        return None
+    return (f"{past}: PPO's optimum is then ref * (pi_dpo / ref) ** (beta / kl_coef), past the DPO policy, and it "
+            "gains by whatever the DPO policy raised over its reference, answer length included (the implicit "
+            "reward is a sum over tokens). kl_coef: beta (fixed) makes the DPO policy itself the optimum.")
 
 
 def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
