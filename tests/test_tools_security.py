@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import pytest
 from test_tools import call, run_script
@@ -149,6 +150,21 @@ def quit(code: int) -> str:
         code: exit code
     """
     os._exit(code)
+
+
+def spawn_and_hang(path: str) -> str:
+    """Start a process, then never return.
+
+    Args:
+        path: where to write the process's pid
+    """
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(path, "w") as f:
+        f.write(str(child.pid))
+    while True:
+        time.sleep(1)
 
 
 def where() -> str:
@@ -409,3 +425,52 @@ def test_an_environment_call_past_its_timeout_stops_the_environment(monkeypatch,
     assert "did not finish within 0.3 s" in results[0]
     assert "the environment is still running 'wait'" in results[1]
     assert t["a"].counts["tool_errors"] == 2 and t["a"].counts["reward_errors"] == 1 and t["a"].reward == 0.0
+
+
+BROKEN_IN_WORKER = '''
+import sys
+
+if sys.argv[0].endswith("worker.py"):  # imports in the trainer (for its schema), fails in the worker
+    raise ImportError("not here")
+
+
+def ping(x: int) -> str:
+    """Ping.
+
+    Args:
+        x: anything
+    """
+    return "pong"
+'''
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_processes_a_tool_started_die_with_its_worker(monkeypatch, hostile_dir):
+    pid_file = hostile_dir / "child.pid"
+    _, _, t = run_script(monkeypatch, {"q": [call("spawn_and_hang", path=str(pid_file)), "done"]},
+                         tools=[ToolSpec(name="hostile:spawn_and_hang")], search_dirs=[hostile_dir], tool_timeout=2.0,
+                         max_completion_length=4000)
+    assert "did not finish within 2 s" in t["q"].turns[1]["content"]
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the kill is sent; the child's end is observed shortly after
+        if not running(pid):
+            break
+        time.sleep(0.1)
+    assert not running(pid)
+
+
+def test_a_worker_that_cannot_load_the_tools_fails_each_call_without_retrying(monkeypatch, tmp_path):
+    (tmp_path / "fragile.py").write_text(BROKEN_IN_WORKER)
+    _, _, t = run_script(monkeypatch, {"q": [call("ping", x=1), call("ping", x=2), "done"]},
+                         tools=[ToolSpec(name="fragile:ping")], search_dirs=[tmp_path], max_completion_length=4000)
+    results = [turn["content"] for turn in t["q"].turns if turn["role"] == "tool"]
+    assert len(results) == 2 and all("worker process could not start: UserError: tool 'fragile:ping'" in r
+                                     and "ImportError: not here" in r for r in results)
+    assert t["q"].counts["tool_errors"] == 2 and t["q"].stop_reason == "answer"

@@ -39,7 +39,8 @@ from .worker import WorkerTool
 COUNTS = {
     "turns": "assistant turns sampled",
     "tool_calls": "tool calls run",
-    "tool_errors": "calls that failed: unknown tool, wrong arguments, raised, past its timeout or the tool time",
+    "tool_errors": "calls that failed: unknown tool, wrong arguments, raised, past its timeout, or after the "
+                   "rollout's or the batch's tool time was spent",
     "parse_failures": "calls that could not be read",
     "skipped_calls": "calls past max_tool_calls in one turn, not run (one error result says how many)",
     "truncated_tool_outputs": "tool results cut at max_tool_output_tokens, with a marker",
@@ -263,7 +264,7 @@ def _in_thread(t: Trajectory, fn: Callable, call: Call, budget: float) -> tuple[
     if environment_call and t.stuck:
         return False, f"the environment is still running '{t.stuck}', which passed its timeout; it takes no calls"
     outcome = _thread_call(fn, call.arguments, budget)
-    if not outcome:
+    if outcome is None:
         if environment_call:
             t.stuck = call.name
         return False, f"'{call.name}' did not finish within {budget:g} s"
@@ -276,20 +277,20 @@ def _in_thread(t: Trajectory, fn: Callable, call: Call, budget: float) -> tuple[
         return False, f"its result could not be written as text ({type(error).__name__})"
 
 
-def _thread_call(fn: Callable, arguments: dict, budget: float) -> dict:
-    """{"value": what fn returned} or {"error": why it raised}; {} when it runs past `budget` seconds."""
+def _thread_call(fn: Callable, arguments: dict, budget: float) -> dict | None:
+    """{"value": what fn returned} or {"error": why it raised}; None when it runs past `budget` seconds."""
     outcome: dict = {}
 
     def work():
         try:
             outcome["value"] = fn(**arguments)
-        except Exception as error:  # noqa: BLE001 - a raising tool is an observation, not a crash
+        except BaseException as error:  # noqa: BLE001 - a raising tool (SystemExit too) is an observation
             outcome["error"] = f"{type(error).__name__}: {error}"
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
     worker.join(budget)
-    return {} if worker.is_alive() else outcome
+    return None if worker.is_alive() else outcome
 
 
 def cut_outputs(tokenizer, results: list[tuple[str, str]], max_tokens: int) -> tuple[list[tuple[str, str]], int]:
@@ -318,9 +319,9 @@ def environment_reward(t: Trajectory, timeout: float = _configured("tool_timeout
     reward = getattr(t.environment, "reward", None)
     if not callable(reward):
         return None
-    outcome = _thread_call(reward, {}, timeout) if t.stuck is None else {}
+    outcome = _thread_call(reward, {}, timeout) if t.stuck is None else None
     try:
-        value = float(outcome["value"]) if "value" in outcome else math.nan
+        value = float(outcome["value"]) if outcome and "value" in outcome else math.nan
     except Exception:  # noqa: BLE001 - the user's value (a string, an object without __float__)
         value = math.nan
     if not math.isfinite(value):

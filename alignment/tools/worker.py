@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) 
         tools = {tool_name(target): bind_options(_load_target(target, target, [Path(d) for d in search_dirs]),
                                                  tool_name(target), options) for target, options in targets}
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which turns it into call errors
-        connection.send(("failed", f"{type(error).__name__}: {error}"))
+        # The verifier loader's messages name a verifier; say what this is.
+        connection.send(("failed", f"{type(error).__name__}: {error}".replace("Verifier '", "tool '", 1)))
         return
     connection.send(("ready", ""))
     while True:
@@ -76,10 +78,21 @@ def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) 
         connection.send(reply)
 
 
+def _alive(process: subprocess.Popen) -> bool:
+    """Whether the worker runs, without reaping it: its pid stays its own until `_kill` has killed its group."""
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
 def _kill(process: subprocess.Popen, connection: Connection) -> None:
+    """Close the channel and kill the worker's process group: the processes a tool started die with it."""
     connection.close()
-    if process.poll() is None:
-        process.kill()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass
     process.wait()
 
 
@@ -93,12 +106,13 @@ class ToolWorker:
         self.search_dirs = [str(d) for d in search_dirs]
         self.process = self.connection = self._finalizer = None
         self.start_seconds = 0.0
+        self.broken: str | None = None  # why the tools could not be loaded: it is said again, not retried
 
     def _start(self) -> str | None:
         """None once a worker is ready, else why none could start."""
         self.start_seconds = 0.0
-        if self.process is not None and self.process.poll() is None:
-            return None
+        if self.broken or self.process is not None and _alive(self.process):
+            return self.broken
         self.stop()
         began = time.monotonic()
         ours, theirs = socket.socketpair()
@@ -116,7 +130,8 @@ class ToolWorker:
         self.start_seconds = time.monotonic() - began
         if state != "ready":
             _kill(process, connection)
-            return f"the tools' worker process could not start: {detail}"
+            self.broken = f"the tools' worker process could not start: {detail}"
+            return self.broken
         self.process, self.connection = process, connection
         self._finalizer = weakref.finalize(self, _kill, process, connection)
         return None
@@ -133,12 +148,9 @@ class ToolWorker:
                 return False, f"'{name}' did not finish within {timeout:g} s (its worker process was stopped)"
             return self.connection.recv()
         except (EOFError, OSError):  # the tool ended the process (os._exit, a crash, SystemExit)
-            try:
-                code = self.process.wait(5) if self.process is not None else None
-            except subprocess.TimeoutExpired:
-                code = None
+            process = self.process
             self.stop()
-            return False, f"'{name}' ended its worker process (exit code {code})"
+            return False, f"'{name}' ended its worker process (exit code {process.returncode})"
 
     def stop(self) -> None:
         """Kill the worker, if any; the next call starts a new one."""
