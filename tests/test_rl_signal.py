@@ -201,9 +201,11 @@ FAST_RLVR = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size"
              "learning_rate": 1.0e-3, "logging_steps": 1, "save_strategy": "no", "report_to": "none"}
 
 
-def test_rlvr_dynamic_sampling_counts_its_draws_in_stage_json(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])  # RLOO's batch holds old_logps, joined the same way
+def test_rlvr_dynamic_sampling_counts_its_draws_in_stage_json(tmp_path, algorithm):
     (tmp_path / "signal_verifiers.py").write_text(MIXED)
     stage = {"verifiers": ["signal_verifiers:mixed"], "train": FAST_RLVR, "dynamic_sampling": {"max_draws": 3},
+             "algorithm": algorithm,
              "data": {"task": "arithmetic", "split": "train", "n": 32}}
     recipe, _, _ = run(tmp_path, "rlvr", stage, model=SMALLEST_MODEL)
     metrics = json.loads((recipe.stage_dir("rlvr") / "stage.json").read_text())["metrics"]

@@ -46,19 +46,15 @@ def prompt_filter_field():
                  "and RSFT nothing. Needs verifiers; not with tools. Off by default (null)")
 
 
-class PromptFilterKey(Strict):
-    """The `prompt_filter:` key, for the Config of each RL stage (ppo, rlvr, rsft)."""
 
-    prompt_filter: PromptFilterSpec | None = prompt_filter_field()
-
-    @model_validator(mode="after")
-    def _filter_needs_verifiers(self):
-        if self.prompt_filter is None:
-            return self
-        if not getattr(self, "verifiers", None):
-            raise ValueError("prompt_filter measures a pass rate, which needs `verifiers:` (a reward model's score "
-                             "has no pass); drop prompt_filter or give verifiers")
-        if getattr(self, "uses_tools", False):
-            raise ValueError("prompt_filter samples one turn without tools; it is not implemented with `tools:` or "
-                             "`environment:`")
-        return self
+def check_prompt_filter(config):
+    """An RL stage's `model_validator`: `prompt_filter` needs verifiers (a pass) and one-turn sampling (no tools)."""
+    if config.prompt_filter is None:
+        return config
+    if not config.verifiers:
+        raise ValueError("prompt_filter measures a pass rate, which needs `verifiers:` (a reward model's score "
+                         "has no pass); drop prompt_filter or give verifiers")
+    if getattr(config, "uses_tools", False):
+        raise ValueError("prompt_filter samples one turn without tools; it is not implemented with `tools:` or "
+                         "`environment:`")
+    return config

@@ -27,10 +27,10 @@ log = get_logger(__name__)
 
 # How each tensor of TRL's batch is padded: (side, value); None: the tensor's own pad value is the pad token id.
 PADDING = {"prompt_ids": ("left", None), "prompt_mask": ("left", 0), "completion_ids": ("right", None),
-           "completion_mask": ("right", 0), "old_per_token_logps": ("right", 0.0), "old_logps": ("right", 0.0),
+           "completion_mask": ("right", 0), "old_per_token_logps": ("right", 0.0),
            "ref_per_token_logps": ("right", 0.0), "sampling_per_token_logps": ("right", 0.0),
            "importance_sampling_ratio": ("right", 0.0), "tool_mask": ("right", 1)}
-ROWS = ("advantages",)  # one value per row
+ROWS = ("advantages", "old_logps")  # one value per row (RLOO's old_logps: a sequence's summed log-prob)
 
 
 class DynamicSampling:

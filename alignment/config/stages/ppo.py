@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from ..base import Strict
 from ..data import DataSpec
 from ..sampling import SamplingSpec
-from ..signal import PromptFilterKey
+from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
@@ -92,7 +92,7 @@ class EarlyStopSpec(Strict):
                                  "null: train every update and still keep the best")
 
 
-class Config(StageConfig, PromptFilterKey):
+class Config(StageConfig):
     kind: Literal["ppo"] = Field("ppo", description="ppo: RLHF with PPO in our own loop on accelerate: rollouts scored "
                                  "by a reward model and/or verifiers, a per-token KL penalty to the start policy, GAE, "
                                  "clipped policy and value updates (Ziegler et al. 2019; Ouyang et al. 2022)")
@@ -107,6 +107,8 @@ class Config(StageConfig, PromptFilterKey):
     verifiers: list[VerifierSpec] = Field(default_factory=list, description="verifiers whose weighted rewards are added "
                                           "to the reward model's score")
     gold: list[VerifierSpec] = gold_field()
+    prompt_filter: PromptFilterSpec | None = prompt_filter_field()
+    _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
     early_stop: EarlyStopSpec | None = Field(None, description="save the policy of the update where a `gold:` "
                                              "verifier's average peaked, not the last, and stop training `patience` "
                                              "updates after it (the policy at the best average is kept in memory)")

@@ -7,13 +7,18 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
-from ..signal import DynamicSamplingSpec, PromptFilterKey
+from ..signal import (
+    DynamicSamplingSpec,
+    PromptFilterSpec,
+    check_prompt_filter,
+    prompt_filter_field,
+)
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
-class Config(StageConfig, ToolUse, PromptFilterKey):
+class Config(StageConfig, ToolUse):
     kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
                                   "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
                                   "penalty to the "
@@ -32,6 +37,8 @@ class Config(StageConfig, ToolUse, PromptFilterKey):
                                      "the rendered conversation is a reward (as ppo's)")
     reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")
     gold: list[VerifierSpec] = gold_field()
+    prompt_filter: PromptFilterSpec | None = prompt_filter_field()
+    _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
     dynamic_sampling: DynamicSamplingSpec | None = Field(None, description="drop the prompt groups whose rewards "
                                                          "do not differ and refill the batch from fresh prompts, up to "
                                                          "max_draws generations per batch (DAPO, Yu et al. 2025, "

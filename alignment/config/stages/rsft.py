@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from ..data import DataSpec
 from ..sampling import SamplingSpec
-from ..signal import PromptFilterKey
+from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import StageConfig
@@ -19,7 +19,7 @@ class RsftSampling(SamplingSpec):
     max_new_tokens: int = Field(256, gt=0, description="most tokens sampled per completion; one cut off without an "
                                 "end-of-turn token is never selected")
 
-class Config(StageConfig, ToolUse, PromptFilterKey):
+class Config(StageConfig, ToolUse):
     kind: Literal["rsft"] = Field("rsft", description="rsft: rejection-sampling fine-tuning: sample N completions per "
                                   "prompt, keep the best, SFT on them (trl.SFTTrainer), for several rounds (expert "
                                   "iteration; RAFT, Dong et al. 2023; ReST-EM, Singh et al. 2023)")
@@ -31,6 +31,8 @@ class Config(StageConfig, ToolUse, PromptFilterKey):
     reward_model: str | None = Field(None, description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id that scores "
                                      "each sample; give this or verifiers")
     gold: list[VerifierSpec] = gold_field()
+    prompt_filter: PromptFilterSpec | None = prompt_filter_field()
+    _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
     rounds: int = Field(1, gt=0, description="rounds of sample, select, fine-tune; each samples from the policy the "
                         "round before trained")
     prompts_per_round: int | None = Field(None, gt=0, description="prompts sampled per round, consecutive slices of the "
