@@ -244,7 +244,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     Unbiased in value is not unbiased in gradient: as a reward (detached, through the score function
     E[grad log pi * k]) only k1 gives grad KL(pi || ref); k3 gives grad KL(pi || ref) - grad KL(ref || pi)
     and k2 gives grad E[d**2 / 2] - grad KL(pi || ref), both zero to first order at the reference, so
-    `penalized_rewards` takes k1 only (tests/test_reward_paths.py checks this exactly).
+    the ppo stage pays k1 only (tests/test_reward_paths.py checks this exactly).
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -280,12 +280,9 @@ def penalized_rewards(
     r_t = -kl_coef * KL_t + 1[t = last real token] * score  (Ziegler et al. 2019, eq. 2 and
     Stiennon et al. 2020, eq. 1). kl and rewards are 0 at masked positions. A row whose mask is
     all zero gets no score (its rewards stay 0) rather than an error. Pass detached tensors.
-    `kl_estimator` must be k1: the penalty is a reward here, and k2 and k3 bias its gradient (`kl_estimate`).
+    The penalty is paid as a reward here, so k2 and k3 bias its gradient (`kl_estimate`); the ppo stage's
+    config accepts k1 only.
     """
-    if kl_estimator != "k1":
-        raise ValueError(f"the KL penalty in the reward takes the k1 estimator, not {kl_estimator!r}: as a reward "
-                         "only k1's expected gradient is the KL's (k2 and k3 are unbiased or low-variance values, "
-                         "with biased gradients: see kl_estimate)")
     kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
     kl = torch.where(mask != 0, kl, torch.zeros_like(kl))
     rewards = -kl_coef * kl

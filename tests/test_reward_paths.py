@@ -94,11 +94,7 @@ def test_only_k1_paid_as_a_reward_follows_the_kl_gradient():
 @pytest.mark.parametrize("kind", ["k2", "k3"])
 def test_k2_and_k3_are_refused_in_the_reward(kind):
     from alignment.config.stages.ppo import Config
-    from alignment.rl import penalized_rewards
 
-    zeros = torch.zeros(1, 3)
-    with pytest.raises(ValueError, match="k1"):
-        penalized_rewards(torch.zeros(1), zeros, zeros, torch.ones(1, 3), 0.1, kind)
     with pytest.raises(ValueError, match=f"{kind} is refused in the reward.*k1"):
         Config(reward_model="rm", data={"task": "arithmetic", "n": 4}, kl_estimator=kind)
     assert Config(reward_model="rm", data={"task": "arithmetic", "n": 4}).kl_estimator == "k1"
