@@ -33,6 +33,7 @@ from ..errors import UserError
 from ..models.loading import load_policy, load_reward_model
 from ..models.lora import peft_config
 from ..models.tokenizer import load_tokenizer
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
 from ..training.buckets import LENGTH_SAMPLERS
@@ -205,6 +206,7 @@ def stop_at_end_of_turn(model, tokenizer) -> None:
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     trl_config(ctx)
     cfg = ctx.config
     verifiers = resolve_all(cfg.verifiers, [ctx.recipe.base_dir], ctx.where)

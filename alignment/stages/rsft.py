@@ -31,6 +31,7 @@ from ..models.loading import check_model_source, load_policy, load_reward_model
 from ..models.saving import save_checkpoint
 from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import completion_logprob_sums
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.files import write_atomic
 from ..sampling import generate
 from ..tools.rollout import COUNTS
@@ -256,6 +257,7 @@ def finished_rounds(ctx: StageContext) -> list[dict]:
 
 
 def check(ctx: StageContext) -> None:
+    refuse_slow_bf16(ctx.config, ctx.where)
     sft_args(ctx, ctx.work_dir)
     if ctx.config.uses_tools:
         ToolRollouts(ctx.config, ctx.load_tokenizer(), [ctx.recipe.base_dir], ctx.where)
