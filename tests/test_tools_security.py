@@ -267,7 +267,7 @@ def test_json_depth_is_counted_without_recursion():
 def test_lone_surrogates_and_deep_json_through_the_rollout_are_counted_errors(monkeypatch):
     scripts = {
         "name": [raw_call('{"name": "\\ud800", "arguments": {}}'), "done"],
-        "key": [raw_call('{"name": "calculator", "arguments": {"\\udfff": "1"}}'), "done"],
+        "key": [raw_call('{"name": "calculator", "arguments": {"expression": "1", "\\udfff": "1"}}'), "done"],
         "value": [raw_call('{"name": "calculator", "arguments": {"expression": "\\ud800"}}'), "done"],
         "deep": [calc('{"expression": ' + deep(1200) + "}"), "done"],
         "string": [calc(json.dumps(deep(1200))), "done"],
@@ -278,7 +278,7 @@ def test_lone_surrogates_and_deep_json_through_the_rollout_are_counted_errors(mo
         assert x.counts["tool_errors"] + x.counts["parse_failures"] == 1, key
         json.dumps(x.record(), ensure_ascii=False).encode("utf-8")  # a record is valid UTF-8
     assert "\\ud800" in t["name"].turns[1]["content"] and t["name"].turns[1]["name"] == "unknown_tool"
-    assert "unexpected argument" in t["key"].turns[1]["content"]
+    assert "unexpected keyword argument '\\udfff'" in t["key"].turns[1]["content"]
     assert "nested deeper than" in t["deep"].turns[1]["content"]
 
 

@@ -230,12 +230,14 @@ def call_tool(t: Trajectory, call: Call, limits: RolloutLimits, clock: StepClock
     fn = t.tools.get(call.name)
     if fn is None:
         return False, f"unknown tool '{call.name}'; the tools are {', '.join(sorted(t.tools)) or 'none'}"
-    problem = check_arguments(t.parameters[call.name], call.arguments) if call.name in t.parameters else None
-    if problem is None and not isinstance(fn, WorkerTool):
+    problem = None
+    if not isinstance(fn, WorkerTool):  # Python's own words first, as before schemas were checked
         try:
             inspect.signature(fn).bind(**call.arguments)
         except TypeError as error:
             problem = str(error)
+    if problem is None and call.name in t.parameters:
+        problem = check_arguments(t.parameters[call.name], call.arguments)
     if problem:
         return False, f"wrong arguments for '{call.name}': {problem}"
     if limits.max_tool_time - t.tool_time <= 0:
