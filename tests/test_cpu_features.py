@@ -106,6 +106,15 @@ def test_check_refuses_bf16_sampling_on_such_a_cpu_and_passes_it_on_a_native_one
     check_recipe(loaded)
 
 
+@no_gpu
+def test_check_refuses_an_rsft_stages_bf16_sampling_on_such_a_cpu(tmp_path, tiny_model, without_native_bf16):
+    stage = {"data": {"task": "arithmetic", "n": 16}, "verifiers": ["arithmetic"],
+             "sampling": {"n": 2, "max_new_tokens": 6, "dtype": "bfloat16"}, "train": {"max_steps": 1}}
+    loaded = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rsft", stage, model=str(tiny_model))))
+    with pytest.raises(UserError, match=r"stages\.rsft\.sampling\.dtype: samples on a bf16 copy"):
+        check_recipe(loaded)
+
+
 def test_a_recipe_without_bf16_passes_on_any_cpu(tmp_path, tiny_model, without_native_bf16):
     check_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)))
 
