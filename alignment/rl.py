@@ -2,7 +2,7 @@
 training-loop state and unit-tested on hand-computed values (tests/test_rl.py): log-probs and entropy without
 an fp32 [B, T, V] copy of the logits; KL estimators k1/k2/k3 and the KL-penalised per-token reward; masked
 statistics, running moments of a stream of scores, GAE; the clipped PPO policy and value losses; fixed and
-adaptive KL-coefficient controllers (with `state_dict()` for resume).
+adaptive KL-coefficient controllers (with `state_dict()` for resume); importance weights for a mismatched sampler.
 
 Conventions shared by every function (other code relies on them):
 - B = batch, T = completion length, V = vocab. Completions are right-padded; `mask` is [B, T] with
@@ -409,6 +409,7 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_range: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (to minimise), token-level mean over the mask.
 
@@ -417,12 +418,17 @@ def policy_loss(
     arXiv:1707.06347, eq. 7, negated). stats (detached): `clipfrac` = fraction of tokens where the
     clipped term is strictly larger, i.e. the gradient is cut; `approx_kl` = masked mean of the k3
     estimate of KL(old || new) (samples come from old), exp(d) - 1 - d with d = logp - logp_old.
+    `weights` [B, T] (detached, e.g. `importance_weights`) multiply each token's term before the mean,
+    which keeps counting every token; a token of weight 0 adds exactly 0 even if its term is not finite.
     """
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_token = weighted_terms(per_token, weights)
+    loss = masked_mean(per_token, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), mask),
@@ -533,3 +539,99 @@ def make_kl_controller(
     if target is None:
         return FixedKLController(kl_coef)
     return AdaptiveKLController(kl_coef, target, horizon)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Importance-sampling correction for a sampler that is not the trainer
+# ---------------------------------------------------------------------------------------------------
+
+_IS_LEVELS = ("token", "sequence")
+_IS_MODES = ("truncate", "mask")
+
+
+def importance_weights(
+    trainer_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    mode: str = "truncate",
+    cap: float = 2.0,
+    low: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Detached weights that correct a loss for tokens drawn by a sampler other than the trainer's policy.
+
+    Shapes: [B, T] each -> (weights [B, T], stats). `sampler_logprobs` are the log-probs the sampler drew
+    with, after its temperature and top-p/top-k/min-p (the processed distribution), else the truncation
+    itself biases the ratio (https://github.com/huggingface/trl/issues/6789); `trainer_logprobs` are the
+    trainer's own forward on the same tokens. With lr = trainer - sampler on the tokens:
+      level="token":    r_t = exp(lr_t)
+      level="sequence": r_t = exp(sum_{s in mask} lr_s) for every token of the row (summed in log space)
+      mode="truncate":  w = min(r, cap)   (TIS: Yao et al. 2025, "Your efficient RL framework secretly
+                        brings you off-policy RL training"); `low` must be None
+      mode="mask":      w = r if low <= r <= cap else 0   (MIS / IcePop); low=None means no lower bound
+    w is 0 at masked positions and where lr is NaN or +-inf (a sampler's -inf or NaN log-prob:
+    https://github.com/huggingface/trl/pull/6266): at sequence level one such token zeroes its whole row.
+    stats (detached 0-dim, over tokens with mask != 0): `is_ratio_mean` and `is_ratio_max` of r over the
+    finite tokens (inf when a sequence's log-ratio overflows exp; its weight is still finite),
+    `is_clipped_frac` = share with r > cap (truncate) or r outside [low, cap] (mask), `is_nonfinite_frac`
+    = share whose own lr is not finite, `sampler_kl` = k3 estimate of KL(sampler || trainer), r - 1 - ln r
+    per token (the tokens are the sampler's samples; `kl_estimate(sampler, trainer, "k3")`).
+    """
+    if trainer_logprobs.shape != sampler_logprobs.shape or trainer_logprobs.shape != mask.shape:
+        raise ValueError(
+            f"trainer_logprobs {tuple(trainer_logprobs.shape)}, sampler_logprobs {tuple(sampler_logprobs.shape)} "
+            f"and mask {tuple(mask.shape)} must have the same [B, T] shape"
+        )
+    if level not in _IS_LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; expected one of {', '.join(_IS_LEVELS)}")
+    if mode not in _IS_MODES:
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; expected one of {', '.join(_IS_MODES)}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    if low is not None and (mode != "mask" or not 0 <= low <= cap):
+        raise ValueError(f"low applies to mode='mask' only and must be in [0, cap={cap}], got {low}")
+    with torch.no_grad():
+        valid = mask != 0
+        token_lr = trainer_logprobs.detach() - sampler_logprobs.detach()
+        nonfinite = valid & ~torch.isfinite(token_lr)
+        kept = valid & ~nonfinite
+        lr = torch.where(kept, token_lr, torch.zeros_like(token_lr))
+        if level == "sequence":
+            # One bad token leaves the row's product undefined, so the whole row is dropped (and counted).
+            kept = valid & ~nonfinite.any(dim=-1, keepdim=True)
+            lr = torch.where(kept, lr.sum(dim=-1, keepdim=True).expand_as(lr), torch.zeros_like(lr))
+        # Compare and cap in log space: a long sequence's summed log-ratio overflows exp() long before
+        # its capped weight does.
+        log_cap = math.log(cap)
+        if mode == "truncate":
+            cut = kept & (lr > log_cap)
+            weights = torch.where(kept, torch.exp(torch.clamp(lr, max=log_cap)), torch.zeros_like(lr))
+        else:
+            log_low = -math.inf if low is None or low == 0 else math.log(low)
+            cut = kept & ((lr > log_cap) | (lr < log_low))
+            weights = torch.where(kept & ~cut, torch.exp(lr), torch.zeros_like(lr))
+
+        ratio = torch.exp(lr)
+        count = valid.sum().clamp(min=1)
+        stats = {
+            "is_ratio_mean": masked_mean(ratio, kept),
+            "is_ratio_max": (torch.where(kept, ratio, torch.zeros_like(ratio)).amax() if kept.any()
+                             else torch.zeros((), dtype=ratio.dtype, device=ratio.device)),
+            "is_clipped_frac": cut.sum() / count,
+            "is_nonfinite_frac": nonfinite.sum() / count,
+            "sampler_kl": masked_mean(kl_estimate(sampler_logprobs.detach(), trainer_logprobs.detach(), "k3"),
+                                      valid & ~nonfinite),
+        }
+    return weights, stats
+
+
+def weighted_terms(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-token loss terms times detached weights, 0 (not NaN) wherever the weight is 0.
+
+    Shapes: [B, T], [B, T] -> [B, T]. How `importance_weights` enter a loss: PPO passes them as
+    `policy_loss(..., weights=w)`; a GRPO-style loss (per-token -A * clipped ratio, optional beta * KL)
+    takes `masked_mean(weighted_terms(terms, w), mask)` or its per-sequence mean. The weights are the
+    sampler's correction only, so they stay out of the ratio that PPO clips against its old policy.
+    """
+    weights = weights.detach().to(per_token.dtype)
+    return torch.where(weights != 0, per_token * weights, torch.zeros_like(per_token))

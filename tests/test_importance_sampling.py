@@ -1,0 +1,242 @@
+"""Hand-computed tests for `alignment.rl.importance_weights` and how its weights enter a loss, plus an exact
+check on a small categorical that a bf16-rounded sampler biases the policy gradient and the weights remove it.
+
+Run: python -m pytest tests/test_importance_sampling.py -q   (CPU, a few seconds)
+"""
+
+import math
+
+import pytest
+import torch
+
+from alignment import rl
+
+NAN, INF = float("nan"), float("inf")
+
+
+def close(actual, expected, atol=1e-6):
+    actual = torch.as_tensor(actual, dtype=torch.float64)
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=0)
+
+
+def weights_of(ratios, mask, **kwargs):
+    """importance_weights with the sampler at log-prob 0, so the trainer's log-probs are the log-ratios."""
+    trainer = torch.tensor(ratios, dtype=torch.float32).log()
+    return rl.importance_weights(trainer, torch.zeros_like(trainer), torch.tensor(mask), **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand values, token level
+# --------------------------------------------------------------------------------------------------
+
+
+def test_token_truncate_hand_values_and_mask():
+    # ratios 1, 3, 0.5 and a padding token holding garbage (100); cap 2 -> w = min(r, 2) = 1, 2, 0.5, 0.
+    w, stats = weights_of([[1.0, 3.0, 0.5, 100.0]], [[1, 1, 1, 0]], level="token", mode="truncate", cap=2.0)
+    close(w, [[1.0, 2.0, 0.5, 0.0]])
+    close(stats["is_ratio_mean"], 1.5)  # (1 + 3 + 0.5) / 3, the padding's 100 never enters
+    close(stats["is_ratio_max"], 3.0)
+    close(stats["is_clipped_frac"], 1 / 3)  # only r = 3 exceeds the cap
+    close(stats["is_nonfinite_frac"], 0.0)
+    # KL(sampler || trainer), k3 = r - 1 - ln r: 0, 2 - ln 3 = 0.901388, -0.5 + ln 2 = 0.193147 -> mean 0.364845
+    close(stats["sampler_kl"], (0.0 + 0.901388 + 0.193147) / 3)
+    close(stats["sampler_kl"], rl.masked_mean(rl.kl_estimate(torch.zeros(1, 4), w.new_tensor(
+        [[1.0, 3.0, 0.5, 100.0]]).log(), "k3"), torch.tensor([[1, 1, 1, 0]])))
+
+
+def test_token_mask_hand_values():
+    # IcePop band [0.6, 2]: r = 1 kept, r = 3 above, r = 0.5 below -> w = 1, 0, 0; 2 of 3 masked.
+    w, stats = weights_of([[1.0, 3.0, 0.5]], [[1, 1, 1]], level="token", mode="mask", cap=2.0, low=0.6)
+    close(w, [[1.0, 0.0, 0.0]])
+    close(stats["is_clipped_frac"], 2 / 3)
+    close(stats["is_ratio_mean"], 1.5)  # the ratio statistics describe r before masking
+    # low=None: only the upper bound masks -> r = 0.5 is kept with weight 0.5
+    w, stats = weights_of([[1.0, 3.0, 0.5]], [[1, 1, 1]], level="token", mode="mask", cap=2.0)
+    close(w, [[1.0, 0.0, 0.5]])
+    close(stats["is_clipped_frac"], 1 / 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hand values, sequence level
+# --------------------------------------------------------------------------------------------------
+
+SEQ_RATIOS = [[2.0, 1.5, 100.0], [0.5, 1.2, 1.0]]
+SEQ_MASK = [[1, 1, 0], [1, 1, 1]]  # row 0's last token is padding with garbage
+
+
+def test_sequence_truncate_hand_values():
+    # row 0: 2 * 1.5 = 3 (the padding's 100 is not in the product); row 1: 0.5 * 1.2 * 1 = 0.6.
+    # cap 2 -> row 0's tokens get min(3, 2) = 2, row 1's 0.6; padding 0.
+    w, stats = weights_of(SEQ_RATIOS, SEQ_MASK, level="sequence", mode="truncate", cap=2.0)
+    close(w, [[2.0, 2.0, 0.0], [0.6, 0.6, 0.6]])
+    close(stats["is_ratio_mean"], (3 * 2 + 0.6 * 3) / 5)  # token-weighted: 7.8 / 5 = 1.56
+    close(stats["is_ratio_max"], 3.0)
+    close(stats["is_clipped_frac"], 2 / 5)  # row 0's two tokens
+
+
+def test_sequence_mask_hand_values():
+    # band [0.8, 4]: row 0 (3) kept whole, row 1 (0.6) masked whole -> 3 of 5 tokens masked.
+    w, stats = weights_of(SEQ_RATIOS, SEQ_MASK, level="sequence", mode="mask", cap=4.0, low=0.8)
+    close(w, [[3.0, 3.0, 0.0], [0.0, 0.0, 0.0]])
+    close(stats["is_clipped_frac"], 3 / 5)
+
+
+def test_sequence_ratio_in_log_space_does_not_overflow():
+    # 200 tokens of ratio 2: the product 2**200 overflows fp32's exp (ln 2**200 = 138.6 > 88.7), the capped
+    # weight does not.
+    w, stats = weights_of([[2.0] * 200], [[1] * 200], level="sequence", mode="truncate", cap=5.0)
+    close(w, torch.full((1, 200), 5.0))
+    assert stats["is_clipped_frac"] == 1.0 and stats["is_ratio_max"] == INF
+    w, _ = weights_of([[2.0] * 200], [[1] * 200], level="sequence", mode="mask", cap=5.0)
+    close(w, torch.zeros(1, 200))
+
+
+# --------------------------------------------------------------------------------------------------
+# Non-finite log-probs, detaching, bad arguments
+# --------------------------------------------------------------------------------------------------
+
+
+def test_nonfinite_logprobs_get_weight_zero_and_are_counted():
+    trainer = torch.tensor([[0.0, math.log(3.0), 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    sampler = torch.tensor([[0.0, 0.0, -INF, NAN], [math.log(0.5), 0.0, 0.0, NAN]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])  # row 1's NaN sits on padding: ignored
+    w, stats = rl.importance_weights(trainer, sampler, mask, level="token", mode="truncate", cap=2.0)
+    close(w, [[1.0, 2.0, 0.0, 0.0], [2.0, 1.0, 1.0, 0.0]])
+    close(stats["is_nonfinite_frac"], 2 / 7)
+    # finite valid ratios: 1, 3, 2, 1, 1 -> mean 8 / 5, max 3; r > 2: only the 3 -> 1 / 7 of the valid tokens
+    close(stats["is_ratio_mean"], 1.6)
+    close(stats["is_ratio_max"], 3.0)
+    close(stats["is_clipped_frac"], 1 / 7)
+    assert all(torch.isfinite(v) for v in stats.values())
+    # sequence level: a bad token zeroes its whole row; row 1's product is r = 2 * 1 * 1 (padding left out)
+    w, stats = rl.importance_weights(trainer, sampler, mask, level="sequence", mode="truncate", cap=4.0)
+    close(w, [[0.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 0.0]])
+    close(stats["is_nonfinite_frac"], 2 / 7)
+    close(stats["is_ratio_mean"], 2.0)
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+def test_weights_are_detached_and_empty_mask_is_quiet():
+    trainer = torch.tensor([[0.1, -0.2]], requires_grad=True)
+    w, stats = rl.importance_weights(trainer, torch.zeros(1, 2), torch.ones(1, 2))
+    assert not w.requires_grad and not any(v.requires_grad for v in stats.values())
+    w, stats = rl.importance_weights(trainer, torch.zeros(1, 2), torch.zeros(1, 2))
+    close(w, torch.zeros(1, 2))
+    assert all(v == 0 for v in stats.values())
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"level": "tokens"}, "level"),
+        ({"mode": "clip"}, "mode"),
+        ({"cap": 0.0}, "cap"),
+        ({"mode": "truncate", "low": 0.5}, "low"),
+        ({"mode": "mask", "cap": 2.0, "low": 3.0}, "low"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        rl.importance_weights(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), **kwargs)
+
+
+def test_shape_mismatch_is_refused():
+    with pytest.raises(ValueError, match="same"):
+        rl.importance_weights(torch.zeros(1, 2), torch.zeros(1, 3), torch.ones(1, 2))
+
+
+# --------------------------------------------------------------------------------------------------
+# How the weights enter a loss
+# --------------------------------------------------------------------------------------------------
+
+
+def test_policy_loss_weights_scale_each_token():
+    # Per-token PPO terms (tests/test_rl.py): r = 1.5, A = 1 -> -1.2 (clipped); r = 0.5, A = 1 -> -0.5.
+    logp = torch.tensor([[math.log(1.5), math.log(0.5), 0.0]], requires_grad=True)
+    args = (logp, torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 9.0]]), torch.tensor([[1, 1, 0]]), 0.2)
+    plain, plain_stats = rl.policy_loss(*args)
+    none, none_stats = rl.policy_loss(*args, weights=None)
+    assert torch.equal(plain, none) and plain_stats.keys() == none_stats.keys()
+    close(plain, (-1.2 - 0.5) / 2)
+    # weights 2 and 0.5: (2 * -1.2 + 0.5 * -0.5) / 2 tokens = -1.325; the weights do not change the count
+    loss, stats = rl.policy_loss(*args, weights=torch.tensor([[2.0, 0.5, 7.0]]))
+    close(loss, -1.325)
+    close(stats["clipfrac"], plain_stats["clipfrac"])
+    (grad,) = torch.autograd.grad(loss, logp)
+    close(grad, [[0.0, 0.5 * -0.5 / 2, 0.0]])  # clipped token: no gradient; the other d(-A r)/dlogp = -0.5
+
+
+def test_weight_zero_silences_a_nonfinite_term():
+    terms = torch.tensor([[1.0, NAN, INF]])
+    close(rl.weighted_terms(terms, torch.tensor([[3.0, 0.0, 0.0]])), [[3.0, 0.0, 0.0]])
+    loss, _ = rl.policy_loss(torch.tensor([[0.0, NAN]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+                             0.2, weights=torch.tensor([[1.0, 0.0]]))
+    close(loss, -0.5)  # token 0: -A * r = -1, token 1 silenced; mean over the 2 tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Exact check: a bf16 sampler biases the policy gradient, the importance weights remove the bias
+# --------------------------------------------------------------------------------------------------
+
+THETA = [0.3, -1.2, 0.7, 2.1, -0.4]
+REWARD = [1.0, 0.3, 2.0, 0.5, -1.0]
+
+
+def categorical():
+    """Policy pi = softmax(theta) in fp64 (the trainer) and a sampler q = pi rounded through bf16 and renormalised."""
+    theta = torch.tensor(THETA, dtype=torch.float64, requires_grad=True)
+    logpi = torch.log_softmax(theta, dim=0)
+    q = logpi.detach().exp().to(torch.bfloat16).to(torch.float64)
+    return theta, logpi, q / q.sum(), torch.tensor(REWARD, dtype=torch.float64)
+
+
+def expected_gradient(theta, logpi, q, reward, weights):
+    """E_{a ~ q}[w(a) r(a) grad log pi(a)] exactly: the sum over the actions of the surrogate's gradient."""
+    (grad,) = torch.autograd.grad((q * weights * reward * logpi).sum(), theta, retain_graph=True)
+    return grad
+
+
+def is_weights(logpi, q, **kwargs):
+    """One action per row ([A, 1]): the token-level weights of the trainer's log pi against the sampler's log q."""
+    w, _ = rl.importance_weights(logpi.detach()[:, None], q.log()[:, None], torch.ones(len(q), 1), **kwargs)
+    return w[:, 0]
+
+
+def test_bf16_sampler_biases_the_gradient_and_importance_weights_remove_it():
+    theta, logpi, q, reward = categorical()
+    (true,) = torch.autograd.grad((logpi.exp() * reward).sum(), theta, retain_graph=True)  # grad E_pi[r]
+    assert (q - logpi.detach().exp()).abs().max() > 1e-5  # the sampler really is mismatched
+
+    uncorrected = expected_gradient(theta, logpi, q, reward, torch.ones_like(q))
+    corrected = expected_gradient(theta, logpi, q, reward, is_weights(logpi, q, cap=1e6))
+    bias = (uncorrected - true).abs().max()
+    assert bias > 1e-4, bias
+    close(corrected, true, atol=1e-6)
+    close(corrected, true, atol=1e-12)  # exact up to fp64 rounding: q * pi / q = pi
+
+    # Truncated at a cap that some ratio exceeds: biased again, but less, and within the bound
+    # |E[(min(rho, c) - rho) r grad log pi]| <= sum_a q (rho - c)^+ |r| |grad log pi|.
+    rho = logpi.detach().exp() / q
+    cap = float(rho.max() + 1) / 2  # between 1 and the largest ratio
+    assert rho.max() > cap
+    truncated = expected_gradient(theta, logpi, q, reward, is_weights(logpi, q, cap=cap))
+    jac = torch.autograd.functional.jacobian(lambda t: torch.log_softmax(t, 0), theta.detach())  # [A, A]
+    bound = (q * (rho - cap).clamp(min=0) * reward.abs()) @ jac.abs()
+    trunc_bias = (truncated - true).abs()
+    assert (trunc_bias <= bound + 1e-15).all()
+    assert trunc_bias.norm() < (uncorrected - true).norm()
+    assert trunc_bias.max() > 1e-7  # truncation is a trade: some bias for bounded weights
+
+
+def test_policy_loss_with_weights_gives_the_corrected_gradient():
+    # PPO's loss at its first epoch (old = current, r = 1), A = reward, the mask holding the sampler's
+    # probabilities: the masked mean is then the expectation under q, and its gradient is -E_q[w A grad log pi].
+    theta, logpi, q, reward = categorical()
+    (true,) = torch.autograd.grad((logpi.exp() * reward).sum(), theta, retain_graph=True)
+    args = (logpi[:, None], logpi.detach()[:, None], reward[:, None], q[:, None], 0.2)
+    loss, _ = rl.policy_loss(*args, weights=is_weights(logpi, q, cap=1e6)[:, None])
+    (grad,) = torch.autograd.grad(loss, theta, retain_graph=True)
+    close(-grad, true, atol=1e-6)
+    loss, _ = rl.policy_loss(*args)
+    (grad,) = torch.autograd.grad(loss, theta)
+    assert (-grad - true).abs().max() > 1e-4
