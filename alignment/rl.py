@@ -574,8 +574,9 @@ def importance_weights(
     stats (detached 0-dim, over tokens with mask != 0): `is_ratio_mean` and `is_ratio_max` of r over the
     finite tokens (inf when a sequence's log-ratio overflows exp; its weight is still finite),
     `is_clipped_frac` = share with r > cap (truncate) or r outside [low, cap] (mask), `is_nonfinite_frac`
-    = share whose own lr is not finite, `sampler_kl` = k3 estimate of KL(sampler || trainer), r - 1 - ln r
-    per token (the tokens are the sampler's samples; `kl_estimate(sampler, trainer, "k3")`).
+    = share whose own lr is not finite, `sampler_kl` = k3 estimate of KL(sampler || trainer), the mean of
+    exp(lr_t) - 1 - lr_t over the finite tokens at either level (the tokens are the sampler's samples;
+    `kl_estimate(sampler, trainer, "k3")`).
     """
     if trainer_logprobs.shape != sampler_logprobs.shape or trainer_logprobs.shape != mask.shape:
         raise ValueError(
