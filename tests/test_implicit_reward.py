@@ -60,14 +60,17 @@ def test_score_is_beta_times_the_log_ratio_summed_over_the_answer(tiny_model):
     assert score_texts(judge, tokenizer, QUESTIONS, ANSWERS, batch_size=1) == pytest.approx(expected, abs=1e-4)
 
 
-def test_a_cut_off_answer_is_scored_as_sampled_and_an_empty_one_scores_zero(tiny_model):
+def test_a_cut_off_answer_scores_the_lower_of_as_sampled_and_finished(tiny_model):
+    """Skipping the end-of-turn term never pays: a cut-off answer (an empty one too) scores no more than the same
+    text finished, nor more than the text as sampled (an empty one: 0)."""
     tokenizer = load_tokenizer(str(tiny_model))
     policy, reference = perturbed(tiny_model), load_policy(str(tiny_model))
     judge = ImplicitRewardModel(policy, reference, beta=1.0)
     prompt = render_prompt(tokenizer, QUESTIONS[1])
     cut = float(completion_logprob(policy, tokenizer, prompt, "The ans") - completion_logprob(reference, tokenizer, prompt, "The ans"))
     scores = score_texts(judge, tokenizer, QUESTIONS[1:2] * 2, ["The ans", ""], finished=[False, False])
-    assert scores == pytest.approx([cut, 0.0], abs=1e-4)
+    ended = score_texts(judge, tokenizer, QUESTIONS[1:2] * 2, ["The ans", ""], finished=[True, True])
+    assert scores == pytest.approx([min(cut, ended[0]), min(0.0, ended[1])], abs=1e-4)
 
 
 def test_a_policy_equal_to_its_reference_scores_everything_zero(tiny_model):
