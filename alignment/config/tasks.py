@@ -4,9 +4,9 @@ build the rows from them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import UserError
 from .base import Strict, did_you_mean
@@ -50,7 +50,59 @@ class ToolArithmeticParams(Strict):
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
 
 
-TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams, "tool_arithmetic": ToolArithmeticParams}
+# reasoning-gym's instructions to answer inside <answer></answer> tags (reasoning_gym.utils.SYSTEM_PROMPTS), by
+# name: listed here so that a recipe loads without importing reasoning-gym; `none` leaves the prompt bare.
+REASONING_GYM_PROMPTS = ("default", "direct", "simple", "DeepSeekZero", "chain_of_draft", "none")
+
+
+class ReasoningGymTask(Strict):
+    """One task of a `reasoning_gym` mix, given as a mapping: its weight and its reasoning-gym config."""
+
+    weight: float = Field(1.0, gt=0, description="the task's share of the rows, relative to the other tasks' weights")
+    config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task's reasoning-gym "
+                                   "config dataclass (leg_counting: `min_animals`, ...), checked by `align check`; "
+                                   "`seed` and `size` are the toolkit's")
+
+    @model_validator(mode="after")
+    def _seed_and_size_are_ours(self):
+        taken = [key for key in ("seed", "size") if key in self.config]
+        if taken:
+            raise ValueError(f"config key(s) {', '.join(taken)}: set from the recipe's seed and `n`, not per task")
+        return self
+
+
+class ReasoningGymParams(Strict):
+    """Keys of `data: {task: reasoning_gym, ...}` (alignment/tasks/reasoning_gym.py builds the rows): problems
+    from reasoning-gym's generators, one task or a weighted mix. Needs `pip install -e ".[tasks]"`."""
+
+    tasks: dict[str, ReasoningGymTask] = Field(min_length=1, description="reasoning-gym task names, each with its "
+                                               "weight (`leg_counting: 1`) or `{weight, config}`; names are checked "
+                                               "against the installed reasoning-gym by `align check` (importing it "
+                                               "takes seconds, so not at recipe load)")
+    n: int = Field(1000, gt=0, description="number of rows, shared among the tasks in proportion to their weights")
+    format: Literal["prompt_completion", "messages"] = Field("prompt_completion", description="prompt_completion: "
+                                                             "`prompt` (instruction and question as one text) and "
+                                                             "`completion` columns; messages: a chat `messages` "
+                                                             "column instead (the instruction as the system turn)")
+    system_prompt: Literal[REASONING_GYM_PROMPTS] = Field("default", description="reasoning-gym's instruction to "
+                                                          "answer inside <answer></answer> tags, by its name in "
+                                                          "reasoning_gym.utils.SYSTEM_PROMPTS; none: the question "
+                                                          "alone")
+    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of each task's questions (by a hash of the "
+                                 "question text) reserved for the held-out splits")
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _bare_weights(cls, value):
+        """`leg_counting: 2` is short for `leg_counting: {weight: 2}`."""
+        if isinstance(value, dict):
+            return {name: {"weight": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for name, v in value.items()}
+        return value
+
+
+TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams, "tool_arithmetic": ToolArithmeticParams,
+                                        "reasoning_gym": ReasoningGymParams}
 
 
 def task_params_model(name: str) -> type[Strict]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..config.tasks import task_params_model
-from . import arithmetic, tool_arithmetic
+from . import arithmetic, reasoning_gym, tool_arithmetic
 
-TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic}
+TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic,
+                                "reasoning_gym": reasoning_gym}
 
 
 def get_task(name: str) -> ModuleType:

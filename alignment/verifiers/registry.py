@@ -39,6 +39,7 @@ BUILTINS: dict[str, str] = {
     "json": "alignment.verifiers.json_format:verify",
     "python_tests": "alignment.verifiers.python_tests:verify",
     "arithmetic": "alignment.tasks.arithmetic:verify",
+    "reasoning_gym": "alignment.tasks.reasoning_gym:verify",
 }
 
 
