@@ -457,7 +457,7 @@ class PPOLoop:
         `train_sampling_strategy: bucket_by_length` minibatches of rows of about one length in random order
         (`buckets.bucketed_order`). Each minibatch then trims to its own longest row (`Rollout.trimmed`), so
         where a few prompts are much longer, most minibatches stop paying for them (measured:
-        docs/performance.md#batches-of-one-length-train_sampling_strategy-bucket_by_length)."""
+        docs/performance.md#length-buckets)."""
         if self.train_spec.train_sampling_strategy == "random":
             return torch.randperm(len(rollout))
         return bucketed_order(rollout.attention_mask.sum(1).tolist(), self.train_spec.mini_batch_size)
