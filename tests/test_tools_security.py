@@ -474,3 +474,16 @@ def test_a_worker_that_cannot_load_the_tools_fails_each_call_without_retrying(mo
     assert len(results) == 2 and all("worker process could not start: UserError: tool 'fragile:ping'" in r
                                      and "ImportError: not here" in r for r in results)
     assert t["q"].counts["tool_errors"] == 2 and t["q"].stop_reason == "answer"
+
+
+def test_the_python_tool_past_its_memory_is_a_counted_error():
+    """Processes that together pass the call's memory (one alone stays under it, so no MemoryError inside) are
+    killed by the kernel; the sandbox's memory status becomes an error the rollout counts, like a timeout."""
+    python = make_python(timeout=10, memory_mb=128)
+    if isolation() == "none":
+        pytest.skip("no namespace isolation on this machine: the call's memory bound needs the sandbox")
+    code = ("import os, time\npids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = bytearray(100 * 2**20)\n        time.sleep(2)\n        os._exit(0)\n    pids.append(pid)\n"
+            "print([os.waitpid(pid, 0)[1] for pid in pids])")
+    with pytest.raises(MemoryError, match="more than its 128 MB"):
+        python(code)

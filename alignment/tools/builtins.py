@@ -104,8 +104,10 @@ def calculator(expression: str) -> str:
 def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 2000,
                 allow_unsandboxed: bool = False):
     """The `python` tool with its limits bound (the recipe's `options:`). The code runs in the verifier
-    sandbox (alignment/verifiers/sandbox/process.py says what that isolates and what not): its own process in
-    new network, pid and mount namespaces, resource limits, no environment of ours, killed at `timeout`."""
+    sandbox (docs/sandbox.md says what that isolates and what not): its own process in new network, pid and
+    mount namespaces on a minimal root (no host sockets, no run data), resource limits, `memory_mb` for all
+    its processes together where a cgroup can be made, no environment of ours, killed at `timeout`. A run
+    past its time or memory is an error (counted by the rollout); the model still sees the output."""
     limits = Limits(timeout=timeout, memory_mb=memory_mb, output_bytes=max(4 * output_chars, 1024))
 
     def python(code: str) -> str:
@@ -120,6 +122,8 @@ def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 
             output = output[: output_chars // 2] + "\n[... output cut ...]\n" + output[-output_chars // 2:]
         if result.status == "timeout":  # an error, so the rollout counts it; the model still sees the output
             raise TimeoutError(f"the code ran past {timeout:g} s and was killed; its output: {output}")
+        if result.status == "memory":
+            raise MemoryError(f"the code used more than its {memory_mb} MB and was killed; its output: {output}")
         if result.status == "setup_error":
             raise RuntimeError(f"the sandbox failed to start: {output}")
         return output
