@@ -40,7 +40,7 @@ def tool_learning_recipe(tmp_path: Path, seed: int) -> dict:
                      "verifiers": ["arithmetic"], "environment": "secret_box:SecretBox", "tool_format": FORMAT,
                      "describe_tools": False, "max_turns": 2, "max_tool_output_tokens": 32,
                      "train": {"max_steps": RL_STEPS, "num_generations": 8, "per_device_train_batch_size": 16,
-                               "learning_rate": 5.0e-4, "lr_scheduler_type": "constant", "beta": 0.0,
+                               "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "beta": 0.0,
                                "temperature": 1.0,
                                "max_completion_length": 80, "logging_steps": 1}}}}
 
@@ -62,15 +62,14 @@ def mean(values: list[float]) -> float:
 
 def test_a_tiny_model_learns_to_call_the_tool_it_needs(tmp_path):
     """The SFT policy (the first 3 steps) against the policy of the second half (steps 16-30, 240 rollouts): a
-    window, not the last few steps, because at a constant learning rate and no KL penalty a run that has learned
-    the tool can drop for a few steps and recover, and where that happens moves with the float ordering of the
-    machine's kernels. Seeds 1-5 on CI's host (learning rate 5e-4, the tiny tokenizer keeping its spaces): call
-    rate 0.27 -> 0.66, 0.17 -> 0.51, 0.19 -> 0.90, 0.15 -> 0.83, 0.02 -> 0.72; reward 0.40 -> 0.70, 0.23 -> 0.55,
-    0.21 -> 0.86, 0.23 -> 0.81, 0.08 -> 0.70. At 1e-3 seed 1 learned by step 15, fell to 0.06 at steps 18-19 and
-    ended at 0.81-0.94: a second-half mean of 0.54. The margins (0.25) are below the smallest rise (0.30)."""
+    window, not the last few steps, because at a constant learning rate of 1e-3 and no KL penalty a run that has
+    learned the tool can drop for a few steps and recover, and where that happens moves with the float ordering
+    of the machine's kernels. Seeds 1, 2, 3 on a 2-core AVX2 host: call rate 0.31 -> 0.78, 0.10 -> 0.78,
+    0.27 -> 0.68; reward 0.35 -> 0.73, 0.21 -> 0.78, 0.33 -> 0.70 (seed 1 learned by step 12, dropped to 0.25 at
+    steps 25-27, back to 0.81 at step 30). The margins (0.3) are below the smallest rise (0.37)."""
     calls, rewards = learning_curve(tmp_path, seed=1)
     start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2:])
     start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2:])
     assert start_calls < 0.6, f"the SFT policy already calls in {start_calls:.0%} of rollouts: no room to learn"
-    assert end_calls >= start_calls + 0.25, (calls, rewards)
-    assert end_reward >= start_reward + 0.25, (calls, rewards)
+    assert end_calls >= start_calls + 0.3, (calls, rewards)
+    assert end_reward >= start_reward + 0.3, (calls, rewards)
