@@ -137,3 +137,11 @@ def test_the_sampler_says_nothing_on_a_native_cpu(tiny_model, prompts, monkeypat
     with caplog.at_level(logging.WARNING, logger="alignment"):
         generate(model, tokenizer, prompts, SamplingSpec(max_new_tokens=4, dtype="bfloat16"))
     assert not [r for r in caplog.records if "dtype: bfloat16" in r.getMessage()]
+
+
+@no_gpu
+def test_check_refuses_an_evaluate_blocks_bf16_suite_on_such_a_cpu(tmp_path, without_native_bf16):
+    suite = {"name": "arith", "data": {"task": "arithmetic", "n": 4}, "sampling": {"dtype": "bfloat16"}}
+    recipe = {**sft_recipe(tmp_path, train={"max_steps": 1}), "evaluate": {"suites": [suite]}}
+    with pytest.raises(UserError, match=r"evaluate\.suites\.0\.sampling\.dtype: samples on a bf16 copy"):
+        check_recipe(load_recipe(write_recipe(tmp_path, recipe)))

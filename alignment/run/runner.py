@@ -39,6 +39,7 @@ from ..models.gguf import convert_gguf
 from ..models.loading import check_model_source
 from ..models.lora import check_lora_targets
 from ..models.tiny import build_tiny_model
+from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import distributed_state, get_logger, start_engine
 from ..runtime.files import write_atomic
 from ..runtime.redact import redact
@@ -113,6 +114,7 @@ def check_recipe(recipe: Recipe) -> None:
         stage_module(config.kind).check(ctx)
         log.info(f"  {stage_id} ({config.kind}): ok")
     if recipe.evaluate is not None:
+        refuse_slow_bf16(recipe.evaluate, "evaluate")
         check_evaluate_block(recipe)
         log.info("  evaluate: ok")
 
