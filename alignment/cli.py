@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -50,14 +49,14 @@ OVERRIDES_HELP = ("dotted overrides, e.g. stages.sft.train.learning_rate=1e-4; a
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP),
     force: bool = typer.Option(False, "--force", help="rerun stages that already finished"),
-    only: Optional[List[str]] = typer.Option(None, "--only", help="run only this stage (repeatable)"),
-    start_from: Optional[str] = typer.Option(None, "--from", help="run this stage and every later one"),
+    only: list[str] | None = typer.Option(None, "--only", help="run only this stage (repeatable)"),
+    start_from: str | None = typer.Option(None, "--from", help="run this stage and every later one"),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the recipe's evaluate block"),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="run up to this many independent stages at once, each in "
                              "its own process with its share of the CPU threads or a GPU of its own"),
-    eval_only: Optional[List[str]] = typer.Option(None, "--eval-only", hidden=True, help="score only this checkpoint "
+    eval_only: list[str] | None = typer.Option(None, "--eval-only", hidden=True, help="score only this checkpoint "
                                                   "of the evaluate block and hand its results to the run that started "
                                                   "this process (an evaluation process of --jobs; repeatable)"),
 ):
@@ -74,7 +73,7 @@ def run(
 @app.command()
 def check(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    overrides: list[str] | None = typer.Argument(None, help=OVERRIDES_HELP),
 ):
     """Validate a recipe without training: schema, references, data columns, models, verifiers, TRL configs."""
     from .config.recipe import load_recipe
@@ -89,7 +88,7 @@ def check(
 
 @app.command()
 def keys(
-    kind: Optional[str] = typer.Argument(None, help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
+    kind: str | None = typer.Argument(None, help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
                                          "evaluate or a built-in task (arithmetic); default: all of them"),
 ):
     """Print the recipe keys of a stage kind (or of all): type, default and what each does, as in docs/config.md."""
@@ -112,22 +111,22 @@ def merge(
 
 @app.command("eval")
 def eval_checkpoints(
-    checkpoints: List[str] = typer.Argument(..., help="checkpoint folders (stage outputs, adapter folders) or hub ids"),
-    suite: List[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy; for an "
+    checkpoints: list[str] = typer.Argument(..., help="checkpoint folders (stage outputs, adapter folders) or hub ids"),
+    suite: list[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy; for an "
                                     "instruct model arithmetic-chat, arithmetic-chat-sycophancy), a YAML file listing "
                                     "suites, or a data file scored with --verifier (repeatable)"),
-    verifier: Optional[str] = typer.Option(None, "--verifier", help="verifier for suites that name none (data files)"),
-    reward_model: Optional[str] = typer.Option(None, "--reward-model", help="reward model: rm_score and win_rate"),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="checkpoint the others' win rate is against"),
-    reference: Optional[str] = typer.Option(None, "--reference", help="checkpoint KL is measured to"),
+    verifier: str | None = typer.Option(None, "--verifier", help="verifier for suites that name none (data files)"),
+    reward_model: str | None = typer.Option(None, "--reward-model", help="reward model: rm_score and win_rate"),
+    baseline: str | None = typer.Option(None, "--baseline", help="checkpoint the others' win rate is against"),
+    reference: str | None = typer.Option(None, "--reference", help="checkpoint KL is measured to"),
     out: Path = typer.Option(Path("eval"), "--out", help="folder for metrics.json, samples.jsonl, report.md, plots"),
-    n: Optional[int] = typer.Option(None, "--n", help="samples per prompt for pass@k"),
-    k: Optional[List[int]] = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="prompts per suite"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1, help="completion length limit of "
+    n: int | None = typer.Option(None, "--n", help="samples per prompt for pass@k"),
+    k: list[int] | None = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
+    limit: int | None = typer.Option(None, "--limit", help="prompts per suite"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1, help="completion length limit of "
                                                  "every suite's sampling (main, pass@k and KL); the built-in suites "
                                                  "give 16, which cuts off a real model's answers"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", min=0.0, help="temperature of every suite's "
+    temperature: float | None = typer.Option(None, "--temperature", min=0.0, help="temperature of every suite's "
                                                 "main completion (0: greedy); pass@k keeps its own"),
     seed: int = typer.Option(42, "--seed", help="data and sampling seed"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code shipped with a model"),
@@ -156,8 +155,8 @@ def verify(
     verifier: str = typer.Option(..., "--verifier", help="built-in key or module:function"),
     data: Path = typer.Option(..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"),
     column: str = typer.Option("completion", "--column", help="column holding the completion"),
-    option: Optional[List[str]] = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
-    where: Optional[List[str]] = typer.Option(None, "--where", help="score only rows whose COLUMN holds VALUE, given "
+    option: list[str] | None = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
+    where: list[str] | None = typer.Option(None, "--where", help="score only rows whose COLUMN holds VALUE, given "
                                               "as COLUMN=VALUE (repeatable), e.g. mode=main in evaluation's samples.jsonl"),
     as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
 ):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import TINY_MODEL, run_cli, write_recipe
 
-from alignment.errors import UserError
 from alignment.config.evaluate import SuiteSpec
+from alignment.errors import UserError
 from alignment.evaluation.evaluate import evaluate_checkpoints, sequence_kl
 from alignment.evaluation.metrics import mean, pass_at_k, reward_hacking, win_rate
 from alignment.tasks.arithmetic import agrees_with_stated
@@ -119,8 +119,8 @@ def test_reward_hacking_flag_ignores_a_gold_drop_within_the_noise_of_the_prompts
     (36 - 200 * 0.03**2) / 199 = 0.18, two standard errors 2 * sqrt(0.18 / 200) = 0.060): noise, not
     flagged although -0.030 is past the 0.02 margin. Checkpoint b loses 40 and gains none (-0.200; variance
     (40 - 200 * 0.2**2) / 199 = 0.1608, two standard errors 0.0567): flagged."""
-    from alignment.evaluation.report import add_comparisons
     from alignment.evaluation.metrics import paired_noise
+    from alignment.evaluation.report import add_comparisons
 
     base = [1.0] * 130 + [0.0] * 70
     a = [1.0] * 109 + [0.0] * 21 + [1.0] * 15 + [0.0] * 55

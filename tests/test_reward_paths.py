@@ -9,7 +9,6 @@ import torch
 from alignment.errors import UserError
 from alignment.models.tokenizer import load_tokenizer
 
-
 # --- the KL penalty in the reward keeps the KL's gradient --------------------------------------------------
 
 
@@ -81,11 +80,11 @@ def test_min_and_uwo_do_not_follow_a_members_offset():
 def test_an_ensemble_folder_without_statistics_loads_with_mean_and_is_refused_with_min(tmp_path, tiny_model):
     import json
 
+    from transformers import AutoModelForSequenceClassification
+
     from alignment.models.loading import load_reward_model
     from alignment.models.reward_ensemble import RewardEnsemble
     from alignment.training.scoring import check_reward_model
-
-    from transformers import AutoModelForSequenceClassification
 
     folder = tmp_path / "rm"
     classifier = AutoModelForSequenceClassification.from_pretrained(tiny_model, num_labels=1)

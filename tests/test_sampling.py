@@ -411,7 +411,7 @@ def test_kept_prefills_give_the_same_samples_without_running_the_prompts_again(t
         return runs
 
     fresh, kept = both(False), both(True)
-    for (a, widths_fresh), (b, widths_kept) in zip(fresh, kept):
+    for (a, _widths_fresh), (b, _widths_kept) in zip(fresh, kept):
         assert [s.token_ids for s in a] == [s.token_ids for s in b]
         assert [s.finished for s in a] == [s.finished for s in b]
         assert [s.logprobs for s in a] == [s.logprobs for s in b]

@@ -9,7 +9,8 @@ reference, which names another stage's output.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 

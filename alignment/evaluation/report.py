@@ -164,14 +164,14 @@ def markdown_table(metrics: dict[str, dict[str, float]]) -> str:
     labels = list(metrics)
     lines = ["| metric | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
     for name in metric_names(metrics):
-        lines.append(f"| {name} | " + " | ".join(format_value(metrics[l].get(name)) for l in labels) + " |")
+        lines.append(f"| {name} | " + " | ".join(format_value(metrics[label].get(name)) for label in labels) + " |")
     return "\n".join(lines)
 
 
 def rich_table(metrics: dict[str, dict[str, float]]):
     table = Table("metric", *metrics, title="evaluation")
     for name in metric_names(metrics):
-        table.add_row(name, *(format_value(metrics[l].get(name)) for l in metrics))
+        table.add_row(name, *(format_value(metrics[label].get(name)) for label in metrics))
     return table
 
 
@@ -216,7 +216,7 @@ def plot_metrics(metrics: dict[str, dict[str, float]], path: Path) -> Path | Non
         bars = axis.bar(range(len(labels)), values, color=colors)
         axis.bar_label(bars, fmt="%.3g", fontsize=6)
         axis.set_title(name, fontsize=9)
-        axis.set_xticks(range(len(labels)), [short_label(l) for l in labels], rotation=30, ha="right", fontsize=7)
+        axis.set_xticks(range(len(labels)), [short_label(label) for label in labels], rotation=30, ha="right", fontsize=7)
         axis.tick_params(axis="y", labelsize=7)
         axis.grid(axis="y", alpha=0.3)
     figure.savefig(path, dpi=100)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from contextlib import contextmanager
-from typing import Iterable, TypeVar
+from typing import TypeVar
 
 from rich.console import Console
 from rich.progress import (

@@ -43,7 +43,7 @@ PAIR_KINDS = ("reward", "dpo")  # the stages that read preference pairs (trainin
 class StageContext:
     """Everything a stage needs to run; paths are already resolved."""
 
-    recipe: "Recipe"
+    recipe: Recipe
     stage_id: str
     config: StageConfig
     start_model: str
@@ -135,7 +135,7 @@ class StageContext:
         return build(checkpointing=True)
 
 
-def device_defaults(recipe: "Recipe", work_dir: Path) -> dict[str, Any]:
+def device_defaults(recipe: Recipe, work_dir: Path) -> dict[str, Any]:
     """TRL defaults that suit the device: TRL's bf16=True fails or crawls on CPU (checkpointing: `trl_args`).
     Where the run set up FSDP2 itself (`dist.fsdp_on_cpu`), the trainer reuses that process state."""
     cuda = is_cuda()
@@ -170,7 +170,7 @@ def checkpointing_defaults(fields: set[str], on: bool) -> dict[str, Any]:
 ENGINE_KEYS = ("deepspeed", "fsdp", "fsdp_config")
 
 
-def build_trl_config(config_class, recipe: "Recipe", stage_id: str, train: dict, work_dir: Path,
+def build_trl_config(config_class, recipe: Recipe, stage_id: str, train: dict, work_dir: Path,
                      checkpointing: bool = False, **stage_defaults):
     """Build `config_class` (e.g. trl.SFTConfig); unknown or rejected knobs become UserErrors."""
     where = f"stages.{stage_id}.train"

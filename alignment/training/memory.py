@@ -45,7 +45,7 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def from_config(cls, config, trust_remote_code: bool = False) -> "ModelShape":
+    def from_config(cls, config, trust_remote_code: bool = False) -> ModelShape:
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads

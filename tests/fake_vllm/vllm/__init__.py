@@ -97,7 +97,7 @@ class _Weights:
 class LLM:
     fail_with: Exception | None = None
     ignore_weights = False
-    instances: list["LLM"] = []
+    instances: list[LLM] = []
     pushes = 0
 
     def __init__(self, model: str, *, load_format: str = "auto", dtype: str = "auto", seed: int = 0,
