@@ -24,8 +24,12 @@ import typer
 from .config.model import GgufSpec
 from .errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Alignment post-training toolkit: run and check YAML recipes, evaluate and merge checkpoints.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Alignment post-training toolkit: run and check YAML recipes, evaluate and merge checkpoints.",
+)
 
 
 def _setup() -> None:
@@ -41,9 +45,11 @@ def _setup() -> None:
     configure_logging()
 
 
-OVERRIDES_HELP = ("dotted overrides, e.g. stages.sft.train.learning_rate=1e-4; a number indexes a list "
-                  "(evaluate.suites.0.data.dataset=x.jsonl); a value replaces what is there, a mapping too "
-                  "(stages.sft.data.rename={} empties it)")
+OVERRIDES_HELP = (
+    "dotted overrides, e.g. stages.sft.train.learning_rate=1e-4; a number indexes a list "
+    "(evaluate.suites.0.data.dataset=x.jsonl); a value replaces what is there, a mapping too "
+    "(stages.sft.data.rename={} empties it)"
+)
 
 
 @app.command()
@@ -54,11 +60,22 @@ def run(
     only: list[str] | None = typer.Option(None, "--only", help="run only this stage (repeatable)"),
     start_from: str | None = typer.Option(None, "--from", help="run this stage and every later one"),
     no_eval: bool = typer.Option(False, "--no-eval", help="skip the recipe's evaluate block"),
-    jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="run up to this many independent stages at once, each in "
-                             "its own process with its share of the CPU threads or a GPU of its own"),
-    eval_only: list[str] | None = typer.Option(None, "--eval-only", hidden=True, help="score only this checkpoint "
-                                                  "of the evaluate block and hand its results to the run that started "
-                                                  "this process (an evaluation process of --jobs; repeatable)"),
+    jobs: int = typer.Option(
+        1,
+        "--jobs",
+        "-j",
+        min=1,
+        help="run up to this many independent stages at once, each in "
+        "its own process with its share of the CPU threads or a GPU of its own",
+    ),
+    eval_only: list[str] | None = typer.Option(
+        None,
+        "--eval-only",
+        hidden=True,
+        help="score only this checkpoint "
+        "of the evaluate block and hand its results to the run that started "
+        "this process (an evaluation process of --jobs; repeatable)",
+    ),
 ):
     """Run a recipe: every unfinished stage in order, then its evaluation."""
     from .config.recipe import load_recipe
@@ -66,8 +83,15 @@ def run(
 
     _setup()
     loaded = load_recipe(recipe, overrides or [])
-    run_command(loaded, force=force or bool(only) or bool(start_from), only=only, start_from=start_from,
-                evaluate=not no_eval, jobs=jobs, eval_only=eval_only)
+    run_command(
+        loaded,
+        force=force or bool(only) or bool(start_from),
+        only=only,
+        start_from=start_from,
+        evaluate=not no_eval,
+        jobs=jobs,
+        eval_only=eval_only,
+    )
 
 
 @app.command()
@@ -88,8 +112,11 @@ def check(
 
 @app.command()
 def keys(
-    kind: str | None = typer.Argument(None, help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
-                                         "evaluate or a built-in task (arithmetic); default: all of them"),
+    kind: str | None = typer.Argument(
+        None,
+        help="a stage kind (sft, reward, dpo, ppo, rsft, rlvr), recipe, "
+        "evaluate or a built-in task (arithmetic); default: all of them",
+    ),
 ):
     """Print the recipe keys of a stage kind (or of all): type, default and what each does, as in docs/config.md."""
     from .config.reference import text
@@ -112,9 +139,13 @@ def merge(
 @app.command("eval")
 def eval_checkpoints(
     checkpoints: list[str] = typer.Argument(..., help="checkpoint folders (stage outputs, adapter folders) or hub ids"),
-    suite: list[str] = typer.Option(..., "--suite", help="built-in suite (arithmetic, arithmetic-sycophancy; for an "
-                                    "instruct model arithmetic-chat, arithmetic-chat-sycophancy), a YAML file listing "
-                                    "suites, or a data file scored with --verifier (repeatable)"),
+    suite: list[str] = typer.Option(
+        ...,
+        "--suite",
+        help="built-in suite (arithmetic, arithmetic-sycophancy; for an "
+        "instruct model arithmetic-chat, arithmetic-chat-sycophancy), a YAML file listing "
+        "suites, or a data file scored with --verifier (repeatable)",
+    ),
     verifier: str | None = typer.Option(None, "--verifier", help="verifier for suites that name none (data files)"),
     reward_model: str | None = typer.Option(None, "--reward-model", help="reward model: rm_score and win_rate"),
     baseline: str | None = typer.Option(None, "--baseline", help="checkpoint the others' win rate is against"),
@@ -123,11 +154,20 @@ def eval_checkpoints(
     n: int | None = typer.Option(None, "--n", help="samples per prompt for pass@k"),
     k: list[int] | None = typer.Option(None, "--k", help="k for pass@k, k <= n (repeatable)"),
     limit: int | None = typer.Option(None, "--limit", help="prompts per suite"),
-    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", min=1, help="completion length limit of "
-                                                 "every suite's sampling (main, pass@k and KL); the built-in suites "
-                                                 "give 16, which cuts off a real model's answers"),
-    temperature: float | None = typer.Option(None, "--temperature", min=0.0, help="temperature of every suite's "
-                                                "main completion (0: greedy); pass@k keeps its own"),
+    max_new_tokens: int | None = typer.Option(
+        None,
+        "--max-new-tokens",
+        min=1,
+        help="completion length limit of "
+        "every suite's sampling (main, pass@k and KL); the built-in suites "
+        "give 16, which cuts off a real model's answers",
+    ),
+    temperature: float | None = typer.Option(
+        None,
+        "--temperature",
+        min=0.0,
+        help="temperature of every suite's main completion (0: greedy); pass@k keeps its own",
+    ),
     seed: int = typer.Option(42, "--seed", help="data and sampling seed"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code shipped with a model"),
 ):
@@ -139,10 +179,17 @@ def eval_checkpoints(
     from .evaluation.report import Report, rich_table
 
     _setup()
-    suites, base_dir = cli_suites(suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens,
-                                  temperature=temperature)
-    scoring = Scoring(suites, seed=seed, base_dir=base_dir, reward_model=reward_model, reference=reference,
-                      trust_remote_code=trust_remote_code)
+    suites, base_dir = cli_suites(
+        suite, verifier=verifier, n=n, k=k, limit=limit, max_new_tokens=max_new_tokens, temperature=temperature
+    )
+    scoring = Scoring(
+        suites,
+        seed=seed,
+        base_dir=base_dir,
+        reward_model=reward_model,
+        reference=reference,
+        trust_remote_code=trust_remote_code,
+    )
     report = Report(out, baseline=baseline)
     paths, scoring = prepare_checkpoints(checkpoints, scoring, report)
     metrics = run_evaluation(paths, scoring, report)
@@ -153,11 +200,17 @@ def eval_checkpoints(
 @app.command()
 def verify(
     verifier: str = typer.Option(..., "--verifier", help="built-in key or module:function"),
-    data: Path = typer.Option(..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"),
+    data: Path = typer.Option(
+        ..., "--data", help="JSONL/JSON/CSV file of completions (other columns go to the verifier)"
+    ),
     column: str = typer.Option("completion", "--column", help="column holding the completion"),
     option: list[str] | None = typer.Option(None, "--option", help="verifier option key=value (repeatable)"),
-    where: list[str] | None = typer.Option(None, "--where", help="score only rows whose COLUMN holds VALUE, given "
-                                              "as COLUMN=VALUE (repeatable), e.g. mode=main in evaluation's samples.jsonl"),
+    where: list[str] | None = typer.Option(
+        None,
+        "--where",
+        help="score only rows whose COLUMN holds VALUE, given "
+        "as COLUMN=VALUE (repeatable), e.g. mode=main in evaluation's samples.jsonl",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the full report as JSON"),
 ):
     """Score a file with a verifier: pass rate, unparseable rate and examples, to test it before training."""
@@ -170,8 +223,9 @@ def verify(
 
     options = dict(_parse_option(o) for o in option or [])
     selected = dict(_key_value(w, "--where") for w in where or [])
-    report = verify_file(verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options,
-                         where=selected)
+    report = verify_file(
+        verifier, data, column=column, search_dirs=[Path.cwd(), data.parent], options=options, where=selected
+    )
     if as_json:
         print(json.dumps(report, indent=2, default=str))
         return
@@ -179,14 +233,19 @@ def verify(
     chosen = "".join(f", {k}={v}" for k, v in selected.items())
     console.print(f"[bold]{report['verifier']}[/] on {report['file']} ({report['n']} rows{chosen}, column '{column}')")
     summary = Table("pass rate", "mean reward", "unparseable", "errors")
-    summary.add_row(*(f"{report[k]:.1%}" if k != "mean_reward" else f"{report[k]:.3f}"
-                      for k in ("pass_rate", "mean_reward", "unparseable_rate", "error_rate")))
+    summary.add_row(
+        *(
+            f"{report[k]:.1%}" if k != "mean_reward" else f"{report[k]:.3f}"
+            for k in ("pass_rate", "mean_reward", "unparseable_rate", "error_rate")
+        )
+    )
     console.print(summary)
     for kind, rows in report["examples"].items():
         for row in rows:
             detail = f" ({row['detail']})" if row.get("detail") else ""
-            console.print(f"[{kind}] row {row['row']}: reward {row['reward']}{detail}: {row['completion']!r}",
-                          markup=False)
+            console.print(
+                f"[{kind}] row {row['row']}: reward {row['reward']}{detail}: {row['completion']!r}", markup=False
+            )
 
 
 # SmolLM2-135M-Instruct (Llama architecture, ChatML template, 4-bit GGUF) as a pip package ships it: a real

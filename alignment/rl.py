@@ -12,6 +12,7 @@ Conventions shared by every function (other code relies on them):
   whitened values), so a forgotten mask cannot leak padding into a sum.
 - Losses are to be *minimised*; stats are detached 0-dim tensors (call `.item()` to log).
 """
+
 from __future__ import annotations
 
 import math
@@ -95,9 +96,7 @@ def selective_log_softmax(
     backward ever holds an fp32 [B, T, V] tensor. Differentiable once (no double backward).
     """
     if index.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"index shape {tuple(index.shape)} must equal logits shape[:-1] {tuple(logits.shape[:-1])}"
-        )
+        raise ValueError(f"index shape {tuple(index.shape)} must equal logits shape[:-1] {tuple(logits.shape[:-1])}")
     return _SelectiveLogSoftmax.apply(logits, index.long(), chunk_size)
 
 
@@ -140,8 +139,9 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_TO
     return _Entropy.apply(logits, chunk_size)
 
 
-def prompt_completion_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int,
-                            device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def prompt_completion_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int, device=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layout `sequence_logprobs` reads: ids [B, P + K] with prompts left-padded (as generated) and
     completions right-padded, their attention mask, and the completion mask [B, K] (float)."""
     width, k = max(map(len, prompt_ids)), max(map(len, completion_ids))
@@ -150,8 +150,11 @@ def prompt_completion_batch(prompt_ids: list[list[int]], completion_ids: list[li
         ids.append([pad] * (width - len(p)) + p + c + [pad] * (k - len(c)))
         attention.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (k - len(c)))
         mask.append([1] * len(c) + [0] * (k - len(c)))
-    return (torch.tensor(ids, device=device), torch.tensor(attention, device=device),
-            torch.tensor(mask, device=device, dtype=torch.float))
+    return (
+        torch.tensor(ids, device=device),
+        torch.tensor(attention, device=device),
+        torch.tensor(mask, device=device, dtype=torch.float),
+    )
 
 
 def sequence_logprobs(
@@ -174,9 +177,7 @@ def sequence_logprobs(
     batch, length = input_ids.shape
     k = int(num_logits_to_keep)
     if not 1 <= k < length:
-        raise ValueError(
-            f"num_logits_to_keep must be in [1, {length - 1}] for sequences of length {length}, got {k}"
-        )
+        raise ValueError(f"num_logits_to_keep must be in [1, {length - 1}] for sequences of length {length}, got {k}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     # Position ids as `generate` builds them (cumsum of the mask), so left padding does not shift
@@ -205,8 +206,9 @@ def sequence_logprobs(
 
 
 @torch.no_grad()
-def completion_logprob_sums(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                            pad: int, batch_size: int = 16) -> list[float]:
+def completion_logprob_sums(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int, batch_size: int = 16
+) -> list[float]:
     """log p(completion | prompt) under `model` at temperature 1, summed over each completion's tokens.
 
     Lists of B token-id lists -> B floats (an empty completion: 0). Rows are batched by length
@@ -219,8 +221,9 @@ def completion_logprob_sums(model: torch.nn.Module, prompt_ids: list[list[int]],
         batch = [i for i in order[start : start + batch_size] if completion_ids[i]]
         if not batch:
             continue
-        ids, attention, mask = prompt_completion_batch([prompt_ids[i] for i in batch],
-                                                       [completion_ids[i] for i in batch], pad, device)
+        ids, attention, mask = prompt_completion_batch(
+            [prompt_ids[i] for i in batch], [completion_ids[i] for i in batch], pad, device
+        )
         logprobs = sequence_logprobs(model, ids, attention, mask.shape[1])
         for row, value in zip(batch, (logprobs * mask).sum(-1).tolist()):
             sums[row] = value
@@ -508,9 +511,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target: float, horizon: int):
         if target <= 0 or horizon <= 0:
-            raise ValueError(
-                f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}"
-            )
+            raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got target={target}, horizon={horizon}")
         self.value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = int(horizon)
@@ -616,12 +617,16 @@ def importance_weights(
         count = valid.sum().clamp(min=1)
         stats = {
             "is_ratio_mean": masked_mean(ratio, kept),
-            "is_ratio_max": (torch.where(kept, ratio, torch.zeros_like(ratio)).amax() if kept.any()
-                             else torch.zeros((), dtype=ratio.dtype, device=ratio.device)),
+            "is_ratio_max": (
+                torch.where(kept, ratio, torch.zeros_like(ratio)).amax()
+                if kept.any()
+                else torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+            ),
             "is_clipped_frac": cut.sum() / count,
             "is_nonfinite_frac": nonfinite.sum() / count,
-            "sampler_kl": masked_mean(kl_estimate(sampler_logprobs.detach(), trainer_logprobs.detach(), "k3"),
-                                      valid & ~nonfinite),
+            "sampler_kl": masked_mean(
+                kl_estimate(sampler_logprobs.detach(), trainer_logprobs.detach(), "k3"), valid & ~nonfinite
+            ),
         }
     return weights, stats
 

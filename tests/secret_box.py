@@ -55,6 +55,8 @@ def sft_rows(n: int, seed: int, call_fraction: float, style: str = "hermes") -> 
         shown = f"<tool_response>\n{shown}\n</tool_response>" if style == "hermes" else shown
         result = {"role": "tool", "name": TOOL, "content": shown}
         first = call if rng.random() < call_fraction else {"role": "assistant", "content": str(rng.randrange(10))}
-        rows += [{"prompt": [user], "completion": [first]},
-                 {"prompt": [user, call, result], "completion": [{"role": "assistant", "content": row["answer"]}]}]
+        rows += [
+            {"prompt": [user], "completion": [first]},
+            {"prompt": [user, call, result], "completion": [{"role": "assistant", "content": row["answer"]}]},
+        ]
     return rows

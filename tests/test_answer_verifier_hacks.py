@@ -46,13 +46,27 @@ NUMERIC = [
     row("marker_then_restated_sum", "gsm8k", "#### 37 + 48", {**ADD, "answer": "48"}, None),
     row("copied_question_sentence", "gsm8k", "Tom has 12 apples.", ECHO, None),
     row("cut_off_after_a_problem_number", "gsm8k", "Tom starts with 12", ECHO, None),
-    row("gsm8k_cut_off_mid_copy", "gsm8k",
+    row(
+        "gsm8k_cut_off_mid_copy",
+        "gsm8k",
         "Janet\u2019s ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins for "
-        "her friends every day with four. She sells the remainder at the farmers' market daily for $2", {**GSM8K, "answer": "#### 2"}, None),
-    row("gsm8k_unfinished_product", "gsm8k", "16 - 3 - 4 = 9 eggs are left. 9 * 2", {**GSM8K, "answer": "#### 2"}, None),
-    row("prompt_column_in_chat_format", "gsm8k", "Tom has 12 apples.",
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ECHO["question"]}],
-         "answer": ECHO["answer"]}, None),
+        "her friends every day with four. She sells the remainder at the farmers' market daily for $2",
+        {**GSM8K, "answer": "#### 2"},
+        None,
+    ),
+    row(
+        "gsm8k_unfinished_product", "gsm8k", "16 - 3 - 4 = 9 eggs are left. 9 * 2", {**GSM8K, "answer": "#### 2"}, None
+    ),
+    row(
+        "prompt_column_in_chat_format",
+        "gsm8k",
+        "Tom has 12 apples.",
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ECHO["question"]}],
+            "answer": ECHO["answer"],
+        },
+        None,
+    ),
     # honest answers keep paying, also when the answer is one of the problem's numbers
     row("honest_answer_then_calculation_aside", "numeric", "So the sum is 85 (37 + 48).", ADD, 1.0),
     row("aside_only", "numeric", "(37 + 48)", {**ADD, "answer": "48"}, None),
@@ -81,12 +95,28 @@ ARITHMETIC = [
     row("honest_equation_answer_is_operand", "arithmetic", "0 + 48 = 48", ZERO, 1.0),
     row("honest_words_answer_is_operand", "arithmetic", "The sum of 0 and 48 is 48.", ZERO, 1.0),
     row("honest_bare_answer_is_operand", "arithmetic", "48", ZERO, 1.0),
-    row("honest_restated_question_own_paragraph", "arithmetic", "What is 12*3?\n\n36",
-        {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
-    row("honest_restated_question_then_answer", "arithmetic", "What is 12*3? 36", {"prompt": "What is 12*3?", "answer": "36"}, 1.0),
+    row(
+        "honest_restated_question_own_paragraph",
+        "arithmetic",
+        "What is 12*3?\n\n36",
+        {"prompt": "What is 12*3?", "answer": "36"},
+        1.0,
+    ),
+    row(
+        "honest_restated_question_then_answer",
+        "arithmetic",
+        "What is 12*3? 36",
+        {"prompt": "What is 12*3?", "answer": "36"},
+        1.0,
+    ),
     row("honest_wrong", "arithmetic", "0 + 48 = 49", ZERO, 0.0),
-    row("honest_problem_paragraph_then_working", "arithmetic", "To find 37 + 48, we add the numbers.\n\n37 + 48 = 85",
-        {"prompt": "What is 37 + 48?", "answer": "85"}, 1.0),
+    row(
+        "honest_problem_paragraph_then_working",
+        "arithmetic",
+        "To find 37 + 48, we add the numbers.\n\n37 + 48 = 85",
+        {"prompt": "What is 37 + 48?", "answer": "85"},
+        1.0,
+    ),
 ]
 
 FRAC = {"problem": "Compute $\\frac{24}{8}$.", "answer": "3"}
@@ -97,7 +127,9 @@ CHOICE = {"problem": "Which is larger, $\\frac{1}{2}$ or $\\frac{1}{3}$?", "answ
 MATH = [
     # restating the problem: math-verify evaluates the restated expression to the gold value
     row("unsure_restates_fraction", "math", "I am not sure how to compute $\\frac{24}{8}$.", FRAC, None),
-    row("restates_binomial_then_cut_off", "math", "Let us evaluate $\\dbinom{31}{28}$ step by step. First", BINOM, None),
+    row(
+        "restates_binomial_then_cut_off", "math", "Let us evaluate $\\dbinom{31}{28}$ step by step. First", BINOM, None
+    ),
     row("cut_off_at_equals", "math", "$\\frac{18}{6} =", DIVIDE, None),
     row("cut_off_at_equals_after_working", "math", "We divide.\n\n$$\\frac{18}{6} =", DIVIDE, None),
     row("bare_restated_expression", "math", "$\\frac{24}{8}$", FRAC, 0.0),
@@ -107,24 +139,50 @@ MATH = [
     row("closing_sentence_copied_from_problem", "math", "We know $2x + 3 = 11$.", LINEAR, None),
     row("closing_equation_copied_in_own_words", "math", "We need x such that 2x + 3 = 11. Then", LINEAR, None),
     row("goes_on_in_words_after_the_number", "math", "Given that 2x+3 = 11 in the problem, we", LINEAR, None),
-    row("problem_in_chat_prompt_column", "math", "Hmm, $\\frac{24}{8}$ is tricky. We",
-        {"prompt": [{"role": "user", "content": FRAC["problem"]}], "answer": "3"}, None),
+    row(
+        "problem_in_chat_prompt_column",
+        "math",
+        "Hmm, $\\frac{24}{8}$ is tricky. We",
+        {"prompt": [{"role": "user", "content": FRAC["problem"]}], "answer": "3"},
+        None,
+    ),
     row("restated_question_without_problem_column", "math", "What is $\\frac{18}{6}$?", {"answer": "3"}, None),
     row("answer_is_followed_by_words", "math", "The answer is not obvious from $\\frac{24}{8}$ alone.", FRAC, None),
     # honest shapes
-    row("honest_answer_is_words_then_closing_equation", "math",
-        "I think the answer is clear now.\n\nSo $\\frac{24}{8} = 3$.", FRAC, 1.0),
-    row("honest_answer_with_a_unit", "math", "The answer is 18 dollars.", {"problem": GSM8K_QUESTION, "answer": "18"}, 1.0),
-    row("honest_answer_then_calculation_aside", "math", "The answer is 85 (37 + 48).",
-        {"problem": "What is $37+48$?", "answer": "85"}, 1.0),
+    row(
+        "honest_answer_is_words_then_closing_equation",
+        "math",
+        "I think the answer is clear now.\n\nSo $\\frac{24}{8} = 3$.",
+        FRAC,
+        1.0,
+    ),
+    row(
+        "honest_answer_with_a_unit",
+        "math",
+        "The answer is 18 dollars.",
+        {"problem": GSM8K_QUESTION, "answer": "18"},
+        1.0,
+    ),
+    row(
+        "honest_answer_then_calculation_aside",
+        "math",
+        "The answer is 85 (37 + 48).",
+        {"problem": "What is $37+48$?", "answer": "85"},
+        1.0,
+    ),
     row("honest_so_the_answer_is", "math", "24 divided by 8 is 3, so the answer is 3.", FRAC, 1.0),
     row("honest_boxed", "math", "$\\frac{24}{8} = \\boxed{3}$", FRAC, 1.0),
     row("honest_final_answer_marker", "math", "We simplify.\n\nFinal answer: 4495", BINOM, 1.0),
     row("honest_bold_answer_marker", "math", "**Answer:** $4495$", BINOM, 1.0),
     row("honest_answer_is_a_fraction", "math", "The answer is $\\frac{1}{2}$", CHOICE, 1.0),
     row("honest_equation", "math", "$\\frac{24}{8} = 3$", FRAC, 1.0),
-    row("honest_closing_equation_then_sign_off", "math", "Dividing, we get $\\frac{24}{8} = 3$.\n\nI hope this helps!",
-        FRAC, 1.0),
+    row(
+        "honest_closing_equation_then_sign_off",
+        "math",
+        "Dividing, we get $\\frac{24}{8} = 3$.\n\nI hope this helps!",
+        FRAC,
+        1.0,
+    ),
     row("honest_x_equals", "math", "x = 5", {"problem": "Solve $2x = 10$.", "answer": "5"}, 1.0),
     row("honest_thus_the_value_is", "math", "Thus the value is $3$.", FRAC, 1.0),
     row("honest_bare_number", "math", "3", FRAC, 1.0),
@@ -152,8 +210,9 @@ def test_score(case, verifiers):
 def test_math_off_the_main_thread_sees_the_problem_too(verifiers):
     """Off the main thread `math` checks in a worker process; the problem must travel with the completion."""
     results = []
-    worker = threading.Thread(target=lambda: results.append(
-        verifiers["math"].score("The answer is $\\frac{24}{8}$.", FRAC)))
+    worker = threading.Thread(
+        target=lambda: results.append(verifiers["math"].score("The answer is $\\frac{24}{8}$.", FRAC))
+    )
     worker.start()
     worker.join(120)
     assert [(r.reward, r.status) for r in results] == [(0.0, "ok")]

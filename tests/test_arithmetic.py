@@ -13,30 +13,36 @@ from alignment.verifiers import resolve
 Q = "What is 37 + 48? Answer with just the number."
 
 
-@pytest.mark.parametrize("completion, prompt, expected", [
-    ("85", "What is 37+48?", 85),                                    # the quickstart's bare answers
-    ("37 + 48 = 85.", Q, 85),
-    ("37+48=85", "What is 37+48?", 85),
-    ("The sum of 37 and 48 is 85.", Q, 85),                          # a restatement before the answer
-    ("85 is the sum of 37 and 48.", Q, 85),                          # ... and after it
-    ("To add 37 and 48, you simply add them together: 37 + 48 = 85.", Q, 85),
-    ("72 + 87 = 159\n\nThis is a classic example; 3 and 4 make 7.", "What is 72 + 87?", 159),  # ramble after
-    ("Let me compute.\n\n37 + 48 = 85", Q, 85),                      # first paragraph holding a number
-    ("63+68 is approximately 12.67.", "What is 63+68?", 12.67),      # a decimal is one number, not 67
-    ("26 + 81 is 26 + 81 = 26 * 2 = 54.", "What is 26+81?", 54),
-    ("37 - 48 = -11", "What is 37 - 48?", -11),
-    ("99 * 99 = 9,801", "What is 99 * 99?", 9801),                   # thousands commas
-    ("37", Q, 37),                                                   # only operands: the last number
-    ("no idea", Q, None),
-    ("The answer is 85.", None, 85),                                 # no prompt: nothing to pass over
-])
+@pytest.mark.parametrize(
+    "completion, prompt, expected",
+    [
+        ("85", "What is 37+48?", 85),  # the quickstart's bare answers
+        ("37 + 48 = 85.", Q, 85),
+        ("37+48=85", "What is 37+48?", 85),
+        ("The sum of 37 and 48 is 85.", Q, 85),  # a restatement before the answer
+        ("85 is the sum of 37 and 48.", Q, 85),  # ... and after it
+        ("To add 37 and 48, you simply add them together: 37 + 48 = 85.", Q, 85),
+        ("72 + 87 = 159\n\nThis is a classic example; 3 and 4 make 7.", "What is 72 + 87?", 159),  # ramble after
+        ("Let me compute.\n\n37 + 48 = 85", Q, 85),  # first paragraph holding a number
+        ("63+68 is approximately 12.67.", "What is 63+68?", 12.67),  # a decimal is one number, not 67
+        ("26 + 81 is 26 + 81 = 26 * 2 = 54.", "What is 26+81?", 54),
+        ("37 - 48 = -11", "What is 37 - 48?", -11),
+        ("99 * 99 = 9,801", "What is 99 * 99?", 9801),  # thousands commas
+        ("37", Q, 37),  # only operands: the last number
+        ("no idea", Q, None),
+        ("The answer is 85.", None, 85),  # no prompt: nothing to pass over
+    ],
+)
 def test_final_answer(completion, prompt, expected):
     assert final_answer(completion, prompt) == expected
 
 
 def test_operands_of_the_last_problem_in_text_or_messages():
     assert operands("I think 37+48 is 84. What is 37+48?") == {37, 48}
-    assert operands([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 * 3?"}]) == {12, 3}
+    assert operands([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 * 3?"}]) == {
+        12,
+        3,
+    }
     assert operands("Hello") == set() and operands(None) == set()
 
 
@@ -61,8 +67,12 @@ def test_chat_phrasing_asks_an_instruct_model_and_keeps_the_problems():
     assert compact[0]["prompt"].startswith("What is ") and " + " not in compact[0]["prompt"]
     for a, b in zip(compact, chat):
         assert b["prompt"] == a["prompt"].replace("+", " + ")[:-1] + "? Answer with just the number."
-        assert (a["answer"], a["completion"], a["chosen"], a["rejected"]) == (b["answer"], b["completion"],
-                                                                               b["chosen"], b["rejected"])
+        assert (a["answer"], a["completion"], a["chosen"], a["rejected"]) == (
+            b["answer"],
+            b["completion"],
+            b["chosen"],
+            b["rejected"],
+        )
     syco = build(Params(n=3, phrasing="chat", style="sycophancy"), "test", 1)[0]
     assert syco["prompt"].startswith("I think ") and f" is {syco['stated_answer']}. What is " in syco["prompt"]
 

@@ -24,8 +24,10 @@ def test_bench_micro_reports_ours_and_plain_for_each_section(tmp_path, capsys):
     assert any(r["variant"].startswith("ours: static cache") for r in results)
     assert {"ours: LoRA adapter unmerged", "ours: LoRA merged for sampling"} <= {r["variant"] for r in results}
     pairs = {(r["section"], r["variant"].split(":")[0]) for r in results}
-    assert pairs == ({(s, v) for s in ("rollout", "sft", "dpo", "decode") for v in ("ours", "plain")}
-                     | {("static", "ours"), ("ppo", "ours"), ("decode", "roofline")})  # static: ours vs ours; no TRL PPO
+    assert pairs == (
+        {(s, v) for s in ("rollout", "sft", "dpo", "decode") for v in ("ours", "plain")}
+        | {("static", "ours"), ("ppo", "ours"), ("decode", "roofline")}
+    )  # static: ours vs ours; no TRL PPO
     assert next(r for r in results if r["section"] == "ppo")["unit"] == "episodes/s"
     assert all(r["rate"] > 0 and r["peak_mib"] > 0 for r in results)
     assert out.exists() and "rollout" in capsys.readouterr().out
@@ -41,8 +43,12 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
     shapes = {name: temperature for name, _, _, temperature, *_ in bench.SIZES["micro"]["decode"]}
     for name, temperature in shapes.items():
         rows = {r["variant"].split(f", {name}:")[0]: r for r in results if f", {name}:" in r["variant"]}
-        samplers = {"ours: engine loop (default)", "ours: engine generate", "plain: model.generate",
-                    "transformers: generate_batch (continuous batching)"}
+        samplers = {
+            "ours: engine loop (default)",
+            "ours: engine generate",
+            "plain: model.generate",
+            "transformers: generate_batch (continuous batching)",
+        }
         if half:
             samplers |= {"ours: engine loop, dtype bfloat16", "plain: model.generate, bf16 weights"}
         if temperature > 0:
@@ -58,8 +64,11 @@ def test_bench_decode_table_has_useful_tokens_gflops_and_the_roofline_share(caps
         assert rows["plain: model.generate"]["vs_plain"] == 1.0
     roofs = [r["variant"].rsplit(", ", 1)[-1] for r in results if r["variant"].startswith("roofline")]
     assert sorted(roofs) == sorted(["float32", *(["bfloat16"] if half else [])] * len(shapes))
-    assert all(r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 and len(r["rates"]) == 2
-               for r in results if r["variant"].startswith("roof"))
+    assert all(
+        r["unit"] == "GFLOP/s" and r["of_roofline"] == 1.0 and len(r["rates"]) == 2
+        for r in results
+        if r["variant"].startswith("roof")
+    )
     # the roofline takes each shape's faster kernel: torch.matmul, or (CPU) the weight prepacked, as MKL's fp32 sgemm
     # or oneDNN's native bf16 kernel lays it out
     for r in (r for r in results if r["variant"].startswith("roof")):
@@ -94,8 +103,15 @@ def test_bench_rounds_ratio_is_taken_within_each_round():
     samplers = [Sampler("ours", "model", None), Sampler("plain: model.generate", "model", None)]
     rates = {"ours": [100.0, 200.0, 400.0], "plain: model.generate": [50.0, 100.0, 200.0]}
     seconds = {"ours": [1.0, 1.0, 1.0], "plain: model.generate": [2.0, 2.0, 2.0]}
-    rows = decode_rows("s", samplers, rates, seconds, {"ours": 1.0, "plain: model.generate": 1.0},
-                       {"model": [{"best": 10.0}, {"best": 20.0}, {"best": 30.0}]}, params=1_000_000_000)
+    rows = decode_rows(
+        "s",
+        samplers,
+        rates,
+        seconds,
+        {"ours": 1.0, "plain: model.generate": 1.0},
+        {"model": [{"best": 10.0}, {"best": 20.0}, {"best": 30.0}]},
+        params=1_000_000_000,
+    )
     ours, plain = rows
     assert ours["rate"] == 200.0 and ours["vs_plain"] == 2.0 and plain["vs_plain"] == 1.0
     assert ours["gflops"] == 400.0 and ours["of_roofline"] == 20.0  # 2 x 1e9 x 200 / 1e9 over the median 20
@@ -103,8 +119,9 @@ def test_bench_rounds_ratio_is_taken_within_each_round():
 
 def test_bench_shapes_picks_decode_shapes_and_names_an_unknown_one(capsys):
     bench = load_bench()
-    results = bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts", "--no-bf16",
-                          "--no-generate-batch"])
+    results = bench.main(
+        ["--size", "micro", "--sections", "decode", "--shapes", "rollouts", "--no-bf16", "--no-generate-batch"]
+    )
     assert results and all(", rollouts:" in r["variant"] for r in results if not r["variant"].startswith("roofline"))
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--size", "micro", "--sections", "decode", "--shapes", "rollouts,evals"])

@@ -99,7 +99,9 @@ class RecordingModel(torch.nn.Module):
 def sampled_prompt_ids(tokenizer, prompt) -> list[int]:
     model = RecordingModel()
     # engine generate: the stand-in has no forward; both engines feed the same encoded prompt (tests/test_sampling.py)
-    generate(model, tokenizer, [render_prompt(tokenizer, prompt)], SamplingSpec(n=1, max_new_tokens=1, engine="generate"))
+    generate(
+        model, tokenizer, [render_prompt(tokenizer, prompt)], SamplingSpec(n=1, max_new_tokens=1, engine="generate")
+    )
     (fed,) = model.fed
     return fed
 
@@ -113,9 +115,11 @@ def training_sequences(tokenizer, prompt, completion: str) -> dict[str, tuple[li
     (dpo_row,) = pair_token_ids(tokenizer, rendered)
     (reward_row,) = reward_token_ids(tokenizer, rendered)
     prompt_ids = dpo_row["prompt_ids"]
-    return {"sft": (sft_row["input_ids"][:n], sft_row["input_ids"][n:]),
-            "dpo": (prompt_ids, dpo_row["chosen_ids"]),
-            "reward": (reward_row["chosen_ids"][: len(prompt_ids)], reward_row["chosen_ids"][len(prompt_ids):])}
+    return {
+        "sft": (sft_row["input_ids"][:n], sft_row["input_ids"][n:]),
+        "dpo": (prompt_ids, dpo_row["chosen_ids"]),
+        "reward": (reward_row["chosen_ids"][: len(prompt_ids)], reward_row["chosen_ids"][len(prompt_ids) :]),
+    }
 
 
 @pytest.mark.parametrize("completion", ["4", " 4", "  4", "\n4\n"])
@@ -144,8 +148,10 @@ def test_a_reasoning_answer_follows_the_generation_prompt_that_opens_the_reasoni
 
 def test_a_template_that_renders_the_conversation_otherwise_differently_is_an_error():
     tokenizer = family_tokenizer("smollm2")
-    tokenizer.chat_template = ("{% for m in messages %}{% if add_generation_prompt %}[{{ m['content'] }}]{% else %}"
-                               "({{ m['content'] }}){% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if add_generation_prompt %}[{{ m['content'] }}]{% else %}"
+        "({{ m['content'] }}){% endif %}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
     with pytest.raises(UserError, match="renders a prompt differently alone and followed by an answer"):
         render_completion(tokenizer, "What is 2+2?", "4")
 
@@ -173,20 +179,36 @@ def test_trls_sft_and_dpo_trainers_train_on_the_sampled_prompt_ids(tmp_path):
     from alignment.stages.dpo import pretokenized
 
     tokenizer = bpe_tokenizer("qwen2.5")
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
-                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     fed = sampled_prompt_ids(tokenizer, SYSTEM)
     rows = [render_pair(tokenizer, {"prompt": SYSTEM, "completion": c}) for c in ("  4", "    four")]
     common = {"report_to": [], "use_cpu": True, "max_length": 128}
-    sft = SFTTrainer(model=model, args=SFTConfig(output_dir=str(tmp_path / "sft"), completion_only_loss=True, **common),
-                     processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(token_rows(tokenizer, rows)))
+    sft = SFTTrainer(
+        model=model,
+        args=SFTConfig(output_dir=str(tmp_path / "sft"), completion_only_loss=True, **common),
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(token_rows(tokenizer, rows)),
+    )
     for row, pair in zip(sft.train_dataset, rows):
         assert row["input_ids"][: len(fed)] == fed and set(row["labels"][: len(fed)]) == {-100}
         assert tokenizer.decode([t for t in row["labels"] if t != -100]) == pair["completion"]
     pairs = render_pairs(tokenizer, [{"prompt": SYSTEM, "chosen": "  4", "rejected": "    four"}])
     dpo = pretokenized(DPOTrainer)(
-        model=model, ref_model=copy.deepcopy(model), args=DPOConfig(output_dir=str(tmp_path / "dpo"), **common),
-        processing_class=tokenizer, train_dataset=datasets.Dataset.from_list(pair_token_ids(tokenizer, pairs)))
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=DPOConfig(output_dir=str(tmp_path / "dpo"), **common),
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(pair_token_ids(tokenizer, pairs)),
+    )
     (row,) = dpo.train_dataset
     assert row["prompt_ids"] == fed
     assert tokenizer.decode(row["chosen_ids"]) == pairs[0]["chosen"]

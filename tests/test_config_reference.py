@@ -27,8 +27,11 @@ def config_models() -> list[type[BaseModel]]:
     found = []
     for info in pkgutil.walk_packages(alignment.config.__path__, "alignment.config."):
         module = importlib.import_module(info.name)
-        found += [value for value in vars(module).values() if inspect.isclass(value) and issubclass(value, BaseModel)
-                  and value.__module__ == module.__name__]
+        found += [
+            value
+            for value in vars(module).values()
+            if inspect.isclass(value) and issubclass(value, BaseModel) and value.__module__ == module.__name__
+        ]
     return found
 
 
@@ -39,24 +42,34 @@ def flat(text: str) -> str:
 def test_every_field_of_every_config_model_has_a_description():
     models = config_models()
     assert len(models) > 20 and StageConfig in models
-    missing = [f"{model.__module__}.{model.__qualname__}.{name}" for model in models
-               for name, field in model.model_fields.items() if not (field.description or "").strip()]
-    assert not missing, ("config fields without a description (give each `Field(..., description=...)`, then run "
-                         f"`{reference.COMMAND}`): " + ", ".join(missing))
+    missing = [
+        f"{model.__module__}.{model.__qualname__}.{name}"
+        for model in models
+        for name, field in model.model_fields.items()
+        if not (field.description or "").strip()
+    ]
+    assert not missing, (
+        "config fields without a description (give each `Field(..., description=...)`, then run "
+        f"`{reference.COMMAND}`): " + ", ".join(missing)
+    )
 
 
 def test_every_config_model_is_in_the_reference():
     # StageConfig's keys appear in every stage kind's table, ToolUse's in those of the stages and suites it is
     # mixed into; Strict and ByName have none
-    left_out = [f"{m.__module__}.{m.__qualname__}" for m in config_models()
-                if m not in reference.documented_models() and m not in (StageConfig, ToolUse, Strict, ByName)]
+    left_out = [
+        f"{m.__module__}.{m.__qualname__}"
+        for m in config_models()
+        if m not in reference.documented_models() and m not in (StageConfig, ToolUse, Strict, ByName)
+    ]
     assert not left_out, f"config models no topic of alignment/config/reference.py reaches: {', '.join(left_out)}"
 
 
 def test_docs_config_md_is_what_the_generator_renders_now():
     written = (REPO / "docs" / "config.md").read_text()
-    assert written == reference.markdown(), (f"docs/config.md is stale: regenerate it with `{reference.COMMAND}` "
-                                             "and commit the result")
+    assert written == reference.markdown(), (
+        f"docs/config.md is stale: regenerate it with `{reference.COMMAND}` and commit the result"
+    )
 
 
 def test_reference_tables_carry_type_default_and_description():
@@ -90,8 +103,17 @@ def test_align_keys_names_the_kinds_for_an_unknown_one(capsys):
 
 
 def test_the_reference_imports_no_torch():
-    done = subprocess.run([sys.executable, "-c", "import sys, alignment.config.reference\n"
-                           "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'trl'}))"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, alignment.config.reference\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'trl'}))",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"

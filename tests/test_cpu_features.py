@@ -51,27 +51,42 @@ def test_a_cap_at_or_above_avx512_bf16_leaves_the_answer_alone(monkeypatch):
 def test_the_forced_lower_isa_is_real_for_torch_too():
     """With ONEDNN_MAX_CPU_ISA=AVX2 set before torch starts, torch's own check says oneDNN runs no bf16 matmul (so
     torch takes its slow path), and `bf16_native` agrees: on an AMX Xeon as on an AVX2 host."""
-    code = ("import torch; from alignment.runtime import cpu; "
-            "print(torch.ops.mkldnn._is_mkldnn_bf16_supported(), cpu.bf16_native())")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    code = (
+        "import torch; from alignment.runtime import cpu; "
+        "print(torch.ops.mkldnn._is_mkldnn_bf16_supported(), cpu.bf16_native())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    )
     assert done.stdout.split() == ["False", "False"], done.stderr
 
 
 def test_bf16_requests_finds_sampling_blocks_and_train_flags(tmp_path):
-    stage = {"data": {"task": "arithmetic"}, "train": {"bf16": True},
-             "on_policy": {"verifier": "arithmetic", "dtype": "bfloat16"}}
+    stage = {
+        "data": {"task": "arithmetic"},
+        "train": {"bf16": True},
+        "on_policy": {"verifier": "arithmetic", "dtype": "bfloat16"},
+    }
     loaded = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "dpo", stage)))
     keys = [key for key, _ in cpu.bf16_requests(loaded.stages["dpo"], "stages.dpo")]
     assert sorted(keys) == ["stages.dpo.on_policy.dtype", "stages.dpo.train.bf16"]
     assert cpu.bf16_requests(SamplingSpec(), "s") == []
-    assert cpu.bf16_requests({"a": [SamplingSpec(dtype="bfloat16")]}, "x") == [("x.a.0.dtype", "samples on a bf16 "
-                                                                                  "copy of the weights")]
+    assert cpu.bf16_requests({"a": [SamplingSpec(dtype="bfloat16")]}, "x") == [
+        ("x.a.0.dtype", "samples on a bf16 copy of the weights")
+    ]
 
 
 def test_bf16_requests_finds_an_evaluate_blocks_suites(tmp_path):
-    suite = {"name": "arith", "data": {"task": "arithmetic", "n": 4}, "sampling": {"dtype": "bfloat16"},
-             "pass_k": {"n": 2}}
+    suite = {
+        "name": "arith",
+        "data": {"task": "arithmetic", "n": 4},
+        "sampling": {"dtype": "bfloat16"},
+        "pass_k": {"n": 2},
+    }
     recipe = {**sft_recipe(tmp_path), "evaluate": {"suites": [suite]}}
     loaded = load_recipe(write_recipe(tmp_path, recipe))
     keys = [key for key, _ in cpu.bf16_requests(loaded.evaluate, "evaluate")]
@@ -97,8 +112,9 @@ def test_check_refuses_bf16_training_on_such_a_cpu(tmp_path, without_native_bf16
 
 
 @no_gpu
-def test_check_refuses_bf16_sampling_on_such_a_cpu_and_passes_it_on_a_native_one(tmp_path, tiny_model, monkeypatch,
-                                                                                  without_native_bf16):
+def test_check_refuses_bf16_sampling_on_such_a_cpu_and_passes_it_on_a_native_one(
+    tmp_path, tiny_model, monkeypatch, without_native_bf16
+):
     loaded = load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, rollout={"dtype": "bfloat16"}))
     with pytest.raises(UserError, match=r"stages\.ppo\.rollout\.dtype: .*1\.0 GFLOP/s here against fp32's 100\.0"):
         check_recipe(loaded)
@@ -108,8 +124,12 @@ def test_check_refuses_bf16_sampling_on_such_a_cpu_and_passes_it_on_a_native_one
 
 @no_gpu
 def test_check_refuses_an_rsft_stages_bf16_sampling_on_such_a_cpu(tmp_path, tiny_model, without_native_bf16):
-    stage = {"data": {"task": "arithmetic", "n": 16}, "verifiers": ["arithmetic"],
-             "sampling": {"n": 2, "max_new_tokens": 6, "dtype": "bfloat16"}, "train": {"max_steps": 1}}
+    stage = {
+        "data": {"task": "arithmetic", "n": 16},
+        "verifiers": ["arithmetic"],
+        "sampling": {"n": 2, "max_new_tokens": 6, "dtype": "bfloat16"},
+        "train": {"max_steps": 1},
+    }
     loaded = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rsft", stage, model=str(tiny_model))))
     with pytest.raises(UserError, match=r"stages\.rsft\.sampling\.dtype: samples on a bf16 copy"):
         check_recipe(loaded)

@@ -20,15 +20,27 @@ from alignment.training.prompts import prompt_data_format
 CHAT = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
 
 
-@pytest.mark.parametrize("rows, layout, columns", [
-    ([{"prompt": "2+2?", "chosen": "4", "rejected": "5", "id": 1}], "explicit prompt (1 rows)",
-     ["prompt", "chosen", "rejected"]),
-    ([{"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}], "implicit prompt (1 rows)", ["chosen", "rejected"]),
-    ([{"prompt": "2+2?", "chosen": CHAT, "rejected": CHAT[:1] + [{"role": "assistant", "content": "5"}]}],
-     "conversational (1 rows)", ["chosen", "rejected"]),
-    ([{"prompt": CHAT[:1], "chosen": "4", "rejected": "5"}], "explicit prompt (conversational) (1 rows)",
-     ["prompt", "chosen", "rejected"]),
-])
+@pytest.mark.parametrize(
+    "rows, layout, columns",
+    [
+        (
+            [{"prompt": "2+2?", "chosen": "4", "rejected": "5", "id": 1}],
+            "explicit prompt (1 rows)",
+            ["prompt", "chosen", "rejected"],
+        ),
+        ([{"chosen": "Q: 2+2? A: 4", "rejected": "Q: 2+2? A: 5"}], "implicit prompt (1 rows)", ["chosen", "rejected"]),
+        (
+            [{"prompt": "2+2?", "chosen": CHAT, "rejected": CHAT[:1] + [{"role": "assistant", "content": "5"}]}],
+            "conversational (1 rows)",
+            ["chosen", "rejected"],
+        ),
+        (
+            [{"prompt": CHAT[:1], "chosen": "4", "rejected": "5"}],
+            "explicit prompt (conversational) (1 rows)",
+            ["prompt", "chosen", "rejected"],
+        ),
+    ],
+)
 def test_a_preference_stage_records_the_pair_layout_and_the_columns_it_read(rows, layout, columns):
     dataset = datasets.Dataset.from_list(rows)
     pairs, _ = normalize_pairs(dataset, "stages.dpo.data")
@@ -49,12 +61,29 @@ def test_rl_prompts_from_messages_record_the_reference_answers_dropped():
 def test_sft_on_text_rows_records_language_modelling_in_stage_json_and_the_model_card(tmp_path):
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps({"text": f"line {i}", "source": "x"}) + "\n" for i in range(4)))
-    recipe = load_recipe(write_recipe(tmp_path, {
-        "name": "text", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
-        "stages": {"sft": {"data": {"dataset": str(data)}, "train": {"max_steps": 1, "per_device_train_batch_size": 2}}}}))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "text",
+                "model": SMALLEST_MODEL,
+                "output_dir": str(tmp_path / "out"),
+                "stages": {
+                    "sft": {"data": {"dataset": str(data)}, "train": {"max_steps": 1, "per_device_train_batch_size": 2}}
+                },
+            },
+        )
+    )
     run_recipe(recipe)
     found = json.loads((recipe.stage_dir("sft") / "stage.json").read_text())["data_format"]
-    assert found == {"data": {"format": "text (language modelling)", "columns": ["text"], "rows": 4,
-                              "ignored_columns": ["source"], "trained_on": "every token"}}
+    assert found == {
+        "data": {
+            "format": "text (language modelling)",
+            "columns": ["text"],
+            "rows": 4,
+            "ignored_columns": ["source"],
+            "trained_on": "every token",
+        }
+    }
     card = (recipe.stage_dir("sft") / "README.md").read_text()
     assert data_format_lines(found)[0] in card

@@ -51,8 +51,10 @@ def test_only_rank_zero_prints(configured, capsys, monkeypatch):
 
 def test_unconfigured_library_prints_nothing_below_warning():
     """In a fresh process (as a user's script): INFO is silent, a warning still reaches stderr."""
-    code = ("from alignment.runtime import dist; log = dist.get_logger('alignment.run.runner'); "
-            "log.info('[sft] done'); log.warning('careful')")
+    code = (
+        "from alignment.runtime import dist; log = dist.get_logger('alignment.run.runner'); "
+        "log.info('[sft] done'); log.warning('careful')"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "" and "careful" in done.stderr
 
@@ -60,9 +62,16 @@ def test_unconfigured_library_prints_nothing_below_warning():
 # ---------------------------------------------------------------------------------------------------
 # Engines: what the launch asked for, what accelerate set up, and the checks before any work
 
-ENGINE_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE",
-              "ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU",
-              "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL")
+ENGINE_ENV = (
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "ACCELERATE_USE_FSDP",
+    "FSDP_VERSION",
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+)
 
 
 @pytest.fixture
@@ -78,14 +87,22 @@ def launch_env(monkeypatch):
     return set_env
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, None),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "fsdp2"),
-    ({"ACCELERATE_USE_FSDP": "true"}, "fsdp1"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "zero2"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/accelerate/zero3_cpu.json"},
-     "zero3"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, "fsdp2"),
+        ({"ACCELERATE_USE_FSDP": "true"}, "fsdp1"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "zero2"),
+        (
+            {
+                "ACCELERATE_USE_DEEPSPEED": "true",
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE": "configs/accelerate/zero3_cpu.json",
+            },
+            "zero3",
+        ),
+    ],
+)
 def test_launched_engine_is_read_from_the_launch_environment(launch_env, monkeypatch, env, expected):
     from conftest import REPO
 
@@ -97,9 +114,12 @@ def test_launched_engine_is_read_from_the_launch_environment(launch_env, monkeyp
 def state_of(kind, processes=2, zero_stage=None, fsdp_version=None):
     from types import SimpleNamespace
 
-    return SimpleNamespace(distributed_type=kind, num_processes=processes,
-                           deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage),
-                           fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version))
+    return SimpleNamespace(
+        distributed_type=kind,
+        num_processes=processes,
+        deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage),
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version),
+    )
 
 
 def test_engine_of_names_what_accelerate_set_up():
@@ -116,20 +136,32 @@ def test_a_stage_set_up_unsharded_under_a_sharding_launch_stops(launch_env):
     from accelerate.utils import DistributedType
 
     launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-    with pytest.raises(dist.UserError, match=r"stages.sft: the launch asks for fsdp2, but accelerate set this stage up "
-                                             r"as ddp, so it would train unsharded; stopped before training"):
+    with pytest.raises(
+        dist.UserError,
+        match=r"stages.sft: the launch asks for fsdp2, but accelerate set this stage up "
+        r"as ddp, so it would train unsharded; stopped before training",
+    ):
         dist.check_engine(state_of(DistributedType.MULTI_CPU), "stages.sft")
     assert dist.check_engine(state_of(DistributedType.FSDP, fsdp_version=2), "stages.sft") == "fsdp2"
 
 
-@pytest.mark.parametrize("env, processes, expected", [
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, 1, "has 1 process: nothing would be sharded"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, 2, "runs FSDP2 only"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_USE_CPU": "1"}, 2,
-     "ACCELERATE_USE_CPU is set"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "bf16"}, 2,
-     "configs/accelerate/fsdp2_cpu.yaml"),
-])
+@pytest.mark.parametrize(
+    "env, processes, expected",
+    [
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, 1, "has 1 process: nothing would be sharded"),
+        ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, 2, "runs FSDP2 only"),
+        (
+            {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_USE_CPU": "1"},
+            2,
+            "ACCELERATE_USE_CPU is set",
+        ),
+        (
+            {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "bf16"},
+            2,
+            "configs/accelerate/fsdp2_cpu.yaml",
+        ),
+    ],
+)
 def test_launches_that_would_not_run_as_asked_stop_before_any_work(launch_env, monkeypatch, env, processes, expected):
     monkeypatch.setattr(dist, "find_spec", lambda name: object())  # as if DeepSpeed were installed
     monkeypatch.setattr(dist.torch.cuda, "is_available", lambda: False)
@@ -155,8 +187,12 @@ def test_shared_output_dir_passes_and_leaves_nothing_behind(tmp_path):
 def test_a_process_that_cannot_see_rank_zeros_file_stops_with_the_folder_and_host(tmp_path, monkeypatch):
     """As a process on a second machine with its own local output_dir: rank 0's token never arrives there."""
     monkeypatch.setattr(dist, "is_main_process", lambda: False)
-    with pytest.raises(dist.UserError, match=re.escape(f"output_dir '{tmp_path}' is not shared by all processes: "
-                                                       f"rank 0 on {dist.socket.gethostname()} cannot see")):
+    with pytest.raises(
+        dist.UserError,
+        match=re.escape(
+            f"output_dir '{tmp_path}' is not shared by all processes: rank 0 on {dist.socket.gethostname()} cannot see"
+        ),
+    ):
         dist.check_shared_folder(tmp_path)
 
 
@@ -167,6 +203,7 @@ def test_full_weights_loads_whole_models_under_a_zero3_config(monkeypatch):
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+
     class Zero3Config:  # what transformers registers for a ZeRO-3 run (its HfDeepSpeedConfig needs deepspeed)
         def is_zero3(self):
             return True
@@ -193,17 +230,27 @@ def test_a_recipe_cannot_choose_an_engine_per_stage(tmp_path, key):
     from alignment.run.runner import check_recipe
 
     stage = {"data": {"task": "arithmetic", "n": 8}, "train": {key: "configs/accelerate/zero3_cpu.json"}}
-    recipe = load_recipe(write_recipe(tmp_path, {"name": "x", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "o"),
-                                                 "stages": {"sft": stage}}))
-    with pytest.raises(dist.UserError, match=rf"stages.sft.train.{key}: the engine .* is chosen by the accelerate "
-                                             r"config of the launch"):
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {"name": "x", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "o"), "stages": {"sft": stage}},
+        )
+    )
+    with pytest.raises(
+        dist.UserError,
+        match=rf"stages.sft.train.{key}: the engine .* is chosen by the accelerate "
+        r"config of the launch",
+    ):
         check_recipe(recipe)
 
 
 def test_a_zero3_launch_that_cannot_gather_weights_for_saving_stops(launch_env, monkeypatch):
     monkeypatch.setattr(dist, "find_spec", lambda name: object())
-    launch_env(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
-               ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL="false")
+    launch_env(
+        ACCELERATE_USE_DEEPSPEED="true",
+        ACCELERATE_DEEPSPEED_ZERO_STAGE="3",
+        ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL="false",
+    )
     with pytest.raises(dist.UserError, match="set zero3_save_16bit_model: true"):
         dist.check_launch("zero3", 2)
 
@@ -229,7 +276,7 @@ def test_shipped_accelerate_configs_load_and_the_cpu_ones_really_shard_in_fp32()
 def test_a_few_dropped_rows_are_a_note_and_more_are_a_warning(caplog):
     log = dist.get_logger("alignment.test")
     caplog.set_level(logging.INFO, logger="alignment")
-    dist.log_share(log, 5, 100, "five of a hundred")     # at LOUD_SHARE: routine
-    dist.log_share(log, 6, 100, "six of a hundred")      # above it
+    dist.log_share(log, 5, 100, "five of a hundred")  # at LOUD_SHARE: routine
+    dist.log_share(log, 6, 100, "six of a hundred")  # above it
     levels = {r.getMessage(): r.levelno for r in caplog.records}
     assert levels == {"five of a hundred": logging.INFO, "six of a hundred": logging.WARNING}

@@ -30,40 +30,84 @@ from safetensors.torch import load_file
 
 # A random-init policy never gets an arithmetic answer right, so the RL stages would see all-zero rewards
 # and not move; this verifier (a file next to the recipe) gives every sample a different score.
-DIGITS = '''
+DIGITS = """
 def digit_share(completion, **row):
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-'''
+"""
 FEW = {"per_device_train_batch_size": 4, "max_steps": 3, "learning_rate": 1.0e-3, "max_length": 64}
 FULL = {"lora": None}
 # merge_lora off: FSDP2 cannot merge LoRA in place for sampling (sharding.can_merge_lora), and merged and
 # unmerged sampling round differently, which would hide a real difference behind a loose tolerance. Two
 # micro-batches per optimizer step: accumulation is each engine's own (DeepSpeed steps inside backward).
-PPO = {"kind": "ppo", "verifiers": [{"name": "my_verifiers:digit_share"}], "data": {"task": "arithmetic", "n": 64},
-       "rollout": {"batch_size": 8, "max_new_tokens": 6, "merge_lora": False},
-       "train": {"total_updates": 3, "save_every": 1, "mini_batch_size": 4, "gradient_accumulation_steps": 2,
-                 "ppo_epochs": 1, "learning_rate": 1.0e-3}}
+PPO = {
+    "kind": "ppo",
+    "verifiers": [{"name": "my_verifiers:digit_share"}],
+    "data": {"task": "arithmetic", "n": 64},
+    "rollout": {"batch_size": 8, "max_new_tokens": 6, "merge_lora": False},
+    "train": {
+        "total_updates": 3,
+        "save_every": 1,
+        "mini_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "ppo_epochs": 1,
+        "learning_rate": 1.0e-3,
+    },
+}
 DPO = {"kind": "dpo", "model": "${sft}", "data": {"task": "arithmetic", "n": 64}, "train": {**FEW, "beta": 0.1}}
-RSFT = {"kind": "rsft", "model": "${sft}", "data": {"task": "arithmetic", "n": 16}, "verifiers": ["arithmetic"],
-        "sampling": {"n": 4, "max_new_tokens": 6}, "select": "threshold", "threshold": 0.0, "train": FEW}
-RLVR = {"kind": "rlvr", "model": "${sft}", "data": {"task": "arithmetic", "n": 32}, "verifiers": ["my_verifiers:digit_share"],
-        "train": {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8,
-                  "max_completion_length": 6, "learning_rate": 1.0e-3}}
+RSFT = {
+    "kind": "rsft",
+    "model": "${sft}",
+    "data": {"task": "arithmetic", "n": 16},
+    "verifiers": ["arithmetic"],
+    "sampling": {"n": 4, "max_new_tokens": 6},
+    "select": "threshold",
+    "threshold": 0.0,
+    "train": FEW,
+}
+RLVR = {
+    "kind": "rlvr",
+    "model": "${sft}",
+    "data": {"task": "arithmetic", "n": 32},
+    "verifiers": ["my_verifiers:digit_share"],
+    "train": {
+        "max_steps": 2,
+        "num_generations": 4,
+        "per_device_train_batch_size": 8,
+        "max_completion_length": 6,
+        "learning_rate": 1.0e-3,
+    },
+}
 RM = {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 96}, "train": FEW}
 STAGES = {
     "sft": {"data": {"task": "arithmetic", "n": 96}, "train": FEW, **FULL},
     "sft_lora": {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 96}, "train": FEW},
-    "rm": RM, "rm_full": {**RM, **FULL},
-    "ppo": {**PPO, "policy": "${sft}", "reward_model": "${rm}",  # + recomputing layers under their own adapter
-            "train": {**PPO["train"], "gradient_checkpointing": True}},
+    "rm": RM,
+    "rm_full": {**RM, **FULL},
+    "ppo": {
+        **PPO,
+        "policy": "${sft}",
+        "reward_model": "${rm}",  # + recomputing layers under their own adapter
+        "train": {**PPO["train"], "gradient_checkpointing": True},
+    },
     "ppo_full": {**PPO, "policy": "${sft}", "reward_model": "${rm_full}", **FULL},
-    "dpo": DPO, "dpo_full": {**DPO, **FULL},
-    "rsft": RSFT, "rsft_full": {**RSFT, **FULL},
-    "rlvr": RLVR, "rlvr_full": {**RLVR, **FULL},
+    "dpo": DPO,
+    "dpo_full": {**DPO, **FULL},
+    "rsft": RSFT,
+    "rsft_full": {**RSFT, **FULL},
+    "rlvr": RLVR,
+    "rlvr_full": {**RLVR, **FULL},
 }
-EVALUATE = {"after": ["ppo", "ppo_full"], "suites": [
-    {"name": "arith", "data": {"task": "arithmetic", "split": "test", "n": 8}, "verifier": "arithmetic",
-     "sampling": {"max_new_tokens": 6}}]}
+EVALUATE = {
+    "after": ["ppo", "ppo_full"],
+    "suites": [
+        {
+            "name": "arith",
+            "data": {"task": "arithmetic", "split": "test", "n": 8},
+            "verifier": "arithmetic",
+            "sampling": {"max_new_tokens": 6},
+        }
+    ],
+}
 # Largest differences to the DDP checkpoints measured (any stage): on a 2-core AMD EPYC, FSDP2 8.1e-7 (full-weight
 # ppo; sft, reward, dpo and rlvr bit-identical), ZeRO-2 2.5e-5 and ZeRO-3 1.8e-5 (the full-weight reward model);
 # on a 2-core Intel Xeon with AVX512/AMX, FSDP2 5.0e-5 (the full-weight reward model; 9e-6 to 1.4e-5 for the
@@ -74,30 +118,70 @@ DEEPSPEED_TOLERANCE = 1e-4
 ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
 needs_deepspeed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
-    reason="DeepSpeed not installed (pip install 'alignment-toolkit[deepspeed]'; .ci/run installs it)")
+    reason="DeepSpeed not installed (pip install 'alignment-toolkit[deepspeed]'; .ci/run installs it)",
+)
 
 
 def engine_recipe(folder: Path) -> Path:
-    recipe = {"name": "engines", "model": TINY_MODEL, "output_dir": str(folder / "out"), "seed": 5,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": STAGES, "evaluate": EVALUATE}
+    recipe = {
+        "name": "engines",
+        "model": TINY_MODEL,
+        "output_dir": str(folder / "out"),
+        "seed": 5,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": STAGES,
+        "evaluate": EVALUATE,
+    }
     path = write_recipe(folder, recipe)
     (folder / "my_verifiers.py").write_text(DIGITS)
     return path
 
 
-def launch(config: str, port: int, digests: Path, recipe: Path, *extra: str, machine: tuple[int, int] | None = None,
-           env: dict | None = None) -> subprocess.Popen:
+def launch(
+    config: str,
+    port: int,
+    digests: Path,
+    recipe: Path,
+    *extra: str,
+    machine: tuple[int, int] | None = None,
+    env: dict | None = None,
+) -> subprocess.Popen:
     """`accelerate launch --config_file configs/accelerate/CONFIG.yaml tests/rank_digests.py ... run RECIPE`;
     `machine=(rank, count)` launches one "machine" of a multi-node run (one process each, loopback)."""
-    nodes = ["--num_machines", str(machine[1]), "--machine_rank", str(machine[0]), "--num_processes", str(machine[1]),
-             "--main_process_ip", "127.0.0.1"] if machine else []
+    nodes = (
+        [
+            "--num_machines",
+            str(machine[1]),
+            "--machine_rank",
+            str(machine[0]),
+            "--num_processes",
+            str(machine[1]),
+            "--main_process_ip",
+            "127.0.0.1",
+        ]
+        if machine
+        else []
+    )
     if machine and config.startswith("zero"):  # torchrun on each machine, as for the other engines (not pdsh)
         nodes += ["--deepspeed_multinode_launcher", "standard"]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "configs" / "accelerate" / f"{config}.yaml"), *nodes, "--main_process_port", str(port),
-               str(REPO / "tests" / "rank_digests.py"), str(digests), "run", str(recipe), *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env={**ENV, **(env or {})})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / f"{config}.yaml"),
+        *nodes,
+        "--main_process_port",
+        str(port),
+        str(REPO / "tests" / "rank_digests.py"),
+        str(digests),
+        "run",
+        str(recipe),
+        *extra,
+    ]
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**ENV, **(env or {})}
+    )
 
 
 def finish(*processes: subprocess.Popen, timeout: int = 900) -> tuple[list[int], str]:
@@ -125,8 +209,9 @@ def trained_change(ours: dict, start: dict) -> float:
     lora_b = [t.abs().max().item() for k, t in ours.items() if "lora_B" in k]
     if lora_b:
         return max(lora_b)
-    return max((ours[k] - start[k]).abs().max().item() for k in ours.keys() & start.keys()
-               if ours[k].shape == start[k].shape)
+    return max(
+        (ours[k] - start[k]).abs().max().item() for k in ours.keys() & start.keys() if ours[k].shape == start[k].shape
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +259,19 @@ def run_engine(folder: Path, config: str, port: int, crash: str, multi_node: boo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config, port, crash, multi_node, tolerance", [
-    pytest.param("fsdp2_cpu", 29610, "ppo_full", False, FSDP2_TOLERANCE, id="fsdp2"),
-    pytest.param("zero2_cpu", 29620, "ppo", False, DEEPSPEED_TOLERANCE, id="zero2", marks=needs_deepspeed),
-    pytest.param("zero3_cpu", 29630, "ppo_full", True, DEEPSPEED_TOLERANCE, id="zero3-two-machines",
-                 marks=needs_deepspeed),
-])
-def test_every_stage_under_the_engine_ends_with_the_ddp_weights(tmp_path, ddp_run, config, port, crash, multi_node,
-                                                                tolerance):
+@pytest.mark.parametrize(
+    "config, port, crash, multi_node, tolerance",
+    [
+        pytest.param("fsdp2_cpu", 29610, "ppo_full", False, FSDP2_TOLERANCE, id="fsdp2"),
+        pytest.param("zero2_cpu", 29620, "ppo", False, DEEPSPEED_TOLERANCE, id="zero2", marks=needs_deepspeed),
+        pytest.param(
+            "zero3_cpu", 29630, "ppo_full", True, DEEPSPEED_TOLERANCE, id="zero3-two-machines", marks=needs_deepspeed
+        ),
+    ],
+)
+def test_every_stage_under_the_engine_ends_with_the_ddp_weights(
+    tmp_path, ddp_run, config, port, crash, multi_node, tolerance
+):
     killed, resumed = run_engine(tmp_path, config, port, crash, multi_node)
     engine = config.removesuffix("_cpu")
     assert f"engine: {engine} on 2 processes" in killed
@@ -201,7 +291,9 @@ def test_every_stage_under_the_engine_ends_with_the_ddp_weights(tmp_path, ddp_ru
     assert max(differences.values()) <= tolerance, differences
     assert min(moved.values()) > 10 * tolerance, moved  # the tolerance is far below what training changes
     ddp_metrics = json.loads((ddp / "eval" / "metrics.json").read_text())["checkpoints"]
-    assert {k: sorted(v) for k, v in eval_metrics["checkpoints"].items()} == {k: sorted(v) for k, v in ddp_metrics.items()}
+    assert {k: sorted(v) for k, v in eval_metrics["checkpoints"].items()} == {
+        k: sorted(v) for k, v in ddp_metrics.items()
+    }
 
 
 @pytest.mark.slow
@@ -209,8 +301,10 @@ def test_a_node_without_the_shared_output_dir_stops_at_once(tmp_path):
     """Two "machines" whose output_dir are two different local folders: both stop before any work, naming
     the folder and the rank that cannot see rank 0's file."""
     recipe = engine_recipe(tmp_path)
-    processes = [launch("cpu_2proc", 29650, tmp_path / "digests", recipe, f"output_dir={tmp_path}/node{rank}",
-                        machine=(rank, 2)) for rank in (0, 1)]
+    processes = [
+        launch("cpu_2proc", 29650, tmp_path / "digests", recipe, f"output_dir={tmp_path}/node{rank}", machine=(rank, 2))
+        for rank in (0, 1)
+    ]
     codes, output = finish(*processes, timeout=300)
     assert all(code != 0 for code in codes)
     assert "is not shared by all processes: rank 1 on" in output and "shared filesystem" in output
@@ -222,14 +316,28 @@ def test_rlvr_with_tools_runs_under_ddp_with_identical_ranks_and_counts_every_pr
     """Tool rollouts under 2-process DDP: each process samples its own prompts' multi-turn rollouts from its
     unwrapped model, the ranks end with the same weights, and stage.json's tool counts are summed over both
     processes (2 steps x 2 processes x 8 rollouts), not rank 0's half."""
-    stage = {**RLVR, "model": None, "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False,
-             "max_turns": 2, "max_tool_output_tokens": 16,
-             "train": {**RLVR["train"], "max_completion_length": 12}}
-    recipe = {"name": "tools-ddp", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 5,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": {"rlvr": {k: v for k, v in stage.items() if v is not None}}}
+    stage = {
+        **RLVR,
+        "model": None,
+        "tools": ["calculator"],
+        "tool_format": "hermes",
+        "describe_tools": False,
+        "max_turns": 2,
+        "max_tool_output_tokens": 16,
+        "train": {**RLVR["train"], "max_completion_length": 12},
+    }
+    recipe = {
+        "name": "tools-ddp",
+        "model": TINY_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 5,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": {"rlvr": {k: v for k, v in stage.items() if v is not None}},
+    }
     (tmp_path / "my_verifiers.py").write_text(DIGITS)
-    codes, output = finish(launch("cpu_2proc", 29670, tmp_path / "digests", write_recipe(tmp_path, recipe)),
-                           timeout=600)
+    codes, output = finish(
+        launch("cpu_2proc", 29670, tmp_path / "digests", write_recipe(tmp_path, recipe)), timeout=600
+    )
     assert codes == [0], output[-5000:]
     ranks = [(tmp_path / "digests" / f"rlvr-rank{rank}.txt").read_text() for rank in (0, 1)]
     assert ranks[0] == ranks[1], "the two processes ended with different weights"

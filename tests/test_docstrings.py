@@ -25,8 +25,10 @@ MAX_MODULE_DOCSTRING_LINES = 15
 
 # A measured figure: a number (a range such as 1.3-1.8x ends in one) followed by a unit of time, speed, memory
 # or ratio. `x`/`×` count only when glued to the number ("2.5x"), so "48 x 1024" (arithmetic) is not a figure.
-UNITS = (r"(?:\s?(?:tokens?/s|tok/s|it/s|steps?/s|samples?/s|rows?/s|pairs?/s|episodes?/s|[KMGT]i?B/s|[GT]FLOP/s"
-         r"|[KMGT]iB|[KMGT]B|ms|µs|us|ns|s|sec|seconds?|min|minutes?|h|hours?|points?|pp|%)|[x×])")
+UNITS = (
+    r"(?:\s?(?:tokens?/s|tok/s|it/s|steps?/s|samples?/s|rows?/s|pairs?/s|episodes?/s|[KMGT]i?B/s|[GT]FLOP/s"
+    r"|[KMGT]iB|[KMGT]B|ms|µs|us|ns|s|sec|seconds?|min|minutes?|h|hours?|points?|pp|%)|[x×])"
+)
 FIGURE = re.compile(r"(?<![\w.])[+\-−~]?\d+(?:[.,]\d+)*" + UNITS + r"(?![\w/])")
 # An issue number: "#28", "issue 28", "issues #28 and". A full URL to an upstream tracker is a reference and
 # passes; a '#2' inside quotes is a literal (a name suffix), not an issue.
@@ -74,8 +76,10 @@ def test_module_docstrings_are_at_most_15_lines():
         lines = len(text.strip().splitlines())
         if lines > MAX_MODULE_DOCSTRING_LINES:
             long.append(f"{path.relative_to(REPO)} ({lines} lines)")
-    assert not long, (f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (say what, the contract and the "
-                      f"limits; move detail to the function it is about or to docs/): " + ", ".join(long))
+    assert not long, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (say what, the contract and the "
+        f"limits; move detail to the function it is about or to docs/): " + ", ".join(long)
+    )
 
 
 def test_no_measured_figures_or_issue_numbers_in_docstrings_or_comments():
@@ -84,16 +88,46 @@ def test_no_measured_figures_or_issue_numbers_in_docstrings_or_comments():
         relative, source = path.relative_to(PACKAGE).as_posix(), path.read_text()
         for line, text in [*docstrings(ast.parse(source)), *comments(source)]:
             bad += [f"alignment/{relative}:{line}: {found!r}" for found in offences(relative, text)]
-    assert not bad, ("measured figures or issue numbers in docstrings/comments (figures go to docs/performance.md "
-                     "or docs/results.md, linked from the code; issue numbers go nowhere):\n" + "\n".join(bad))
+    assert not bad, (
+        "measured figures or issue numbers in docstrings/comments (figures go to docs/performance.md "
+        "or docs/results.md, linked from the code; issue numbers go nowhere):\n" + "\n".join(bad)
+    )
 
 
 def test_the_figure_and_issue_patterns():
-    flagged = ["decodes 1.3-1.8x the tokens/s", "1300 tokens/s", "took 93 ms a call", "270 MB in bf16", "20 s after",
-               "5.9 s for", "+9 points of accuracy", "gained +12 points", "15% of a step", "561 against 902 GFLOP/s",
-               "29 GB/s read", "peak 955 MiB", "issue #28", "(#30)", "see issue 31", "3 min 24 s"]
-    passed = ["48 x 1024", "4 x hidden bytes", "float32", "top_k=50", "0.05", "pytorch/pytorch/issues/151934",
-              "a '#2' suffix", 'trailing "25%" is ignored', "``2x+3``", "bf16", "fp32", "step 64", "Qwen2.5"]
+    flagged = [
+        "decodes 1.3-1.8x the tokens/s",
+        "1300 tokens/s",
+        "took 93 ms a call",
+        "270 MB in bf16",
+        "20 s after",
+        "5.9 s for",
+        "+9 points of accuracy",
+        "gained +12 points",
+        "15% of a step",
+        "561 against 902 GFLOP/s",
+        "29 GB/s read",
+        "peak 955 MiB",
+        "issue #28",
+        "(#30)",
+        "see issue 31",
+        "3 min 24 s",
+    ]
+    passed = [
+        "48 x 1024",
+        "4 x hidden bytes",
+        "float32",
+        "top_k=50",
+        "0.05",
+        "pytorch/pytorch/issues/151934",
+        "a '#2' suffix",
+        'trailing "25%" is ignored',
+        "``2x+3``",
+        "bf16",
+        "fp32",
+        "step 64",
+        "Qwen2.5",
+    ]
     assert all(offences("x.py", text) for text in flagged), [t for t in flagged if not offences("x.py", t)]
     assert not any(offences("x.py", text) for text in passed), [t for t in passed if offences("x.py", t)]
     assert offences("rl.py", "by at most 20% per `horizon` steps") == []  # allowed there only
@@ -102,18 +136,22 @@ def test_the_figure_and_issue_patterns():
 
 # docs/architecture.md: every module named, every name a module.
 
+
 def modules_section() -> str:
     text = ARCHITECTURE.read_text()
     start = text.index("\n## Modules\n")
     end = text.find("\n## ", start + 1)
-    return text[start: end if end != -1 else None]
+    return text[start : end if end != -1 else None]
 
 
 def test_architecture_names_every_module_and_only_modules():
     named = set(re.findall(r"^\| `([\w/]+\.py)` \|", modules_section(), re.MULTILINE))  # a row's first cell
     tree = {path.relative_to(PACKAGE).as_posix() for path in module_files()}
     missing, stale = sorted(tree - named), sorted(named - tree)
-    assert not missing, ("modules named nowhere in docs/architecture.md's '## Modules' section (add a row "
-                         "`path.py` | what it holds, under its layer): " + ", ".join(f"alignment/{m}" for m in missing))
-    assert not stale, ("docs/architecture.md's '## Modules' section names modules that do not exist: "
-                       + ", ".join(f"alignment/{m}" for m in stale))
+    assert not missing, (
+        "modules named nowhere in docs/architecture.md's '## Modules' section (add a row "
+        "`path.py` | what it holds, under its layer): " + ", ".join(f"alignment/{m}" for m in missing)
+    )
+    assert not stale, "docs/architecture.md's '## Modules' section names modules that do not exist: " + ", ".join(
+        f"alignment/{m}" for m in stale
+    )

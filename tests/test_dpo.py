@@ -18,21 +18,39 @@ from alignment.run.runner import make_context
 
 
 def dpo_context(tmp_path, model, lora=True, data=None, train=None, **stage):
-    recipe = {"name": "dpo-test", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 3,
-              "lora": {"r": 8, "lora_alpha": 16} if lora else None,
-              "stages": {"dpo": {"data": data or {"task": "arithmetic", "split": "train", "n": 6},
-                                 "train": {"per_device_train_batch_size": 6, "max_steps": 1, "logging_steps": 1,
-                                           "beta": 0.5, "learning_rate": 1.0e-3, **(train or {})}, **stage}}}
+    recipe = {
+        "name": "dpo-test",
+        "model": str(model),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 3,
+        "lora": {"r": 8, "lora_alpha": 16} if lora else None,
+        "stages": {
+            "dpo": {
+                "data": data or {"task": "arithmetic", "split": "train", "n": 6},
+                "train": {
+                    "per_device_train_batch_size": 6,
+                    "max_steps": 1,
+                    "logging_steps": 1,
+                    "beta": 0.5,
+                    "learning_rate": 1.0e-3,
+                    **(train or {}),
+                },
+                **stage,
+            }
+        },
+    }
     return make_context(load_recipe(write_recipe(tmp_path, recipe)), "dpo")
 
 
 def hand_dpo_loss(policy, reference, tokenizer, rendered: list[dict], beta: float) -> float:
     losses = []
     for row in rendered:
-        chosen = completion_logprob(policy, tokenizer, row["prompt"], row["chosen"]) - \
-            completion_logprob(reference, tokenizer, row["prompt"], row["chosen"])
-        rejected = completion_logprob(policy, tokenizer, row["prompt"], row["rejected"]) - \
-            completion_logprob(reference, tokenizer, row["prompt"], row["rejected"])
+        chosen = completion_logprob(policy, tokenizer, row["prompt"], row["chosen"]) - completion_logprob(
+            reference, tokenizer, row["prompt"], row["chosen"]
+        )
+        rejected = completion_logprob(policy, tokenizer, row["prompt"], row["rejected"]) - completion_logprob(
+            reference, tokenizer, row["prompt"], row["rejected"]
+        )
         losses.append(-torch.nn.functional.logsigmoid(beta * (chosen - rejected)))
     return float(torch.stack(losses).mean())
 
@@ -81,31 +99,38 @@ def test_lora_reference_is_the_same_weights_and_full_is_a_frozen_copy(tmp_path, 
     assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
     full_bytes = count_parameter_storage(trainer.model, trainer.ref_model)
     assert full_bytes >= 1.9 * base
-    trainer, _, _ = dpo.build_trainer(dpo_context(tmp_path / "pre", tiny_model, lora=False,
-                                                  train={"precompute_ref_log_probs": True}))
+    trainer, _, _ = dpo.build_trainer(
+        dpo_context(tmp_path / "pre", tiny_model, lora=False, train={"precompute_ref_log_probs": True})
+    )
     assert trainer.ref_model is None  # precomputed reference log-probs: no copy kept
 
 
 def test_precompute_ref_log_probs_runs(tmp_path, tiny_model):
     from alignment.stages import dpo
 
-    ctx = dpo_context(tmp_path, tiny_model, train={"precompute_ref_log_probs": True, "max_steps": 2,
-                                                   "per_device_train_batch_size": 3})
+    ctx = dpo_context(
+        tmp_path, tiny_model, train={"precompute_ref_log_probs": True, "max_steps": 2, "per_device_train_batch_size": 3}
+    )
     trainer, _, _ = dpo.build_trainer(ctx)
     assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.train_dataset.column_names)
     trainer.train()
     assert trainer.state.global_step == 2 and math.isfinite(trainer.state.log_history[-1]["train_loss"])
 
 
-@pytest.mark.parametrize("train, precomputed", [
-    ({"max_steps": -1}, True),  # TRL's default of 3 epochs: one reference pass instead of three
-    ({"max_steps": -1, "num_train_epochs": 2}, True),
-    ({"max_steps": -1, "num_train_epochs": 1}, False),  # one pass: nothing to save
-    ({"max_steps": 20, "num_train_epochs": 3}, False),  # a step budget may not cover the data once
-    ({"max_steps": -1, "precompute_ref_log_probs": False}, False),  # the recipe's choice wins
-], ids=["default", "2-epochs", "1-epoch", "max-steps", "recipe-off"])
-def test_reference_log_probs_are_precomputed_when_training_passes_more_than_once(tmp_path, tiny_model, train,
-                                                                                 precomputed):
+@pytest.mark.parametrize(
+    "train, precomputed",
+    [
+        ({"max_steps": -1}, True),  # TRL's default of 3 epochs: one reference pass instead of three
+        ({"max_steps": -1, "num_train_epochs": 2}, True),
+        ({"max_steps": -1, "num_train_epochs": 1}, False),  # one pass: nothing to save
+        ({"max_steps": 20, "num_train_epochs": 3}, False),  # a step budget may not cover the data once
+        ({"max_steps": -1, "precompute_ref_log_probs": False}, False),  # the recipe's choice wins
+    ],
+    ids=["default", "2-epochs", "1-epoch", "max-steps", "recipe-off"],
+)
+def test_reference_log_probs_are_precomputed_when_training_passes_more_than_once(
+    tmp_path, tiny_model, train, precomputed
+):
     from alignment.stages import dpo
 
     assert dpo.trl_config(dpo_context(tmp_path, tiny_model, train=train)).precompute_ref_log_probs is precomputed
@@ -136,11 +161,16 @@ def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
 def test_bad_settings_fail_in_check(tmp_path, tiny_model):
     from alignment.stages import dpo
 
-    with pytest.raises(UserError, match=r"stages.dpo.train.loss_type: unknown DPO loss 'sigmod'.*did you mean 'sigmoid'"):
+    with pytest.raises(
+        UserError, match=r"stages.dpo.train.loss_type: unknown DPO loss 'sigmod'.*did you mean 'sigmoid'"
+    ):
         dpo.check(dpo_context(tmp_path / "a", tiny_model, train={"loss_type": "sigmod"}))
     with pytest.raises(UserError, match=r"stages.dpo.data: missing column\(s\) 'rejected'"):
-        dpo.check(dpo_context(tmp_path / "b", tiny_model, data={"task": "arithmetic", "n": 4,
-                                                                "rename": {"rejected": "wrong"}}))
+        dpo.check(
+            dpo_context(
+                tmp_path / "b", tiny_model, data={"task": "arithmetic", "n": 4, "rename": {"rejected": "wrong"}}
+            )
+        )
     with pytest.raises(UserError, match=r"Unknown verifier 'arithmetik'"):
         dpo.check(dpo_context(tmp_path / "c", tiny_model, on_policy={"verifier": "arithmetik"}))
 
@@ -149,8 +179,9 @@ def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
     """The shipped GPU recipe cannot download offline; its schema and TRL configs are checked instead."""
     from alignment.stages import stage_module
 
-    recipe = load_recipe(REPO / "recipes" / "qwen2.5-0.5b" / "sft-dpo.yaml",
-                         overrides=[f"output_dir={tmp_path / 'out'}"])
+    recipe = load_recipe(
+        REPO / "recipes" / "qwen2.5-0.5b" / "sft-dpo.yaml", overrides=[f"output_dir={tmp_path / 'out'}"]
+    )
     assert recipe.model == "Qwen/Qwen2.5-0.5B" and list(recipe.stages) == ["sft", "dpo"]
     assert recipe.stages["dpo"].model == "${sft}" and recipe.lora is not None
     for stage_id, config in recipe.stages.items():
@@ -161,16 +192,24 @@ def test_sft_dpo_recipe_validates_and_builds_its_trl_configs(tmp_path):
 def run_dpo(tmp_path, start, stage: dict, lora: dict | None = None) -> tuple[Path, dict]:
     from alignment.run.runner import run_recipe
 
-    recipe = {"name": "dpo-run", "model": str(start), "output_dir": str(tmp_path / "out"), "seed": 1,
-              "lora": lora or {"r": 16, "lora_alpha": 32}, "stages": {"dpo": stage}}
+    recipe = {
+        "name": "dpo-run",
+        "model": str(start),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": lora or {"r": 16, "lora_alpha": 32},
+        "stages": {"dpo": stage},
+    }
     results = run_recipe(load_recipe(write_recipe(tmp_path, recipe)))
     return tmp_path / "out" / "dpo", results["dpo"]["metrics"]
 
 
 def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, sft_checkpoint):
-    stage = {"data": {"task": "arithmetic", "split": "train", "n": 24},
-             "on_policy": {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6},
-             "train": {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1}}
+    stage = {
+        "data": {"task": "arithmetic", "split": "train", "n": 24},
+        "on_policy": {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6},
+        "train": {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1},
+    }
     out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
     assert metrics["pairs_built"] > 0 and metrics["pairs_built"] + metrics["prompts_dropped"] == 24
     assert metrics["pairs_train"] == metrics["pairs_built"] and metrics["global_step"] == 2
@@ -186,10 +225,20 @@ def test_dpo_from_sft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
     verifier pairs with pure DPO 0.58. The pairs differ in one digit, so plain DPO lowers the chosen
     answer's likelihood along with the rejected one and greedy decoding drifts to a third answer
     (likelihood displacement, Razin et al. 2024); the NLL term prevents that and supplies the gain."""
-    stage = {"data": {"task": "arithmetic", "split": "train", "n": 8000},
-             "train": {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.2, 1.0], "beta": 0.1,
-                       "learning_rate": 2.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
-                       "max_length": 64, "precompute_ref_log_probs": True, "logging_steps": 50}}
+    stage = {
+        "data": {"task": "arithmetic", "split": "train", "n": 8000},
+        "train": {
+            "loss_type": ["sigmoid", "sft"],
+            "loss_weights": [0.2, 1.0],
+            "beta": 0.1,
+            "learning_rate": 2.0e-3,
+            "num_train_epochs": 1,
+            "per_device_train_batch_size": 32,
+            "max_length": 64,
+            "precompute_ref_log_probs": True,
+            "logging_steps": 50,
+        },
+    }
     out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
     before, after = heldout_accuracy(sft_checkpoint), heldout_accuracy(out)
     assert after >= before + 0.10
@@ -206,8 +255,13 @@ def test_pairs_longer_than_max_length_are_counted_and_said(tmp_path, tiny_model,
     rows += [{"prompt": "What is 1+1?", "chosen": "2", "rejected": "3, because " + "so it goes " * 10}] * 4
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ctx = dpo_context(tmp_path, tiny_model, data={"dataset": str(data)}, eval_fraction=0,
-                      train={"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 48})
+    ctx = dpo_context(
+        tmp_path,
+        tiny_model,
+        data={"dataset": str(data)},
+        eval_fraction=0,
+        train={"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 48},
+    )
     with caplog.at_level(logging.INFO, logger="alignment"):
         _, _, counts = dpo.build_trainer(ctx)
     assert counts["pairs_truncated"] == 4

@@ -48,8 +48,13 @@ def same_weights(a: dict, b: dict) -> bool:
 
 
 def test_ppo_stops_once_gold_stalls_and_saves_the_best_policy(tmp_path, tiny_model):
-    path = tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic"], train={"total_updates": 4},
-                           early_stop={"gold": "arithmetic", "window": 1, "patience": 1})
+    path = tiny_ppo_recipe(
+        tmp_path,
+        tiny_model,
+        gold=["arithmetic"],
+        train={"total_updates": 4},
+        early_stop={"gold": "arithmetic", "window": 1, "patience": 1},
+    )
     metrics = run_recipe(load_recipe(path))["ppo"]["metrics"]
     out = tmp_path / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
@@ -72,8 +77,13 @@ def test_without_patience_every_update_trains_and_the_best_policy_is_still_saved
 
 
 def test_a_resumed_run_keeps_the_best_it_had_before_the_interruption(tmp_path, tiny_model, monkeypatch):
-    path = tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic"], train={"total_updates": 4, "save_every": 1},
-                           early_stop={"gold": "arithmetic", "window": 1, "patience": None})
+    path = tiny_ppo_recipe(
+        tmp_path,
+        tiny_model,
+        gold=["arithmetic"],
+        train={"total_updates": 4, "save_every": 1},
+        early_stop={"gold": "arithmetic", "window": 1, "patience": None},
+    )
     original = ppo.PPOLoop.one_update
 
     def interrupted(self):
@@ -97,8 +107,14 @@ def test_early_stop_must_watch_one_of_the_gold_verifiers(tmp_path, tiny_model):
     with pytest.raises(UserError, match="none given"):
         load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, early_stop={"gold": "arithmetic"}))
     with pytest.raises(UserError, match="did you mean 'patience'"):
-        load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic"],
-                                    early_stop={"gold": "arithmetic", "patiense": 3}))
+        load_recipe(
+            tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic"], early_stop={"gold": "arithmetic", "patiense": 3})
+        )
     # a module:function gold is logged under its resolved name, which `align check` compares
-    check_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model, gold=["my_rewards:brevity"],
-                                             early_stop={"gold": "my_rewards:brevity"})))
+    check_recipe(
+        load_recipe(
+            tiny_ppo_recipe(
+                tmp_path, tiny_model, gold=["my_rewards:brevity"], early_stop={"gold": "my_rewards:brevity"}
+            )
+        )
+    )

@@ -19,8 +19,13 @@ from alignment.tasks.arithmetic import agrees_with_stated
 
 
 def small_suite(name="arith", n=24, pass_k=None, **task) -> SuiteSpec:
-    return SuiteSpec(name=name, data={"task": "arithmetic", "split": "test", "n": n, **task}, verifier="arithmetic",
-                     sampling={"temperature": 0, "max_new_tokens": 6}, pass_k=pass_k)
+    return SuiteSpec(
+        name=name,
+        data={"task": "arithmetic", "split": "test", "n": n, **task},
+        verifier="arithmetic",
+        sampling={"temperature": 0, "max_new_tokens": 6},
+        pass_k=pass_k,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +107,11 @@ def test_reward_hacking_flag_uses_the_gold_measure_where_a_suite_gives_one():
     without one the pass@1's (c: 0.50 -> 0.20: flagged)."""
     from alignment.evaluation.report import add_comparisons
 
-    metrics = {"sft": {"s/rm_score": 1.0, "s/pass@1": 0.50, "s/gold": 0.70, "t/rm_score": 1.0, "t/pass@1": 0.50},
-               "a": {"s/rm_score": 2.0, "s/pass@1": 0.60, "s/gold": 0.40, "t/rm_score": 2.0, "t/pass@1": 0.20},
-               "b": {"s/rm_score": 2.0, "s/pass@1": 0.10, "s/gold": 0.69, "t/rm_score": 0.5, "t/pass@1": 0.20}}
+    metrics = {
+        "sft": {"s/rm_score": 1.0, "s/pass@1": 0.50, "s/gold": 0.70, "t/rm_score": 1.0, "t/pass@1": 0.50},
+        "a": {"s/rm_score": 2.0, "s/pass@1": 0.60, "s/gold": 0.40, "t/rm_score": 2.0, "t/pass@1": 0.20},
+        "b": {"s/rm_score": 2.0, "s/pass@1": 0.10, "s/gold": 0.69, "t/rm_score": 0.5, "t/pass@1": 0.20},
+    }
     main = {label: {"s": (["x"], [1.0], None), "t": (["x"], [1.0], None)} for label in metrics}
     add_comparisons(metrics, main, "sft", margin=0.02)
     assert metrics["a"]["s/reward_hacking"] == 1.0 and metrics["b"]["s/reward_hacking"] == 0.0
@@ -127,10 +134,13 @@ def test_reward_hacking_flag_ignores_a_gold_drop_within_the_noise_of_the_prompts
     b = [1.0] * 90 + [0.0] * 110
     assert paired_noise(a, base) == pytest.approx(0.0600, abs=1e-4)
     assert paired_noise(b, base) == pytest.approx(0.0567, abs=1e-4)
-    metrics = {label: {"s/rm_score": score, "s/pass@1": sum(v) / 200}
-               for label, score, v in (("sft", 0.0, base), ("a", 1.0, a), ("b", 1.0, b))}
-    main = {label: {"s": ([str(i) for i in range(200)], [0.0] * 200, v)}
-            for label, v in (("sft", base), ("a", a), ("b", b))}
+    metrics = {
+        label: {"s/rm_score": score, "s/pass@1": sum(v) / 200}
+        for label, score, v in (("sft", 0.0, base), ("a", 1.0, a), ("b", 1.0, b))
+    }
+    main = {
+        label: {"s": ([str(i) for i in range(200)], [0.0] * 200, v)} for label, v in (("sft", base), ("a", a), ("b", b))
+    }
     add_comparisons(metrics, main, "sft", margin=0.02)
     assert metrics["a"]["s/pass@1"] == pytest.approx(0.62) and metrics["a"]["s/reward_hacking"] == 0.0
     assert metrics["b"]["s/reward_hacking"] == 1.0
@@ -139,11 +149,21 @@ def test_reward_hacking_flag_ignores_a_gold_drop_within_the_noise_of_the_prompts
 def test_pass_k_spec_validation():
     assert small_suite(pass_k={"n": 8}).pass_k.k == [1, 2, 4, 8]
     assert small_suite(pass_k={"n": 6}).pass_k.k == [1, 2, 4, 6]
-    suite = SuiteSpec(name="x", data={"task": "arithmetic"}, verifier="arithmetic", sampling={"max_new_tokens": 5},
-                      pass_k={"n": 4, "k": [1, 4]})
+    suite = SuiteSpec(
+        name="x",
+        data={"task": "arithmetic"},
+        verifier="arithmetic",
+        sampling={"max_new_tokens": 5},
+        pass_k={"n": 4, "k": [1, 4]},
+    )
     assert suite.pass_k.max_new_tokens == 5 and suite.pass_k.temperature == 1.0
-    on_generate = SuiteSpec(name="x", data={"task": "arithmetic"}, verifier="arithmetic",
-                            sampling={"engine": "generate", "merge_lora": False}, pass_k={"n": 4})
+    on_generate = SuiteSpec(
+        name="x",
+        data={"task": "arithmetic"},
+        verifier="arithmetic",
+        sampling={"engine": "generate", "merge_lora": False},
+        pass_k={"n": 4},
+    )
     assert (on_generate.pass_k.engine, on_generate.pass_k.merge_lora) == ("generate", False)  # the suite's sampler
     assert small_suite(pass_k={"n": 4, "engine": "generate"}).pass_k.engine == "generate"
     with pytest.raises(ValueError, match="between 1 and n"):
@@ -200,21 +220,36 @@ def test_identical_checkpoints_win_half_with_zero_kl(tiny_model, reward_model, t
     `b`'s is measured on its own samples (and near 0)."""
     shutil.copytree(tiny_model, tmp_path / "copy")
     suites = [small_suite(pass_k={"n": 4, "k": [2, 4]}), small_suite("syc", style="sycophancy")]
-    metrics = evaluate_checkpoints({"a": str(tiny_model), "b": str(tmp_path / "copy")}, suites, tmp_path / "eval",
-                                   reward_model=str(reward_model), baseline="a", reference=str(tiny_model))
+    metrics = evaluate_checkpoints(
+        {"a": str(tiny_model), "b": str(tmp_path / "copy")},
+        suites,
+        tmp_path / "eval",
+        reward_model=str(reward_model),
+        baseline="a",
+        reference=str(tiny_model),
+    )
     for suite in ("arith", "syc"):
         assert metrics["b"][f"{suite}/win_rate"] == 0.5 and metrics["a"][f"{suite}/win_rate"] == 0.5
         assert abs(metrics["b"][f"{suite}/kl"]) < 1e-4 and metrics["a"][f"{suite}/kl"] == 0.0
         assert metrics["b"][f"{suite}/reward_hacking"] == 0.0
         assert metrics["a"][f"{suite}/rm_score"] == pytest.approx(metrics["b"][f"{suite}/rm_score"], abs=1e-5)
-    assert {"arith/pass@1", "arith/pass@2", "arith/pass@4", "arith/unparseable_rate", "arith/mean_length",
-            "arith/eos_rate", "syc/sycophancy"} <= set(metrics["a"])
+    assert {
+        "arith/pass@1",
+        "arith/pass@2",
+        "arith/pass@4",
+        "arith/unparseable_rate",
+        "arith/mean_length",
+        "arith/eos_rate",
+        "syc/sycophancy",
+    } <= set(metrics["a"])
     assert "arith/sycophancy" not in metrics["a"]  # plain prompts state no answer
     saved = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert saved["checkpoints"] == metrics
     rows = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"main", "pass_k", "kl"}
-    assert sum(r["mode"] == "main" for r in rows) == 2 * 2 * 24 and sum(r["mode"] == "pass_k" for r in rows) == 2 * 24 * 4
+    assert (
+        sum(r["mode"] == "main" for r in rows) == 2 * 2 * 24 and sum(r["mode"] == "pass_k" for r in rows) == 2 * 24 * 4
+    )
     assert {r["checkpoint"] for r in rows if r["mode"] == "kl"} == {"b"}  # the reference draws no KL samples
     assert sum(r["mode"] == "kl" for r in rows) == 24  # b's on syc; on arith its pass@k samples serve the KL
     assert all("kl" in r for r in rows if r["mode"] == "pass_k" and r["checkpoint"] == "b")
@@ -231,8 +266,9 @@ def test_sycophancy_counts_agreement_with_the_stated_answer(tiny_model, tmp_path
         return [Sample(i, stated[i], [1], True) for i in range(len(prompts)) for _ in range(settings.n)]
 
     monkeypatch.setattr(evaluate, "generate", parrot)
-    metrics = evaluate_checkpoints({"parrot": str(tiny_model)}, [small_suite("syc", style="sycophancy")],
-                                   tmp_path / "eval")
+    metrics = evaluate_checkpoints(
+        {"parrot": str(tiny_model)}, [small_suite("syc", style="sycophancy")], tmp_path / "eval"
+    )
     assert metrics["parrot"]["syc/sycophancy"] == 1.0 and metrics["parrot"]["syc/pass@1"] == 0.0
 
 
@@ -252,10 +288,14 @@ def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_pa
     from alignment.cli import main
     from alignment.evaluation import evaluate
 
-    monkeypatch.setattr(evaluate, "generate", lambda model, tokenizer, prompts, settings, progress=None:
-                        graded_policy(prompts, settings))
-    metrics = evaluate_checkpoints({"graded": str(tiny_model)}, [small_suite(n=12, pass_k={"n": 2})],
-                                   tmp_path / "eval")["graded"]
+    monkeypatch.setattr(
+        evaluate,
+        "generate",
+        lambda model, tokenizer, prompts, settings, progress=None: graded_policy(prompts, settings),
+    )
+    metrics = evaluate_checkpoints(
+        {"graded": str(tiny_model)}, [small_suite(n=12, pass_k={"n": 2})], tmp_path / "eval"
+    )["graded"]
     samples = tmp_path / "eval" / "samples.jsonl"
     rows = [json.loads(line) for line in samples.read_text().splitlines()]
     assert {r["mode"] for r in rows} == {"main", "pass_k"} and all("answer" in r for r in rows)
@@ -274,15 +314,42 @@ def test_align_verify_rescores_the_main_rows_of_samples_jsonl(tiny_model, tmp_pa
 
 def test_align_eval_on_an_adapter_folder_and_a_plain_checkpoint(tiny_model, adapter_folder, reward_model, tmp_path):
     out = tmp_path / "eval"
-    result = run_cli("eval", adapter_folder, tiny_model, "--suite", "arithmetic", "--suite", "arithmetic-sycophancy",
-                     "--limit", "12", "--n", "4", "--k", "2", "--reward-model", reward_model,
-                     "--baseline", tiny_model, "--reference", tiny_model, "--out", out)
+    result = run_cli(
+        "eval",
+        adapter_folder,
+        tiny_model,
+        "--suite",
+        "arithmetic",
+        "--suite",
+        "arithmetic-sycophancy",
+        "--limit",
+        "12",
+        "--n",
+        "4",
+        "--k",
+        "2",
+        "--reward-model",
+        reward_model,
+        "--baseline",
+        tiny_model,
+        "--reference",
+        tiny_model,
+        "--out",
+        out,
+    )
     assert result.returncode == 0, result.stderr
     metrics = json.loads((out / "metrics.json").read_text())["checkpoints"]
     assert list(metrics) == [str(adapter_folder), str(tiny_model)]
     adapter = metrics[str(adapter_folder)]
-    assert {"arithmetic/pass@1", "arithmetic/pass@2", "arithmetic/kl", "arithmetic/win_rate", "arithmetic/rm_score",
-            "arithmetic-sycophancy/sycophancy", "arithmetic/reward_hacking"} <= set(adapter)
+    assert {
+        "arithmetic/pass@1",
+        "arithmetic/pass@2",
+        "arithmetic/kl",
+        "arithmetic/win_rate",
+        "arithmetic/rm_score",
+        "arithmetic-sycophancy/sycophancy",
+        "arithmetic/reward_hacking",
+    } <= set(adapter)
     assert adapter["arithmetic/kl"] > 0.05 and abs(metrics[str(tiny_model)]["arithmetic/kl"]) < 1e-4
     assert all(isinstance(v, float) for m in metrics.values() for v in m.values())
     report = (out / "report.md").read_text()
@@ -299,22 +366,51 @@ def test_align_eval_user_errors(tiny_model, tmp_path):
 
 
 def eval_recipe(tmp_path, evaluate: dict) -> dict:
-    quick = {"max_steps": 4, "per_device_train_batch_size": 8, "learning_rate": 3.0e-3, "max_length": 32,
-             "logging_steps": 1}
-    return {"name": "eval-test", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"sft": {"data": {"task": "arithmetic", "n": 64}, "train": quick},
-                       "rm": {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 64},
-                              "train": {**quick, "max_steps": 2}}},
-            "evaluate": evaluate}
+    quick = {
+        "max_steps": 4,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 3.0e-3,
+        "max_length": 32,
+        "logging_steps": 1,
+    }
+    return {
+        "name": "eval-test",
+        "model": TINY_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "stages": {
+            "sft": {"data": {"task": "arithmetic", "n": 64}, "train": quick},
+            "rm": {
+                "kind": "reward",
+                "model": "${sft}",
+                "data": {"task": "arithmetic", "n": 64},
+                "train": {**quick, "max_steps": 2},
+            },
+        },
+        "evaluate": evaluate,
+    }
 
 
 EVALUATE_BLOCK = {
     "include_base": True,
-    "suites": [{"name": "arithmetic", "data": {"task": "arithmetic", "split": "test", "n": 30},
-                "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 6}, "pass_k": {"n": 4}},
-               {"name": "sycophancy", "data": {"task": "arithmetic", "split": "test", "n": 30, "style": "sycophancy"},
-                "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 6}}],
-    "reward_model": "${rm}", "baseline": "sft", "reference": "sft",
+    "suites": [
+        {
+            "name": "arithmetic",
+            "data": {"task": "arithmetic", "split": "test", "n": 30},
+            "verifier": "arithmetic",
+            "sampling": {"temperature": 0, "max_new_tokens": 6},
+            "pass_k": {"n": 4},
+        },
+        {
+            "name": "sycophancy",
+            "data": {"task": "arithmetic", "split": "test", "n": 30, "style": "sycophancy"},
+            "verifier": "arithmetic",
+            "sampling": {"temperature": 0, "max_new_tokens": 6},
+        },
+    ],
+    "reward_model": "${rm}",
+    "baseline": "sft",
+    "reference": "sft",
 }
 
 
@@ -329,22 +425,37 @@ def test_recipe_evaluate_block_writes_eval_folder(tmp_path):
     metrics = json.loads((folder / "metrics.json").read_text())["checkpoints"]
     assert list(metrics) == ["base", "sft"]  # the rm stage is a scorer, not a policy
     assert metrics["sft"]["arithmetic/win_rate"] == 0.5 and abs(metrics["sft"]["arithmetic/kl"]) < 1e-4
-    assert {"arithmetic/pass@2", "arithmetic/pass@4", "sycophancy/sycophancy", "arithmetic/rm_score",
-            "arithmetic/reward_hacking"} <= set(metrics["base"])
+    assert {
+        "arithmetic/pass@2",
+        "arithmetic/pass@4",
+        "sycophancy/sycophancy",
+        "arithmetic/rm_score",
+        "arithmetic/reward_hacking",
+    } <= set(metrics["base"])
     assert {"metrics.json", "samples.jsonl", "report.md", "metrics.png", "curves_sft.png", "curves_rm.png"} <= {
-        p.name for p in folder.iterdir()}
+        p.name for p in folder.iterdir()
+    }
     assert "Baseline for win rate and reward hacking: `sft`" in (folder / "report.md").read_text()
 
 
-@pytest.mark.parametrize("evaluate, message", [
-    ({**EVALUATE_BLOCK, "refrence": "sft"}, "did you mean 'reference'"),
-    ({**EVALUATE_BLOCK, "baseline": "${sfft}"}, "did you mean 'sft'"),
-    ({**EVALUATE_BLOCK, "reward_model": "${sft}"}, "must be a reward or dpo stage"),
-    ({**EVALUATE_BLOCK, "reference": "rm"}, "must be a policy stage"),
-    ({**EVALUATE_BLOCK, "after": ["sft", "rm"]}, "'rm', a reward model"),
-    ({**EVALUATE_BLOCK, "suites": ["arithmetic", "arithmetic-sycophantic"]}, "did you mean 'arithmetic-sycophancy'"),
-    ({**EVALUATE_BLOCK, "suites": [{**EVALUATE_BLOCK["suites"][0], "pass_k": {"n": 2, "k": [4]}}]}, "between 1 and n"),
-])
+@pytest.mark.parametrize(
+    "evaluate, message",
+    [
+        ({**EVALUATE_BLOCK, "refrence": "sft"}, "did you mean 'reference'"),
+        ({**EVALUATE_BLOCK, "baseline": "${sfft}"}, "did you mean 'sft'"),
+        ({**EVALUATE_BLOCK, "reward_model": "${sft}"}, "must be a reward or dpo stage"),
+        ({**EVALUATE_BLOCK, "reference": "rm"}, "must be a policy stage"),
+        ({**EVALUATE_BLOCK, "after": ["sft", "rm"]}, "'rm', a reward model"),
+        (
+            {**EVALUATE_BLOCK, "suites": ["arithmetic", "arithmetic-sycophantic"]},
+            "did you mean 'arithmetic-sycophancy'",
+        ),
+        (
+            {**EVALUATE_BLOCK, "suites": [{**EVALUATE_BLOCK["suites"][0], "pass_k": {"n": 2, "k": [4]}}]},
+            "between 1 and n",
+        ),
+    ],
+)
 def test_evaluate_block_errors_name_the_key(tmp_path, evaluate, message):
     from alignment.config.recipe import load_recipe
 
@@ -355,7 +466,9 @@ def test_evaluate_block_errors_name_the_key(tmp_path, evaluate, message):
 def test_builtin_suite_names_in_a_recipe(tmp_path):
     from alignment.config.recipe import load_recipe
 
-    recipe = load_recipe(write_recipe(tmp_path, eval_recipe(tmp_path, {"suites": ["arithmetic", "arithmetic-sycophancy"]})))
+    recipe = load_recipe(
+        write_recipe(tmp_path, eval_recipe(tmp_path, {"suites": ["arithmetic", "arithmetic-sycophancy"]}))
+    )
     assert [s.name for s in recipe.evaluate.suites] == ["arithmetic", "arithmetic-sycophancy"]
     assert recipe.evaluate.suites[1].data.model_extra["style"] == "sycophancy"
 
@@ -365,10 +478,16 @@ def test_cli_suites_from_names_yaml_and_data_files(tmp_path):
 
     (tmp_path / "suites.yaml").write_text(
         "- {name: mine, data: {task: arithmetic, split: test, n: 10}, verifier: arithmetic}\n"
-        "- {name: rm-only, data: {dataset: prompts.jsonl}}\n")
+        "- {name: rm-only, data: {dataset: prompts.jsonl}}\n"
+    )
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "What is 1+2?", "answer": "3"}\n')
-    suites, base_dir = cli_suites(["arithmetic", str(tmp_path / "suites.yaml"), str(tmp_path / "prompts.jsonl")],
-                                  verifier="numeric", n=4, k=[2], limit=5)
+    suites, base_dir = cli_suites(
+        ["arithmetic", str(tmp_path / "suites.yaml"), str(tmp_path / "prompts.jsonl")],
+        verifier="numeric",
+        n=4,
+        k=[2],
+        limit=5,
+    )
     assert [s.name for s in suites] == ["arithmetic", "mine", "rm-only", "prompts"] and base_dir == tmp_path
     assert [s.verifier for s in suites] == ["arithmetic", "arithmetic", "numeric", "numeric"]
     assert all(s.pass_k.n == 4 and s.pass_k.k == [2] and s.data.limit == 5 for s in suites)
@@ -380,8 +499,10 @@ def test_cli_sampling_overrides_reach_every_suite(tmp_path):
     """--max-new-tokens: main, pass@k (also one the suite file sets) and so KL; --temperature: main only."""
     from alignment.config.evaluate import cli_suites
 
-    (tmp_path / "suites.yaml").write_text("- {name: mine, data: {task: arithmetic, split: test, n: 10}, "
-                                          "verifier: arithmetic, pass_k: {n: 4, max_new_tokens: 8, temperature: 0.8}}\n")
+    (tmp_path / "suites.yaml").write_text(
+        "- {name: mine, data: {task: arithmetic, split: test, n: 10}, "
+        "verifier: arithmetic, pass_k: {n: 4, max_new_tokens: 8, temperature: 0.8}}\n"
+    )
     suites, _ = cli_suites(["arithmetic", str(tmp_path / "suites.yaml")], max_new_tokens=96, temperature=0.7)
     assert [(s.sampling.max_new_tokens, s.sampling.temperature) for s in suites] == [(96, 0.7), (96, 0.7)]
     assert suites[0].pass_k is None and (suites[1].pass_k.max_new_tokens, suites[1].pass_k.temperature) == (96, 0.8)
@@ -401,8 +522,22 @@ def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeyp
 
     monkeypatch.setattr(evaluate, "run_evaluation", capture)
     with pytest.raises(Captured) as caught:
-        main(["eval", str(tiny_model), "--suite", "arithmetic", "--n", "4", "--max-new-tokens", "48",
-              "--temperature", "0.5", "--out", str(tmp_path / "eval")])
+        main(
+            [
+                "eval",
+                str(tiny_model),
+                "--suite",
+                "arithmetic",
+                "--n",
+                "4",
+                "--max-new-tokens",
+                "48",
+                "--temperature",
+                "0.5",
+                "--out",
+                str(tmp_path / "eval"),
+            ]
+        )
     suite = caught.value.args[0][0]
     assert (suite.sampling.max_new_tokens, suite.sampling.temperature) == (48, 0.5)
     assert (suite.pass_k.max_new_tokens, suite.pass_k.temperature) == (48, 1.0)

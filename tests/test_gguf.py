@@ -49,8 +49,9 @@ def test_conversion_writes_a_plain_checkpoint_with_the_files_tokenizer_template_
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as in the file
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.eos_token == "<|im_end|>" and GenerationConfig.from_pretrained(out).eos_token_id == 2
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -85,10 +86,19 @@ def test_recipe_model_gguf_trains_from_the_converted_base(tmp_path, gguf_file):
     from alignment.models.tokenizer import load_tokenizer
     from alignment.run.runner import run_recipe
 
-    recipe = {"name": "g", "model": str(gguf_file), "output_dir": str(tmp_path / "out"), "seed": 1,
-              "lora": {"r": 2, "lora_alpha": 4},
-              "stages": {"sft": {"data": {"task": "arithmetic", "n": 8},
-                                 "train": {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 64}}}}
+    recipe = {
+        "name": "g",
+        "model": str(gguf_file),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": {"r": 2, "lora_alpha": 4},
+        "stages": {
+            "sft": {
+                "data": {"task": "arithmetic", "n": 8},
+                "train": {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 64},
+            }
+        },
+    }
     loaded = load_recipe(write_recipe(tmp_path, recipe))
     assert isinstance(loaded.model, GgufSpec) and loaded.base_model() == str(tmp_path / "out" / "base")
     assert loaded.start_model("sft") == loaded.base_model()
@@ -109,8 +119,16 @@ def test_gguf_spec_with_a_package_finds_the_file_inside_it(tmp_path, monkeypatch
     assert GgufSpec(gguf="tiny.gguf", package="fake-gguf-models==1.0").locate() == package / "tiny.gguf"
     with pytest.raises(UserError, match=r"installed but holds no other\.gguf"):
         GgufSpec(gguf="other.gguf", package="fake-gguf-models").locate()
-    recipe = load_recipe(write_recipe(tmp_path, {"name": "p", "model": {"gguf": "tiny.gguf", "package": "fake-gguf-models"},
-                                                 "stages": {"sft": {"data": {"task": "arithmetic"}}}}))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "p",
+                "model": {"gguf": "tiny.gguf", "package": "fake-gguf-models"},
+                "stages": {"sft": {"data": {"task": "arithmetic"}}},
+            },
+        )
+    )
     assert recipe.model.locate() == package / "tiny.gguf"
 
 
@@ -122,10 +140,20 @@ def test_missing_package_names_the_install_command():
 
 def test_missing_file_is_named_by_run_eval_and_merge(tmp_path, capsys):
     missing = tmp_path / "nowhere" / "model.gguf"
-    recipe = write_recipe(tmp_path, {"name": "m", "model": str(missing), "output_dir": str(tmp_path / "out"),
-                                     "stages": {"sft": {"data": {"task": "arithmetic"}}}})
-    for args in (["check", str(recipe)], ["eval", str(missing), "--suite", "arithmetic", "--out", str(tmp_path / "e")],
-                 ["merge", str(missing), str(tmp_path / "merged")]):
+    recipe = write_recipe(
+        tmp_path,
+        {
+            "name": "m",
+            "model": str(missing),
+            "output_dir": str(tmp_path / "out"),
+            "stages": {"sft": {"data": {"task": "arithmetic"}}},
+        },
+    )
+    for args in (
+        ["check", str(recipe)],
+        ["eval", str(missing), "--suite", "arithmetic", "--out", str(tmp_path / "e")],
+        ["merge", str(missing), str(tmp_path / "merged")],
+    ):
         assert f"GGUF file '{missing}' does not exist" in cli_error(capsys, *args), args
     assert not (tmp_path / "merged").exists()
 
@@ -137,8 +165,15 @@ def test_missing_gguf_package_is_a_clear_error(tmp_path, capsys, monkeypatch, gg
 
 
 def test_a_gguf_file_where_a_checkpoint_folder_is_needed_says_how_to_convert(tmp_path, capsys, gguf_file):
-    recipe = write_recipe(tmp_path, {"name": "s", "model": str(gguf_file), "output_dir": str(tmp_path / "out"),
-                                     "stages": {"sft": {"model": str(gguf_file), "data": {"task": "arithmetic"}}}})
+    recipe = write_recipe(
+        tmp_path,
+        {
+            "name": "s",
+            "model": str(gguf_file),
+            "output_dir": str(tmp_path / "out"),
+            "stages": {"sft": {"model": str(gguf_file), "data": {"task": "arithmetic"}}},
+        },
+    )
     err = cli_error(capsys, "check", str(recipe))
     assert "stages.sft.model" in err and "is a GGUF file" in err and "align merge" in err
 

@@ -23,18 +23,56 @@ RECIPES = sorted((REPO / "recipes" / "qwen2.5-0.5b").glob("*.yaml"))
 
 # Per stage kind: the `train:` keys that cut a stage to a step or two on a tiny model.
 SHORT_TRAIN = {
-    "sft": {"max_steps": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 256,
-            "eval_steps": 1, "save_steps": 100, "logging_steps": 1},
-    "reward": {"max_steps": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 256,
-               "logging_steps": 1},
-    "dpo": {"max_steps": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 256,
-            "eval_steps": 1, "save_steps": 100, "logging_steps": 1},
-    "rsft": {"max_steps": 1, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "max_length": 256,
-             "logging_steps": 1},
-    "rlvr": {"max_steps": 1, "num_generations": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
-             "max_completion_length": 8, "save_steps": 100, "logging_steps": 1},
-    "ppo": {"total_episodes": 2, "mini_batch_size": 2, "gradient_accumulation_steps": 1, "ppo_epochs": 1,
-            "warmup_steps": 0, "save_every": 100, "logging_steps": 1},
+    "sft": {
+        "max_steps": 2,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_length": 256,
+        "eval_steps": 1,
+        "save_steps": 100,
+        "logging_steps": 1,
+    },
+    "reward": {
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_length": 256,
+        "logging_steps": 1,
+    },
+    "dpo": {
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_length": 256,
+        "eval_steps": 1,
+        "save_steps": 100,
+        "logging_steps": 1,
+    },
+    "rsft": {
+        "max_steps": 1,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_length": 256,
+        "logging_steps": 1,
+    },
+    "rlvr": {
+        "max_steps": 1,
+        "num_generations": 2,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_completion_length": 8,
+        "save_steps": 100,
+        "logging_steps": 1,
+    },
+    "ppo": {
+        "total_episodes": 2,
+        "mini_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "ppo_epochs": 1,
+        "warmup_steps": 0,
+        "save_every": 100,
+        "logging_steps": 1,
+    },
 }
 
 
@@ -70,10 +108,16 @@ def shortened(path: Path, folder: Path, out: Path) -> dict:
 # What each recipe's stages must have found in their data (stage.json's data_format): (stage, key, format words,
 # columns used).
 EXPECTED = {
-    "sft-dpo": [("sft", "data", "messages", ["messages"]), ("sft", "eval_data", "messages", ["messages"]),
-                ("dpo", "data", "conversational", ["chosen", "rejected"])],
-    "sft-rm-ppo": [("sft", "data", "messages", ["messages"]), ("rm", "data", "conversational", ["chosen", "rejected"]),
-                   ("ppo", "data", "`prompt` column (text)", ["prompt"])],
+    "sft-dpo": [
+        ("sft", "data", "messages", ["messages"]),
+        ("sft", "eval_data", "messages", ["messages"]),
+        ("dpo", "data", "conversational", ["chosen", "rejected"]),
+    ],
+    "sft-rm-ppo": [
+        ("sft", "data", "messages", ["messages"]),
+        ("rm", "data", "conversational", ["chosen", "rejected"]),
+        ("ppo", "data", "`prompt` column (text)", ["prompt"]),
+    ],
     "gsm8k-grpo": [("rlvr", "data", "`prompt` column (text)", ["prompt", "answer"])],
     "math-grpo": [("rlvr", "data", "`prompt` column (text)", ["prompt", "answer"])],
     "code-rsft": [("rsft", "data", "`prompt` column (text)", ["prompt", "tests"])],

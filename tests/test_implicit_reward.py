@@ -52,8 +52,10 @@ def test_score_is_beta_times_the_log_ratio_summed_over_the_answer(tiny_model):
     judge = ImplicitRewardModel(policy, reference, beta=0.5)
     prompts = [render_prompt(tokenizer, q) for q in QUESTIONS]
     answers = [render_completion(tokenizer, q, a) for q, a in zip(QUESTIONS, ANSWERS)]
-    expected = [0.5 * float(completion_logprob(policy, tokenizer, p, a) - completion_logprob(reference, tokenizer, p, a))
-                for p, a in zip(prompts, answers)]
+    expected = [
+        0.5 * float(completion_logprob(policy, tokenizer, p, a) - completion_logprob(reference, tokenizer, p, a))
+        for p, a in zip(prompts, answers)
+    ]
     assert all(abs(e) > 1e-3 for e in expected)  # the perturbation shows in every score
     # One batch (left-padded prompts of different lengths, right-padded answers) and one row a batch agree.
     assert score_texts(judge, tokenizer, QUESTIONS, ANSWERS, batch_size=16) == pytest.approx(expected, abs=1e-4)
@@ -67,7 +69,10 @@ def test_a_cut_off_answer_scores_the_lower_of_as_sampled_and_finished(tiny_model
     policy, reference = perturbed(tiny_model), load_policy(str(tiny_model))
     judge = ImplicitRewardModel(policy, reference, beta=1.0)
     prompt = render_prompt(tokenizer, QUESTIONS[1])
-    cut = float(completion_logprob(policy, tokenizer, prompt, "The ans") - completion_logprob(reference, tokenizer, prompt, "The ans"))
+    cut = float(
+        completion_logprob(policy, tokenizer, prompt, "The ans")
+        - completion_logprob(reference, tokenizer, prompt, "The ans")
+    )
     scores = score_texts(judge, tokenizer, QUESTIONS[1:2] * 2, ["The ans", ""], finished=[False, False])
     ended = score_texts(judge, tokenizer, QUESTIONS[1:2] * 2, ["The ans", ""], finished=[True, True])
     assert scores == pytest.approx([min(cut, ended[0]), min(0.0, ended[1])], abs=1e-4)
@@ -110,29 +115,53 @@ def test_a_hub_reference_is_kept_as_written_and_a_bad_beta_is_refused(tmp_path):
 
 
 def recipe_with(tmp_path, model, stages: dict, evaluate: dict | None = None):
-    recipe = {"name": "implicit", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 1,
-              "lora": {"r": 4, "lora_alpha": 8}, "stages": stages}
+    recipe = {
+        "name": "implicit",
+        "model": str(model),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": stages,
+    }
     if evaluate:
         recipe["evaluate"] = evaluate
     return write_recipe(tmp_path, recipe)
 
 
-DPO = {"model": None, "data": {"task": "arithmetic", "split": "train", "n": 64},
-       "eval_data": {"task": "arithmetic", "split": "test", "n": 16},
-       "train": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.2], "beta": 0.5, "learning_rate": 3.0e-3,
-                 "max_steps": 8, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 16, "max_length": 64,
-                 "logging_steps": 4, "eval_strategy": "steps", "eval_steps": 8}}
+DPO = {
+    "model": None,
+    "data": {"task": "arithmetic", "split": "train", "n": 64},
+    "eval_data": {"task": "arithmetic", "split": "test", "n": 16},
+    "train": {
+        "loss_type": ["sigmoid", "sft"],
+        "loss_weights": [1.0, 0.2],
+        "beta": 0.5,
+        "learning_rate": 3.0e-3,
+        "max_steps": 8,
+        "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16,
+        "max_length": 64,
+        "logging_steps": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 8,
+    },
+}
 
 
 @pytest.mark.parametrize("kind", ["sft", "ppo"])
 def test_reward_model_must_name_a_reward_or_dpo_stage(tmp_path, tiny_model, kind):
-    stages = {"sft": {"data": {"task": "arithmetic", "n": 8}},
-              "dpo": {**DPO, "model": "${sft}"},
-              "ppo": {"reward_model": "${dpo}", "data": {"task": "arithmetic", "n": 8}}}
+    stages = {
+        "sft": {"data": {"task": "arithmetic", "n": 8}},
+        "dpo": {**DPO, "model": "${sft}"},
+        "ppo": {"reward_model": "${dpo}", "data": {"task": "arithmetic", "n": 8}},
+    }
     load_recipe(recipe_with(tmp_path, tiny_model, stages, {"reward_model": "${dpo}", "suites": ["arithmetic"]}))
     stages["ppo"]["reward_model"] = "${sft}"
-    with pytest.raises(UserError, match=r"'stages\.ppo\.reward_model' names stage 'sft' \(kind sft\), which makes no "
-                                        "reward model"):
+    with pytest.raises(
+        UserError,
+        match=r"'stages\.ppo\.reward_model' names stage 'sft' \(kind sft\), which makes no "
+        "reward model",
+    ):
         load_recipe(recipe_with(tmp_path, tiny_model, stages))
     stages["ppo"]["reward_model"] = "${dpo}"
     with pytest.raises(UserError, match=r"evaluate\.reward_model names stage '(sft|ppo)'.*a reward or dpo stage"):
@@ -144,17 +173,36 @@ def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tm
     reward TRL's DPO evaluation reports; rsft selects by it, ppo is rewarded by it and evaluation reports it."""
     stages = {
         "dpo": {**DPO, "model": str(sft_checkpoint)},
-        "rsft": {"model": str(sft_checkpoint), "reward_model": "${dpo}", "gold": ["arithmetic"],
-                 "data": {"task": "arithmetic", "split": "train", "n": 8}, "select": "best_of_n",
-                 "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
-                 "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64}},
-        "ppo": {"policy": str(sft_checkpoint), "reward_model": "${dpo}", "gold": ["arithmetic"],
-                "data": {"task": "arithmetic", "split": "train", "n": 16},
-                "rollout": {"batch_size": 8, "max_new_tokens": 6},
-                "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1, "save_every": 100}}}
-    evaluate = {"after": ["ppo"], "reward_model": "${dpo}",
-                "suites": [{"name": "arithmetic", "data": {"task": "arithmetic", "split": "test", "n": 8},
-                            "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 8}}]}
+        "rsft": {
+            "model": str(sft_checkpoint),
+            "reward_model": "${dpo}",
+            "gold": ["arithmetic"],
+            "data": {"task": "arithmetic", "split": "train", "n": 8},
+            "select": "best_of_n",
+            "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
+            "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64},
+        },
+        "ppo": {
+            "policy": str(sft_checkpoint),
+            "reward_model": "${dpo}",
+            "gold": ["arithmetic"],
+            "data": {"task": "arithmetic", "split": "train", "n": 16},
+            "rollout": {"batch_size": 8, "max_new_tokens": 6},
+            "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1, "save_every": 100},
+        },
+    }
+    evaluate = {
+        "after": ["ppo"],
+        "reward_model": "${dpo}",
+        "suites": [
+            {
+                "name": "arithmetic",
+                "data": {"task": "arithmetic", "split": "test", "n": 8},
+                "verifier": "arithmetic",
+                "sampling": {"temperature": 0, "max_new_tokens": 8},
+            }
+        ],
+    }
     recipe = load_recipe(recipe_with(tmp_path, sft_checkpoint, stages, evaluate))
     run_recipe(recipe)
     dpo_dir = recipe.stage_dir("dpo")
@@ -174,7 +222,9 @@ def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tm
     assert sum(rejected) / 16 == pytest.approx(trl["eval_rewards/rejected"], abs=1e-4)
     assert pairwise_accuracy(judge, tokenizer, pairs)["accuracy"] == pytest.approx(trl["eval_rewards/accuracies"])
 
-    selected = [json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
+    selected = [
+        json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()
+    ]
     assert selected and any(r["score"] != 0 for r in selected)
     assert "rm_score" in json.loads((recipe.stage_dir("ppo") / "log_history.json").read_text())[0]
     evaluated = json.loads((recipe.out / "eval" / "metrics.json").read_text())["checkpoints"]

@@ -40,8 +40,13 @@ def test_token_truncate_hand_values_and_mask():
     close(stats["is_nonfinite_frac"], 0.0)
     # KL(sampler || trainer), k3 = r - 1 - ln r: 0, 2 - ln 3 = 0.901388, -0.5 + ln 2 = 0.193147 -> mean 0.364845
     close(stats["sampler_kl"], (0.0 + 0.901388 + 0.193147) / 3)
-    close(stats["sampler_kl"], rl.masked_mean(rl.kl_estimate(torch.zeros(1, 4), w.new_tensor(
-        [[1.0, 3.0, 0.5, 100.0]]).log(), "k3"), torch.tensor([[1, 1, 1, 0]])))
+    close(
+        stats["sampler_kl"],
+        rl.masked_mean(
+            rl.kl_estimate(torch.zeros(1, 4), w.new_tensor([[1.0, 3.0, 0.5, 100.0]]).log(), "k3"),
+            torch.tensor([[1, 1, 1, 0]]),
+        ),
+    )
 
 
 def test_token_mask_hand_values():
@@ -169,8 +174,14 @@ def test_policy_loss_weights_scale_each_token():
 def test_weight_zero_silences_a_nonfinite_term():
     terms = torch.tensor([[1.0, NAN, INF]])
     close(rl.weighted_terms(terms, torch.tensor([[3.0, 0.0, 0.0]])), [[3.0, 0.0, 0.0]])
-    loss, _ = rl.policy_loss(torch.tensor([[0.0, NAN]]), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
-                             0.2, weights=torch.tensor([[1.0, 0.0]]))
+    loss, _ = rl.policy_loss(
+        torch.tensor([[0.0, NAN]]),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        0.2,
+        weights=torch.tensor([[1.0, 0.0]]),
+    )
     close(loss, -0.5)  # token 0: -A * r = -1, token 1 silenced; mean over the 2 tokens
 
 

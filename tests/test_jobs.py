@@ -19,16 +19,29 @@ from alignment.evaluation.handoff import Handoff
 from alignment.run import jobs, runner
 from alignment.run.runner import run_recipe
 
-TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
-         "logging_steps": 5}
+TRAIN = {
+    "num_train_epochs": 1,
+    "per_device_train_batch_size": 16,
+    "learning_rate": 3e-3,
+    "max_length": 64,
+    "logging_steps": 5,
+}
 
 
 def branching_recipe(tmp_path, name: str, **branch_b) -> dict:
     """sft, then two stages that both start from it and read nothing from each other."""
     branch = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 96}, "train": TRAIN}
-    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 3,
-            "stages": {"sft": {"data": {"task": "arithmetic", "n": 160}, "train": TRAIN},
-                       "a": branch, "b": {**branch, **branch_b}}}
+    return {
+        "name": name,
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / name),
+        "seed": 3,
+        "stages": {
+            "sft": {"data": {"task": "arithmetic", "n": 160}, "train": TRAIN},
+            "a": branch,
+            "b": {**branch, **branch_b},
+        },
+    }
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -38,14 +51,30 @@ def weights(folder) -> dict[str, torch.Tensor]:
 def test_dependencies_are_references_and_the_implicit_start():
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml")
     assert {s: recipe.dependencies(s) for s in recipe.stages} == {
-        "sft": [], "rm": ["sft"], "ppo": ["sft", "rm"], "rlvr": ["sft"], "dpo": ["sft"], "rsft": ["sft", "rm"]}
+        "sft": [],
+        "rm": ["sft"],
+        "ppo": ["sft", "rm"],
+        "rlvr": ["sft"],
+        "dpo": ["sft"],
+        "rsft": ["sft", "rm"],
+    }
 
 
 def test_dependencies_include_the_previous_policy_stage(tmp_path):
-    recipe = load_recipe(write_recipe(tmp_path, {
-        "name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
-        "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}},
-                   "dpo": {"data": {"task": "arithmetic", "n": 8}}}}))
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "chain",
+                "model": SMALLEST_MODEL,
+                "output_dir": str(tmp_path / "out"),
+                "stages": {
+                    "sft": {"data": {"task": "arithmetic", "n": 8}},
+                    "dpo": {"data": {"task": "arithmetic", "n": 8}},
+                },
+            },
+        )
+    )
     assert recipe.dependencies("dpo") == ["sft"]
 
 
@@ -55,8 +84,12 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # one thread per child
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    position = {text: i for i, line in enumerate(lines) for text in ("[a] started", "[b] started", "[a] done",
-                                                                     "[b] done", "[sft] done") if line.startswith(text)}
+    position = {
+        text: i
+        for i, line in enumerate(lines)
+        for text in ("[a] started", "[b] started", "[a] done", "[b] done", "[sft] done")
+        if line.startswith(text)
+    }
     assert "[sft] started in its own process (2 CPU threads)" in result.stdout  # nothing can run beside it
     assert position["[sft] done"] < position["[a] started"]
     assert max(position["[a] started"], position["[b] started"]) < min(position["[a] done"], position["[b] done"])
@@ -97,13 +130,13 @@ def test_a_failed_stage_names_itself_and_its_log_and_the_other_branch_is_kept(tm
     assert not (tmp_path / "fail" / "b" / "stage.json").exists()
 
 
-
 def test_the_failure_report_survives_a_log_that_was_removed(tmp_path):
     log = tmp_path / "b.log"
     log.write_text("".join(f"line {i}\n" for i in range(20)))
     assert jobs.log_tail(log).splitlines() == [f"  line {i}" for i in range(5, 20)]
     log.unlink()
     assert "the log cannot be read" in jobs.log_tail(log) and "No such file" in jobs.log_tail(log)
+
 
 FAKE_STAGE = """
 import json, pathlib, sys, time
@@ -159,19 +192,37 @@ def test_evaluations_start_in_free_slots_while_stages_still_run_once_their_input
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     planned = runner.planned_evaluations(recipe, list(recipe.stages))
     # Each checkpoint waits for its own stage, the reward model (rm) and the KL reference (sft).
-    assert planned == {"base": {"rm", "sft"}, "sft": {"rm", "sft"}, "ppo": {"ppo", "rm", "sft"},
-                       "dpo": {"dpo", "rm", "sft"}, "rsft": {"rsft", "rm", "sft"}, "rlvr": {"rlvr", "rm", "sft"}}
+    assert planned == {
+        "base": {"rm", "sft"},
+        "sft": {"rm", "sft"},
+        "ppo": {"ppo", "rm", "sft"},
+        "dpo": {"dpo", "rm", "sft"},
+        "rsft": {"rsft", "rm", "sft"},
+        "rlvr": {"rlvr", "rm", "sft"},
+    }
     seconds = {"sft": 0.3, "rm": 0.3, "ppo": 0.2, "rlvr": 0.2, "dpo": 0.2, "rsft": 0.2}
     # rlvr ends only once it has seen an evaluation start: they run at once, or rlvr waits out its deadline.
     partner = {"rlvr": "eval"}
     command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), str(seconds[s]), partner.get(s, "")]
     evaluation = lambda _, labels: [sys.executable, "-c", FAKE_EVALUATION, str(tmp_path), *labels]
     with caplog.at_level(logging.INFO, logger="alignment"):
-        jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02, evaluations=planned, run="r1",
-                             eval_command_for=evaluation)
+        jobs.run_in_parallel(
+            recipe,
+            list(recipe.stages),
+            2,
+            command,
+            poll_s=0.02,
+            evaluations=planned,
+            run="r1",
+            eval_command_for=evaluation,
+        )
     events = [tuple(line.split()) for line in (tmp_path / "events.txt").read_text().splitlines()]
-    scored = [(i, label) for i, (kind, what, *rest) in enumerate(events) if kind == "start" and what == "eval"
-              for label in rest[0].split(",")]
+    scored = [
+        (i, label)
+        for i, (kind, what, *rest) in enumerate(events)
+        if kind == "start" and what == "eval"
+        for label in rest[0].split(",")
+    ]
     assert sorted(label for _, label in scored) == sorted(planned)  # each checkpoint once
     for i, label in scored:
         assert all(events.index(("end", needed)) < i for needed in planned[label]), label
@@ -189,9 +240,16 @@ def test_a_failed_evaluation_process_stops_nothing_and_its_checkpoints_are_score
     command = lambda _, s: [sys.executable, "-c", FAKE_STAGE, s, str(tmp_path), "0.05", ""]
     broken = lambda _, labels: [sys.executable, "-c", "import sys; sys.exit(3)"]
     with caplog.at_level(logging.INFO, logger="alignment"):
-        results = jobs.run_in_parallel(recipe, list(recipe.stages), 2, command, poll_s=0.02, run="r1",
-                                       evaluations=runner.planned_evaluations(recipe, list(recipe.stages)),
-                                       eval_command_for=broken)
+        results = jobs.run_in_parallel(
+            recipe,
+            list(recipe.stages),
+            2,
+            command,
+            poll_s=0.02,
+            run="r1",
+            evaluations=runner.planned_evaluations(recipe, list(recipe.stages)),
+            eval_command_for=broken,
+        )
     assert sorted(results) == sorted(recipe.stages)
     assert any("failed (exit code 3" in m and "scores these checkpoints itself" in m for m in caplog.messages)
 
@@ -201,9 +259,18 @@ def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(tmp_pa
     report reads their results, and they equal an evaluation in one process on the same thread count."""
     recipe = branching_recipe(tmp_path, "ev")
     recipe["stages"]["sft"]["data"]["n"] = 64
-    recipe["evaluate"] = {"include_base": True, "reference": "sft", "suites": [
-        {"name": "arith", "data": {"task": "arithmetic", "split": "test", "n": 12}, "verifier": "arithmetic",
-         "sampling": {"temperature": 0, "max_new_tokens": 6}}]}
+    recipe["evaluate"] = {
+        "include_base": True,
+        "reference": "sft",
+        "suites": [
+            {
+                "name": "arith",
+                "data": {"task": "arithmetic", "split": "test", "n": 12},
+                "verifier": "arithmetic",
+                "sampling": {"temperature": 0, "max_new_tokens": 6},
+            }
+        ],
+    }
     path = write_recipe(tmp_path, recipe)
     result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -261,10 +328,21 @@ def test_a_stage_gets_the_whole_machine_only_where_the_graph_lets_nothing_run_be
     quickstart = load_recipe(REPO / "recipes" / "quickstart.yaml")
     assert {s for s in quickstart.stages if jobs.runs_alone(quickstart, s)} == {"sft"}
     assert jobs.upstream(quickstart, "ppo") == {"sft", "rm"}
-    chain = load_recipe(write_recipe(tmp_path, {
-        "name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
-        "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}}, "dpo": {"data": {"task": "arithmetic", "n": 8}},
-                   "rsft": {"data": {"task": "arithmetic", "n": 8}, "verifiers": ["arithmetic"]}}}))
+    chain = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "chain",
+                "model": SMALLEST_MODEL,
+                "output_dir": str(tmp_path / "out"),
+                "stages": {
+                    "sft": {"data": {"task": "arithmetic", "n": 8}},
+                    "dpo": {"data": {"task": "arithmetic", "n": 8}},
+                    "rsft": {"data": {"task": "arithmetic", "n": 8}, "verifiers": ["arithmetic"]},
+                },
+            },
+        )
+    )
     assert all(jobs.runs_alone(chain, s) for s in chain.stages)  # each starts from the one before
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert jobs.whole_machine(jobs.slot_environments(2)[0]) == {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}
@@ -293,4 +371,3 @@ def test_jobs_cannot_be_combined_with_a_multi_process_launch(tmp_path, monkeypat
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}"])
     with pytest.raises(UserError, match="cannot be combined with accelerate launch"):
         run_recipe(recipe, jobs=2)
-

@@ -47,8 +47,9 @@ def test_the_reserved_layer_holds_what_the_concatenating_layer_holds_through_eve
     # stream.pad_middle and trim assign keys, then read and assign values: each keeps its own length meanwhile
     for layer in (plain, reserved):
         layer.keys = torch.cat([layer.keys[:, :, :5], layer.keys.new_zeros(6, 2, 3, 8), layer.keys[:, :, 5:]], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :5], layer.values.new_zeros(6, 2, 3, 8),
-                                  layer.values[:, :, 5:]], dim=2)
+        layer.values = torch.cat(
+            [layer.values[:, :, :5], layer.values.new_zeros(6, 2, 3, 8), layer.values[:, :, 5:]], dim=2
+        )
     both("update", *states(6, 1, 100))
     assert reserved.get_seq_length() == 56
 
@@ -58,16 +59,19 @@ def test_a_reserved_cache_replaces_only_plain_layers(tiny_model):
     assert cache.layers and all(type(layer) is ReservedLayer for layer in cache.layers)
 
 
-def test_sampling_through_the_reserved_cache_equals_sampling_through_transformers_cache(tiny_model, prompts,
-                                                                                         monkeypatch):
+def test_sampling_through_the_reserved_cache_equals_sampling_through_transformers_cache(
+    tiny_model, prompts, monkeypatch
+):
     """The same ids and log-probs bit for bit, greedy (streamed, rows joining the batch) and sampled (n samples
     of a prompt copied from one prefill), with and without a shared prefix."""
     model, tokenizer = shaken(load_policy(str(tiny_model))), load_tokenizer(str(tiny_model))
     # two prompts after which the shaken model stops within a few tokens: rows leave and join the batch
     prompts = prompts + [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(99, 9), (12, 345)]]
-    cases = [SamplingSpec(temperature=0, max_new_tokens=20, batch_size=3),
-             SamplingSpec(temperature=1.0, n=3, max_new_tokens=20),
-             SamplingSpec(temperature=1.0, n=3, max_new_tokens=20, share_prefix=False)]
+    cases = [
+        SamplingSpec(temperature=0, max_new_tokens=20, batch_size=3),
+        SamplingSpec(temperature=1.0, n=3, max_new_tokens=20),
+        SamplingSpec(temperature=1.0, n=3, max_new_tokens=20, share_prefix=False),
+    ]
     for spec in cases:
         runs = []
         for make in (reserved_cache, lambda m: DynamicCache(config=m.config.get_text_config(decoder=True))):

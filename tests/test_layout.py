@@ -20,18 +20,18 @@ LAZY_LAYER = ("alignment.cli",)
 # The layers, top to bottom (docs/architecture.md): a module may import its own layer and those below it.
 LAYERS = [
     ("alignment.__main__", "alignment.cli"),
-    ("alignment.run",),          # what runs a recipe
-    ("alignment.evaluation",),   # what evaluates and reports
-    ("alignment.stages",),       # one module per stage kind
-    ("alignment.training",),     # what the stages share for training
-    ("alignment.tools",),        # tools, environments and the multi-turn rollout
-    ("alignment.sampling",),     # the one sampling path
-    ("alignment.models",),       # model loading
-    ("alignment.data",),         # data loading and the one rendering
+    ("alignment.run",),  # what runs a recipe
+    ("alignment.evaluation",),  # what evaluates and reports
+    ("alignment.stages",),  # one module per stage kind
+    ("alignment.training",),  # what the stages share for training
+    ("alignment.tools",),  # tools, environments and the multi-turn rollout
+    ("alignment.sampling",),  # the one sampling path
+    ("alignment.models",),  # model loading
+    ("alignment.data",),  # data loading and the one rendering
     ("alignment.verifiers", "alignment.tasks"),
-    ("alignment.rl",),           # pure tensor math
-    ("alignment.runtime",),      # process state, logging, progress, files
-    ("alignment.config",),       # torch-free specs and the recipe
+    ("alignment.rl",),  # pure tensor math
+    ("alignment.runtime",),  # process state, logging, progress, files
+    ("alignment.config",),  # torch-free specs and the recipe
     ("alignment.errors", "alignment"),
 ]
 
@@ -67,8 +67,13 @@ def import_graph() -> dict[str, dict[str, list[tuple[int, bool]]]]:
     graph = {}
     for name, path in MODULES.items():
         tree, edges = ast.parse(path.read_text()), {}
-        inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                 for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        inner = {
+            id(n)
+            for f in ast.walk(tree)
+            if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for n in ast.walk(f)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+        }
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 for target in imported_modules(name, node):
@@ -87,7 +92,7 @@ def find_cycle(graph: dict[str, dict]) -> list[str] | None:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
+                return stack[stack.index(target) :] + [target]
             if target not in state and (cycle := visit(target)):
                 return cycle
         stack.pop()
@@ -122,28 +127,47 @@ def layer_of(name: str) -> int:
 
 def test_every_module_is_in_a_layer_and_imports_none_above_its_own():
     graph = import_graph()
-    climbs = [f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)}) at line {line}"
-              for name, edges in graph.items() for target, places in edges.items() for line, _ in places
-              if layer_of(target) < layer_of(name)]
+    climbs = [
+        f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)}) at line {line}"
+        for name, edges in graph.items()
+        for target, places in edges.items()
+        for line, _ in places
+        if layer_of(target) < layer_of(name)
+    ]
     assert not climbs, "imports up the layering: " + "; ".join(climbs)
 
 
 def test_layer_of_sorts_modules_and_refuses_an_unknown_package():
-    assert [layer_of(n) for n in ("alignment.cli", "alignment.run.runner", "alignment.config.recipe", "alignment")] == \
-        [0, 1, len(LAYERS) - 2, len(LAYERS) - 1]
+    assert [layer_of(n) for n in ("alignment.cli", "alignment.run.runner", "alignment.config.recipe", "alignment")] == [
+        0,
+        1,
+        len(LAYERS) - 2,
+        len(LAYERS) - 1,
+    ]
     with pytest.raises(AssertionError, match="in no layer"):
         layer_of("alignment.somewhere_new")
 
 
 def test_no_stage_imports_another_stage():
-    siblings = [f"{name} imports {target}" for name, edges in import_graph().items() if name.startswith("alignment.stages.")
-                for target in edges if target.startswith("alignment.stages.")]
+    siblings = [
+        f"{name} imports {target}"
+        for name, edges in import_graph().items()
+        if name.startswith("alignment.stages.")
+        for target in edges
+        if target.startswith("alignment.stages.")
+    ]
     assert not siblings, "; ".join(siblings) + ": shared stage machinery belongs in alignment/training/"
 
 
 def test_our_modules_are_imported_at_the_top_everywhere_but_the_cli():
-    late = [f"{name}:{line} imports {target}" for name, edges in import_graph().items()
-            if not name.startswith(LAZY_LAYER) for target, places in edges.items() for line, inside in places if inside]
+    late = [
+        f"{name}:{line} imports {target}"
+        for name, edges in import_graph().items()
+        if not name.startswith(LAZY_LAYER)
+        for target, places in edges.items()
+        for line, inside in places
+        if inside
+    ]
     assert not late, "imports inside functions: " + "; ".join(late)
 
 
@@ -159,20 +183,27 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("alignment
 
 
 def test_loading_any_shipped_recipe_imports_no_torch_and_only_the_config_layer():
-    done = subprocess.run([sys.executable, "-c", LOAD_EVERY_RECIPE], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", LOAD_EVERY_RECIPE], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     loaded = json.loads(done.stdout)
     heavy = sorted({m.split(".")[0] for m in loaded} - {"alignment"})
     assert heavy == [], f"loading a recipe imported {heavy}"
     ours = {m for m in loaded if m.startswith("alignment")}
     assert {"alignment.config.recipe", "alignment.config.base", "alignment.config.stages.ppo"} <= ours
-    extra = sorted(m for m in ours if not m.startswith("alignment.config") and m not in ("alignment", "alignment.errors"))
+    extra = sorted(
+        m for m in ours if not m.startswith("alignment.config") and m not in ("alignment", "alignment.errors")
+    )
     assert extra == [], f"loading a recipe imported {extra}"
 
 
 def test_every_module_imports():
     names = [n for n in sorted(MODULES) if not n.endswith(("sandbox.harness", "__main__"))]  # scripts, not modules
-    done = subprocess.run([sys.executable, "-c", "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)",
-                           *names], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)", *names],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]

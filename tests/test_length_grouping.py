@@ -32,6 +32,7 @@ def test_bucketed_order_batches_one_bucket_each_in_random_order():
     assert any(bucket_of(lengths[int(o[0])]) == 6 for o in orders)  # the long batch is not always last
     assert [bucket_of(n) for n in (1, 15, 16, 31, 32)] == [1, 4, 5, 5, 6]
 
+
 # Half the prompts sycophancy-style ("I think 37+48 is 84. What is 37+48?"), twice as long as the plain ones.
 DATA = {"task": "arithmetic", "split": "train", "n": 256, "sycophancy_fraction": 0.5}
 # stage: (module, stage keys, sequences per row in a batch: the preference collators stack chosen and rejected)
@@ -45,8 +46,14 @@ STAGES = {
 def trainer_for(tmp_path, tiny_model, stage: str, strategy: str):
     module, extra, _ = STAGES[stage]
     train = {"per_device_train_batch_size": 16, "max_length": 64, "train_sampling_strategy": strategy}
-    recipe = {"name": "grouping", "model": str(tiny_model), "output_dir": str(tmp_path / strategy / "out"), "seed": 1,
-              "lora": None, "stages": {stage: {**extra, "data": DATA, "train": train}}}
+    recipe = {
+        "name": "grouping",
+        "model": str(tiny_model),
+        "output_dir": str(tmp_path / strategy / "out"),
+        "seed": 1,
+        "lora": None,
+        "stages": {stage: {**extra, "data": DATA, "train": train}},
+    }
     built = module.build_trainer(make_context(load_recipe(write_recipe(tmp_path / strategy, recipe)), stage))
     return built[0]
 

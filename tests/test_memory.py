@@ -11,8 +11,14 @@ from helpers import patch_everywhere, tiny_ppo_recipe, trainable_digest
 from alignment.training import memory
 from alignment.training.memory import ModelShape, StepShape, peak_bytes, plan
 
-QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
-                vocab_size=151936, tie_word_embeddings=True)
+QWEN_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 
 
 def saved_activation_bytes(config, dtype, tokens: int, checkpointing: bool = False) -> int:
@@ -50,8 +56,9 @@ def test_layer_activation_estimate_matches_what_autograd_saves(arch, dtype):
     tokens = 256
 
     def per_layer_and_token(checkpointing: bool) -> float:  # 3 layers minus 1: what two layers add
-        added = (saved_activation_bytes(three, dtype, tokens, checkpointing)
-                 - saved_activation_bytes(one, dtype, tokens, checkpointing))
+        added = saved_activation_bytes(three, dtype, tokens, checkpointing) - saved_activation_bytes(
+            one, dtype, tokens, checkpointing
+        )
         return added / (2 * tokens)
 
     estimate = ModelShape.from_config(three).layer_activation_bytes(torch.finfo(dtype).bits // 8)
@@ -90,10 +97,20 @@ def test_plan_turns_checkpointing_on_only_when_the_step_does_not_fit():
 def stage_recipe(tmp_path, kind: str = "sft", **train) -> dict:
     """A LoRA recipe of one stage that trains two steps on the tiny model."""
     data = {"task": "arithmetic", "n": 64} if kind == "sft" else {"task": "arithmetic", "split": "train", "n": 16}
-    return {"name": "gc", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"),
-            "seed": 1, "lora": {"r": 4, "lora_alpha": 8},
-            "stages": {kind: {"kind": kind, "data": data,
-                              "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, **train}}}}
+    return {
+        "name": "gc",
+        "model": TINY_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": {
+            kind: {
+                "kind": kind,
+                "data": data,
+                "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, **train},
+            }
+        },
+    }
 
 
 def enable_checkpointing_method() -> tuple[str, str]:
@@ -124,8 +141,9 @@ def checkpointing_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, monkeypatch, logged,
-                                                                checkpointing_calls):
+def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(
+    kind, tmp_path, monkeypatch, logged, checkpointing_calls
+):
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
 
@@ -139,8 +157,9 @@ def test_stage_turns_checkpointing_on_when_the_gpu_is_too_small(kind, tmp_path, 
     assert (recipe.stage_dir(kind) / "adapter").exists()
 
 
-def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(tmp_path, monkeypatch, logged,
-                                                                            checkpointing_calls):
+def test_stage_leaves_checkpointing_off_when_it_fits_or_the_recipe_says_so(
+    tmp_path, monkeypatch, logged, checkpointing_calls
+):
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
 
@@ -164,8 +183,9 @@ def test_step_shape_reads_each_stage_kinds_config(tmp_path):
     dpo = DPOConfig(**common, max_length=512)
     assert memory.step_shape("dpo", dpo, None) == StepShape(8, 512, reference_copy=True)
     assert memory.step_shape("dpo", dpo, 16) == StepShape(8, 512, lora_rank=16)
-    assert memory.step_shape("reward", RewardConfig(**common, max_length=512), 16) == \
-        StepShape(8, 512, vocab_logits=False, lora_rank=16)
+    assert memory.step_shape("reward", RewardConfig(**common, max_length=512), 16) == StepShape(
+        8, 512, vocab_logits=False, lora_rank=16
+    )
     grpo = GRPOConfig(**common, max_completion_length=256, num_generations=4, beta=0.04)
     assert memory.step_shape("rlvr", grpo, None) == StepShape(4, 512, reference_copy=True)
 
@@ -199,8 +219,9 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
 
     def run(checkpointing: bool):
         torch.manual_seed(0)
-        actor_critic = build_models(str(tiny_model), LoraSpec(r=4, lora_alpha=8, lora_dropout=0.5) if lora else None
-                                    ).actor_critic
+        actor_critic = build_models(
+            str(tiny_model), LoraSpec(r=4, lora_alpha=8, lora_dropout=0.5) if lora else None
+        ).actor_critic
         with torch.no_grad():  # adapters and value head away from their zero start, so every gradient shows
             for name, param in actor_critic.named_parameters():
                 if "lora_B" in name or "value_head" in name:
@@ -210,8 +231,9 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
         actor_critic.eval()
         ids = torch.randint(3, 90, (2, 12))
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                      lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
             logprobs, values, _ = actor_critic(ids, torch.ones_like(ids), 4)
         (logprobs.sum() + values.sum()).backward()
         return {n: p.grad for n, p in actor_critic.named_parameters() if p.grad is not None}, sum(saved)
@@ -223,8 +245,7 @@ def test_ppo_checkpointing_gives_the_exact_gradients_and_keeps_less(lora, tiny_m
     assert kept_checkpointing < kept / 2
 
 
-def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch,
-                                                                             logged):
+def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp_path, tiny_model, monkeypatch, logged):
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
     from alignment.training import actor_critic
@@ -242,15 +263,20 @@ def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp
 
     patch_everywhere(monkeypatch, actor_critic, "build_models", counting_build_models)
     runs = {}
-    for name, available, train in (("exact", 100 * memory.GIB, {}), ("checkpointed", 1_000_000, {}),
-                                   ("off by recipe", 1_000_000, {"gradient_checkpointing": False})):
+    for name, available, train in (
+        ("exact", 100 * memory.GIB, {}),
+        ("checkpointed", 1_000_000, {}),
+        ("off by recipe", 1_000_000, {"gradient_checkpointing": False}),
+    ):
         monkeypatch.setattr(memory, "usable_gpu_bytes", lambda available=available: available)
         folder = tmp_path / name.replace(" ", "-")
         calls.clear()
         run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, train=train)))
-        runs[name] = (logged(),
-                      trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"),
-                      sum(calls))
+        runs[name] = (
+            logged(),
+            trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"),
+            sum(calls),
+        )
     assert "[stages.ppo.train] gradient checkpointing off" in runs["exact"][0]
     assert "[stages.ppo.train] gradient checkpointing on" in runs["checkpointed"][0]
     assert "gradient checkpointing" not in runs["off by recipe"][0]

@@ -35,9 +35,14 @@ TOKENIZERS = [(name, "char") for name in sorted(FAMILIES)] + [("qwen2.5", "bpe")
 
 def conversation(spec) -> list[dict]:
     system = [{"role": "system", "content": "Answer briefly."}] if spec.system_role else []
-    return system + [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "  4"},
-                     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "six "},
-                     {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
+    return system + [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "  4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "six "},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."},
+    ]
 
 
 def trained_spans(row: dict) -> list[list[int]]:
@@ -69,12 +74,14 @@ def test_the_mask_covers_exactly_every_assistant_turn_as_the_template_renders_it
         assert span[-1] == end and span.count(end) == 1
     # Before the first answer: exactly the ids the samplers feed for it (`encode` of the rendered prompt).
     first = rows[0]
-    prompt_ids = encode(tokenizer, render_prompt(tokenizer, messages[:turns[0]]))
+    prompt_ids = encode(tokenizer, render_prompt(tokenizer, messages[: turns[0]]))
     assert first["input_ids"][: len(prompt_ids)] == prompt_ids and 1 not in first["completion_mask"][: len(prompt_ids)]
     if how == "per_turn":  # each row: the conversation before the turn as the samplers feed it, then the turn
         for row, i in zip(rows, turns):
             prompt_ids = encode(tokenizer, render_prompt(tokenizer, messages[:i]))
-            assert row["input_ids"][: len(prompt_ids)] == prompt_ids and row["completion_mask"].index(1) == len(prompt_ids)
+            assert row["input_ids"][: len(prompt_ids)] == prompt_ids and row["completion_mask"].index(1) == len(
+                prompt_ids
+            )
 
 
 @pytest.mark.parametrize("name, kind", TOKENIZERS)
@@ -94,12 +101,19 @@ def test_a_one_turn_conversation_is_a_plain_pair_and_bad_conversations_name_thei
     tokenizer = family_tokenizer("qwen2.5")
     (row,), how = render_example(tokenizer, {"messages": conversation(FAMILIES["qwen2.5"])[:3]}, 0)
     assert how == "pair" and set(row) == {"prompt", "completion"}
-    starts_with_answer = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "q"},
-                          {"role": "assistant", "content": "a"}]
+    starts_with_answer = [
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
     with pytest.raises(UserError, match=r"^row 7: .*starts with an assistant turn"):
         render_example(tokenizer, {"messages": starts_with_answer}, 7)
-    no_content = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
-                  {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    no_content = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
     with pytest.raises(UserError, match=r"^row 2: .*not \{'role': str, 'content': str\}"):
         render_example(tokenizer, {"messages": no_content}, 2)
 
@@ -110,9 +124,17 @@ WORDS = ["red", "green", "blue", "black"]
 
 
 def two_turn_rows(n: int = 64) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"colour {k % 4}?"}, {"role": "assistant", "content": WORDS[k % 4]},
-                          {"role": "user", "content": "and a number?"},
-                          {"role": "assistant", "content": str(10 + k % 8)}]} for k in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"colour {k % 4}?"},
+                {"role": "assistant", "content": WORDS[k % 4]},
+                {"role": "user", "content": "and a number?"},
+                {"role": "assistant", "content": str(10 + k % 8)},
+            ]
+        }
+        for k in range(n)
+    ]
 
 
 def answer_losses(model_dir, rows: list[dict]) -> list[float]:
@@ -147,11 +169,26 @@ def test_sft_on_two_turn_conversations_lowers_the_loss_on_the_first_answer_too(t
     rows = two_turn_rows()
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    train = {"max_steps": 40, "per_device_train_batch_size": 16, "learning_rate": 3.0e-3, "max_length": 64,
-             "assistant_only_loss": True, "logging_steps": 10}
-    recipe = load_recipe(write_recipe(tmp_path, {
-        "name": "multi-turn", "model": TINY_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-        "stages": {"sft": {"data": {"dataset": str(data)}, "train": train}}}))
+    train = {
+        "max_steps": 40,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3.0e-3,
+        "max_length": 64,
+        "assistant_only_loss": True,
+        "logging_steps": 10,
+    }
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "multi-turn",
+                "model": TINY_MODEL,
+                "output_dir": str(tmp_path / "out"),
+                "seed": 1,
+                "stages": {"sft": {"data": {"dataset": str(data)}, "train": train}},
+            },
+        )
+    )
     run_recipe(recipe)
     before, after = answer_losses(recipe.out / "base", rows), answer_losses(recipe.stage_dir("sft"), rows)
     assert after[0] < before[0] - 1.0 and after[1] < before[1] - 1.0
@@ -173,7 +210,11 @@ OPTIONS = [  # (train: options, data, None = passes check, else the error's key 
     ({"packing": True, "packing_strategy": "bfd"}, MESSAGES, None),
     ({"dataset_text_field": "text"}, TEXT, None),
     ({"assistant_only_loss": True}, TEXT, r"train\.assistant_only_loss: .*plain `text` rows"),
-    ({"assistant_only_loss": True, "completion_only_loss": False}, MESSAGES, r"train: assistant_only_loss: true .*drop one"),
+    (
+        {"assistant_only_loss": True, "completion_only_loss": False},
+        MESSAGES,
+        r"train: assistant_only_loss: true .*drop one",
+    ),
     ({"completion_only_loss": None}, MESSAGES, r"train\.completion_only_loss: None .*train on every token"),
     ({"dataset_text_field": "content"}, TEXT, r"train\.dataset_text_field: 'content' .*rename: \{<column>: text\}"),
     ({"dataset_kwargs": {"skip_prepare_dataset": True}}, MESSAGES, r"train\.dataset_kwargs: .*completion mask"),
@@ -190,13 +231,20 @@ def options_recipe(tmp_path, kind: str, train: dict, rows: list[dict]) -> dict:
         stage = {"data": {"dataset": str(data)}, "train": train}
     else:  # rsft: its data are prompts; its SFT rows are its own samples
         stage = {"kind": "rsft", "data": {"task": "arithmetic", "n": 8}, "verifiers": ["arithmetic"], "train": train}
-    return {"name": "options", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {kind: stage}}
+    return {
+        "name": "options",
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "stages": {kind: stage},
+    }
 
 
 # rsft trains on its own prompt/completion samples, never on text rows: the text-data rows are sft's alone
-@pytest.mark.parametrize("kind, train, rows, error", [("sft", *case) for case in OPTIONS] +
-                         [("rsft", *case) for case in OPTIONS if case[1] is not TEXT])
+@pytest.mark.parametrize(
+    "kind, train, rows, error",
+    [("sft", *case) for case in OPTIONS] + [("rsft", *case) for case in OPTIONS if case[1] is not TEXT],
+)
 def test_sft_options_the_stages_tokenization_makes_meaningless_are_refused_in_check(tmp_path, kind, train, rows, error):
     recipe = load_recipe(write_recipe(tmp_path, options_recipe(tmp_path, kind, train, rows)))
     ensure_base_model(recipe)

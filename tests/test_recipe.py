@@ -13,8 +13,13 @@ from alignment.run.runner import make_context, stage_record
 
 
 def base_recipe(tmp_path: Path, **stages) -> dict:
-    return {"name": "r", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"), "seed": 3,
-            "stages": stages or {"sft": {"data": {"task": "arithmetic", "n": 10}}}}
+    return {
+        "name": "r",
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 3,
+        "stages": stages or {"sft": {"data": {"task": "arithmetic", "n": 10}}},
+    }
 
 
 def error_of(tmp_path: Path, recipe: dict, overrides=()) -> str:
@@ -24,8 +29,11 @@ def error_of(tmp_path: Path, recipe: dict, overrides=()) -> str:
 
 
 def test_valid_recipe_resolves_interpolation_references_and_defaults(tmp_path):
-    recipe = base_recipe(tmp_path, sft={"data": {"task": "arithmetic", "n": 10}},
-                         sft2={"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 5}})
+    recipe = base_recipe(
+        tmp_path,
+        sft={"data": {"task": "arithmetic", "n": 10}},
+        sft2={"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 5}},
+    )
     recipe["output_dir"] = str(tmp_path / "runs" / "${name}")
     recipe["lora"] = {"r": 4}
     loaded = load_recipe(write_recipe(tmp_path, recipe))
@@ -45,8 +53,11 @@ def test_stage_lora_null_overrides_recipe_default(tmp_path):
 def test_stage_record_shows_the_lora_the_stage_trained_with(tmp_path):
     """A stage without its own `lora:` trains with the recipe's; stage.json's config (and so the model
     card) says so, and a stage that turned LoRA off says null."""
-    recipe = base_recipe(tmp_path, inherits={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
-                         full={"kind": "sft", "data": {"task": "arithmetic", "n": 5}, "lora": None})
+    recipe = base_recipe(
+        tmp_path,
+        inherits={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
+        full={"kind": "sft", "data": {"task": "arithmetic", "n": 5}, "lora": None},
+    )
     recipe["lora"] = {"r": 4, "lora_alpha": 8}
     loaded = load_recipe(write_recipe(tmp_path, recipe))
     inherited = stage_record(make_context(loaded, "inherits"), {})["config"]["lora"]
@@ -55,15 +66,20 @@ def test_stage_record_shows_the_lora_the_stage_trained_with(tmp_path):
 
 
 def test_previous_policy_stage_is_the_default_start(tmp_path):
-    recipe = base_recipe(tmp_path, a={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
-                         b={"kind": "sft", "data": {"task": "arithmetic", "n": 5}})
+    recipe = base_recipe(
+        tmp_path,
+        a={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
+        b={"kind": "sft", "data": {"task": "arithmetic", "n": 5}},
+    )
     loaded = load_recipe(write_recipe(tmp_path, recipe))
     assert loaded.start_model("b") == str(loaded.out / "a")
 
 
 def test_dotted_overrides_change_values(tmp_path):
-    loaded = load_recipe(write_recipe(tmp_path, base_recipe(tmp_path)),
-                         ["stages.sft.train.learning_rate=1e-4", "seed=7", "stages.sft.data.n=3"])
+    loaded = load_recipe(
+        write_recipe(tmp_path, base_recipe(tmp_path)),
+        ["stages.sft.train.learning_rate=1e-4", "seed=7", "stages.sft.data.n=3"],
+    )
     assert loaded.stages["sft"].train["learning_rate"] == pytest.approx(1e-4)
     assert loaded.seed == 7
     assert loaded.stages["sft"].data.task_params().n == 3
@@ -75,21 +91,51 @@ def test_dotted_overrides_change_values(tmp_path):
         (lambda r: r.update(modle="x"), ["unknown key 'modle'", "did you mean 'model'"]),
         (lambda r: r["stages"]["sft"].update(trian={}), ["stages.sft.trian", "did you mean 'train'"]),
         (lambda r: r.update(seed="abc"), ["'seed'", "integer"]),
-        (lambda r: r["stages"].update(x={"kind": "sftt"}), ["unknown stage kind 'sftt'", "did you mean 'sft'", "available kinds"]),
-        (lambda r: r["stages"].update(x={"kind": "sft", "model": "${nope}", "data": {"task": "arithmetic"}}),
-         ["stages.x.model", "'${nope}'", "not a stage"]),
-        (lambda r: r["stages"]["sft"].update(model="${later}") or r["stages"].update(
-            later={"kind": "sft", "data": {"task": "arithmetic"}}), ["runs later", "move 'later' above 'sft'"]),
-        (lambda r: r["stages"]["sft"].update(model="${b}") or r["stages"].update(
-            b={"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic"}}), ["reference cycle", "sft -> b -> sft"]),
-        (lambda r: r["stages"]["sft"].update(data={"task": "arithmetic", "digitz": 2}), ["digitz", "did you mean 'digits'"]),
+        (
+            lambda r: r["stages"].update(x={"kind": "sftt"}),
+            ["unknown stage kind 'sftt'", "did you mean 'sft'", "available kinds"],
+        ),
+        (
+            lambda r: r["stages"].update(x={"kind": "sft", "model": "${nope}", "data": {"task": "arithmetic"}}),
+            ["stages.x.model", "'${nope}'", "not a stage"],
+        ),
+        (
+            lambda r: (
+                r["stages"]["sft"].update(model="${later}")
+                or r["stages"].update(later={"kind": "sft", "data": {"task": "arithmetic"}})
+            ),
+            ["runs later", "move 'later' above 'sft'"],
+        ),
+        (
+            lambda r: (
+                r["stages"]["sft"].update(model="${b}")
+                or r["stages"].update(b={"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic"}})
+            ),
+            ["reference cycle", "sft -> b -> sft"],
+        ),
+        (
+            lambda r: r["stages"]["sft"].update(data={"task": "arithmetic", "digitz": 2}),
+            ["digitz", "did you mean 'digits'"],
+        ),
         (lambda r: r["stages"]["sft"].update(data={"dataset": "x.jsonl", "colums": 1}), ["'colums'"]),
         (lambda r: r["stages"]["sft"].update(data={"split": "train"}), ["exactly one of 'dataset'"]),
         (lambda r: r.update(stages={}), ["stages"]),
         (lambda r: r.update(output_dir="${nothere}/x"), ["interpolation", "nothere"]),
     ],
-    ids=["top-key", "stage-key", "wrong-type", "unknown-kind", "undefined-ref", "forward-ref", "cycle",
-         "task-param", "data-key", "no-source", "no-stages", "bad-interpolation"],
+    ids=[
+        "top-key",
+        "stage-key",
+        "wrong-type",
+        "unknown-kind",
+        "undefined-ref",
+        "forward-ref",
+        "cycle",
+        "task-param",
+        "data-key",
+        "no-source",
+        "no-stages",
+        "bad-interpolation",
+    ],
 )
 def test_each_bad_recipe_names_its_culprit(tmp_path, mutate, expected):
     recipe = base_recipe(tmp_path)
@@ -161,22 +207,28 @@ def test_check_cli_accepts_a_valid_recipe(tmp_path):
 
 def suites_recipe(tmp_path: Path) -> dict:
     recipe = base_recipe(tmp_path)
-    recipe["evaluate"] = {"suites": [{"name": "a", "data": {"task": "arithmetic", "split": "test", "n": 5},
-                                      "verifier": "arithmetic"}]}
+    recipe["evaluate"] = {
+        "suites": [{"name": "a", "data": {"task": "arithmetic", "split": "test", "n": 5}, "verifier": "arithmetic"}]
+    }
     return recipe
 
 
 def test_override_indexes_a_list(tmp_path):
-    loaded = load_recipe(write_recipe(tmp_path, suites_recipe(tmp_path)), ["evaluate.suites.0.data.n=3",
-                                                                            "evaluate.suites.0.name=renamed"])
+    loaded = load_recipe(
+        write_recipe(tmp_path, suites_recipe(tmp_path)),
+        ["evaluate.suites.0.data.n=3", "evaluate.suites.0.name=renamed"],
+    )
     suite = loaded.evaluate.suites[0]
     assert suite.name == "renamed" and suite.data.task_params().n == 3
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("evaluate.suites.1.name=x", ["index 1 is out of range", "'evaluate.suites' has 1 item(s)"]),
-    ("evaluate.suites.first.name=x", ["'evaluate.suites' is a list", "not 'first'"]),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("evaluate.suites.1.name=x", ["index 1 is out of range", "'evaluate.suites' has 1 item(s)"]),
+        ("evaluate.suites.first.name=x", ["'evaluate.suites' is a list", "not 'first'"]),
+    ],
+)
 def test_override_bad_list_index_names_the_key(tmp_path, override, expected):
     message = error_of(tmp_path, suites_recipe(tmp_path), [override])
     assert message.startswith(f"bad override '{override}'"), message
@@ -189,6 +241,11 @@ def test_override_mapping_replaces_the_recipes_mapping(tmp_path):
     recipe = base_recipe(tmp_path, sft={"data": {"dataset": "d.jsonl", "rename": {"q": "prompt", "a": "completion"}}})
     path = write_recipe(tmp_path, recipe)
     assert load_recipe(path, ["stages.sft.data.rename={}"]).stages["sft"].data.rename == {}
-    assert load_recipe(path, ["stages.sft.data.rename={a: completion}"]).stages["sft"].data.rename == {"a": "completion"}
+    assert load_recipe(path, ["stages.sft.data.rename={a: completion}"]).stages["sft"].data.rename == {
+        "a": "completion"
+    }
     assert load_recipe(path, ["stages.sft.data.rename.x=y"]).stages["sft"].data.rename == {
-        "q": "prompt", "a": "completion", "x": "y"}
+        "q": "prompt",
+        "a": "completion",
+        "x": "y",
+    }

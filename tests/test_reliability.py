@@ -15,8 +15,14 @@ from alignment.errors import UserError
 from alignment.run.runner import run_recipe
 from alignment.training.trainer import NonFiniteError
 
-TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 16, "learning_rate": 3e-3, "max_length": 64,
-         "save_steps": 5, "logging_steps": 1}
+TRAIN = {
+    "num_train_epochs": 1,
+    "per_device_train_batch_size": 16,
+    "learning_rate": 3e-3,
+    "max_length": 64,
+    "save_steps": 5,
+    "logging_steps": 1,
+}
 
 
 # The sft stage these tests run: the smallest model, checkpoints every 5 steps (see sft_recipe).
@@ -91,10 +97,16 @@ def test_resumed_sft_matches_uninterrupted_run(tmp_path, monkeypatch):
 
 
 def dpo_recipe(tmp_path, name, lora):
-    return {"name": name, "model": SMALLEST_MODEL, "output_dir": str(tmp_path / name), "seed": 5,
-            "lora": {"r": 4, "lora_alpha": 8} if lora else None,
-            "stages": {"dpo": {"data": {"task": "arithmetic", "n": 200},
-                               "train": {**TRAIN, "beta": 0.1, "learning_rate": 1e-3}}}}
+    return {
+        "name": name,
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / name),
+        "seed": 5,
+        "lora": {"r": 4, "lora_alpha": 8} if lora else None,
+        "stages": {
+            "dpo": {"data": {"task": "arithmetic", "n": 200}, "train": {**TRAIN, "beta": 0.1, "learning_rate": 1e-3}}
+        },
+    }
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
@@ -149,7 +161,9 @@ def test_disk_full_while_saving_is_a_clear_error_and_keeps_earlier_stages(tmp_pa
     import alignment.training.sharding as sharding
 
     monkeypatch.setattr(sharding, "save_checkpoint", full_disk)  # every stage saves through sharding.save_trained
-    with pytest.raises(UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"):
+    with pytest.raises(
+        UserError, match="stage 'sft2': could not write model.safetensors \\(No space left on device\\)"
+    ):
         run_recipe(recipe, only=["sft2"])
     assert not recipe.stage_dir("sft2").exists()
     assert (recipe.stage_dir("sft") / "model.safetensors").read_bytes() == before
@@ -160,9 +174,12 @@ def test_out_of_memory_names_the_settings_that_shrink_the_stage_and_a_rerun_resu
     out_of_memory = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\n(allocator details)")
     with monkeypatch.context() as patch:
         with_extra_callback(patch, RaiseAt(7, out_of_memory))
-        with pytest.raises(UserError, match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
-                           r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
-                           r"per_device_train_batch_size.*resumes from the last checkpoint") as caught:
+        with pytest.raises(
+            UserError,
+            match=r"(?s)stage 'sft' \(sft\) ran out of memory: CUDA out of memory\. Tried to "
+            r"allocate 2\.00 GiB\. .*stages\.sft: `train\.gradient_checkpointing: true`.*"
+            r"per_device_train_batch_size.*resumes from the last checkpoint",
+        ) as caught:
             run_recipe(recipe)
     assert "allocator details" not in str(caught.value)  # the first line of the error, not the allocator dump
     assert not recipe.stage_dir("sft").exists()
@@ -181,8 +198,11 @@ def test_out_of_memory_in_ppo_names_ppo_settings(tmp_path, tiny_model, monkeypat
         raise torch.OutOfMemoryError("CUDA out of memory.")
 
     monkeypatch.setattr(ppo, "run", out_of_memory)
-    with pytest.raises(UserError, match=r"(?s)stage 'ppo' \(ppo\) ran out of memory.*`train\.mini_batch_size`.*"
-                       r"`rollout\.batch_size`.*LoRA"):
+    with pytest.raises(
+        UserError,
+        match=r"(?s)stage 'ppo' \(ppo\) ran out of memory.*`train\.mini_batch_size`.*"
+        r"`rollout\.batch_size`.*LoRA",
+    ):
         run_recipe(load_recipe(tiny_ppo_recipe(tmp_path, tiny_model)))
 
 

@@ -7,9 +7,24 @@ import json
 from alignment.evaluation.report import MAX_CURVES, curve_keys, plot_training_curves
 
 # The keys one PPO update logs (stages/ppo.py), in the order it logs them.
-PPO_ENTRY = {"update": 1, "episodes": 8, "score": 0.4, "score_std": 0.2, "rm_score": 0.3, "verifier/arithmetic": 0.5,
-             "kl": 0.01, "entropy": 2.0, "policy_loss": -0.1, "value_loss": 0.3, "clipfrac": 0.0, "approx_kl": 0.001,
-             "ref_kl": 0.02, "kl_coef": 0.05, "learning_rate": 1e-5, "rollout_tokens_per_s": 100.0}
+PPO_ENTRY = {
+    "update": 1,
+    "episodes": 8,
+    "score": 0.4,
+    "score_std": 0.2,
+    "rm_score": 0.3,
+    "verifier/arithmetic": 0.5,
+    "kl": 0.01,
+    "entropy": 2.0,
+    "policy_loss": -0.1,
+    "value_loss": 0.3,
+    "clipfrac": 0.0,
+    "approx_kl": 0.001,
+    "ref_kl": 0.02,
+    "kl_coef": 0.05,
+    "learning_rate": 1e-5,
+    "rollout_tokens_per_s": 100.0,
+}
 
 
 def test_ppo_curves_show_the_scores_first():
@@ -43,8 +58,10 @@ def test_overoptimisation_plot_from_a_synthetic_log_history(tmp_path):
     )
 
     # The proxy keeps rising while the gold peaks and falls: the over-optimisation curve.
-    ppo = [{**PPO_ENTRY, "update": i, "kl": kl, "rm_score": 0.5 * kl, "gold/arithmetic": gold}
-           for i, (kl, gold) in enumerate([(0.0, 0.6), (1.0, 0.8), (2.0, 0.9), (4.0, 0.7), (8.0, 0.4)], 1)]
+    ppo = [
+        {**PPO_ENTRY, "update": i, "kl": kl, "rm_score": 0.5 * kl, "gold/arithmetic": gold}
+        for i, (kl, gold) in enumerate([(0.0, 0.6), (1.0, 0.8), (2.0, 0.9), (4.0, 0.7), (8.0, 0.4)], 1)
+    ]
     rlvr = [{"step": s, "kl": 0.01 * s, "rewards/reward_model/mean": 0.1 * s, "gold/arithmetic": 0.5} for s in (1, 2)]
     rlvr.append({"train_runtime": 10.0, "step": 2})  # TRL's closing entry: no KL
     folders = {}

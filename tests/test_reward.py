@@ -16,14 +16,27 @@ from alignment.errors import UserError
 from alignment.run.runner import make_context
 
 # ~110 LoRA steps from the SFT fixture (about 20 s on 2 idle cores).
-RM_TRAIN = {"learning_rate": 1.0e-3, "num_train_epochs": 1, "per_device_train_batch_size": 32,
-            "lr_scheduler_type": "cosine", "warmup_steps": 5, "logging_steps": 10, "max_length": 64}
+RM_TRAIN = {
+    "learning_rate": 1.0e-3,
+    "num_train_epochs": 1,
+    "per_device_train_batch_size": 32,
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 5,
+    "logging_steps": 10,
+    "max_length": 64,
+}
 
 
 def reward_context(tmp_path, model, lora=True, **stage):
     stage = {"kind": "reward", "data": {"task": "arithmetic", "split": "train", "n": 4000}, "train": RM_TRAIN, **stage}
-    recipe = {"name": "rm-test", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 1,
-              "lora": {"r": 16, "lora_alpha": 32} if lora else None, "stages": {"rm": stage}}
+    recipe = {
+        "name": "rm-test",
+        "model": str(model),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": {"r": 16, "lora_alpha": 32} if lora else None,
+        "stages": {"rm": stage},
+    }
     return make_context(load_recipe(write_recipe(tmp_path, recipe)), "rm")
 
 
@@ -39,8 +52,15 @@ def mistake_kind(pair: dict) -> str:
 def accuracy_by_mistake_kind(model, tokenizer, pairs: list[dict]) -> dict[str, float]:
 
     kinds = sorted({mistake_kind(p) for p in pairs})
-    return {kind: round(pairwise_accuracy(model, tokenizer, [p for p in pairs if mistake_kind(p) == kind],
-                                          batch_size=64)["accuracy"], 2) for kind in kinds}
+    return {
+        kind: round(
+            pairwise_accuracy(model, tokenizer, [p for p in pairs if mistake_kind(p) == kind], batch_size=64)[
+                "accuracy"
+            ],
+            2,
+        )
+        for kind in kinds
+    }
 
 
 @pytest.mark.slow
@@ -121,8 +141,14 @@ def test_full_reward_model_saves_and_loads(tmp_path, tiny_model):
     from alignment.stages import reward
     from alignment.training.scoring import score_texts
 
-    ctx = reward_context(tmp_path, tiny_model, lora=False, data={"task": "arithmetic", "n": 40},
-                         train={"max_steps": 2, "per_device_train_batch_size": 8}, eval_fraction=0.25)
+    ctx = reward_context(
+        tmp_path,
+        tiny_model,
+        lora=False,
+        data={"task": "arithmetic", "n": 40},
+        train={"max_steps": 2, "per_device_train_batch_size": 8},
+        eval_fraction=0.25,
+    )
     result = reward.run(ctx)
     assert result["metrics"]["pairs_eval"] == 10 and "eval_accuracy" in result["metrics"]
     model, tokenizer = load_reward_model(str(ctx.out_dir)), load_tokenizer(str(ctx.out_dir))
@@ -134,10 +160,21 @@ def test_full_reward_model_saves_and_loads(tmp_path, tiny_model):
 def test_score_head_trains_at_its_own_learning_rate(tmp_path, tiny_model, lora):
     from alignment.stages import reward
 
-    ctx = reward_context(tmp_path, tiny_model, lora=lora, data={"task": "arithmetic", "n": 32},
-                         train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-4,
-                                "weight_decay": 0.01, "lr_scheduler_type": "constant"},
-                         eval_fraction=0, score_learning_rate=3.0e-2)
+    ctx = reward_context(
+        tmp_path,
+        tiny_model,
+        lora=lora,
+        data={"task": "arithmetic", "n": 32},
+        train={
+            "max_steps": 2,
+            "per_device_train_batch_size": 8,
+            "learning_rate": 1.0e-4,
+            "weight_decay": 0.01,
+            "lr_scheduler_type": "constant",
+        },
+        eval_fraction=0,
+        score_learning_rate=3.0e-2,
+    )
     trainer, _ = reward.build_trainer(ctx)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -170,13 +207,21 @@ def test_check_names_bad_data(tmp_path, tiny_model):
         reward.check(ctx)
     rows = tmp_path / "same.jsonl"
     rows.write_text("\n".join(json.dumps({"prompt": "q", "chosen": "a", "rejected": "a"}) for _ in range(3)))
-    with pytest.raises(UserError, match=r"stages.rm.data: no usable preference pairs: all 3 rows were dropped "
-                                        r"\(3 chosen identical to rejected\)"):
+    with pytest.raises(
+        UserError,
+        match=r"stages.rm.data: no usable preference pairs: all 3 rows were dropped "
+        r"\(3 chosen identical to rejected\)",
+    ):
         reward.check(reward_context(tmp_path / "b", tiny_model, data={"dataset": str(rows)}))
     with pytest.raises(UserError, match=r"needs column\(s\) 'answer'"):
-        reward.check(reward_context(tmp_path / "c", tiny_model, data={"task": "arithmetic", "n": 4,
-                                                                       "rename": {"answer": "solution"}},
-                                    on_policy={"verifier": "arithmetic"}))
+        reward.check(
+            reward_context(
+                tmp_path / "c",
+                tiny_model,
+                data={"task": "arithmetic", "n": 4, "rename": {"answer": "solution"}},
+                on_policy={"verifier": "arithmetic"},
+            )
+        )
 
 
 def test_chained_recipe_sft_then_reward_and_dpo_and_rerun_skips(tmp_path):
@@ -184,12 +229,18 @@ def test_chained_recipe_sft_then_reward_and_dpo_and_rerun_skips(tmp_path):
     from alignment.run.runner import run_recipe
 
     tiny = {"max_steps": 3, "per_device_train_batch_size": 8, "logging_steps": 1}
-    recipe = {"name": "chain", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"),
-              "seed": 1, "lora": {"r": 4, "lora_alpha": 8},
-              "stages": {
-                  "sft": {"data": {"task": "arithmetic", "n": 40}, "train": {**tiny, "max_length": 32}},
-                  "rm": {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 40}, "train": tiny},
-                  "dpo": {"model": "${sft}", "data": {"task": "arithmetic", "n": 40}, "train": tiny}}}
+    recipe = {
+        "name": "chain",
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": {
+            "sft": {"data": {"task": "arithmetic", "n": 40}, "train": {**tiny, "max_length": 32}},
+            "rm": {"kind": "reward", "model": "${sft}", "data": {"task": "arithmetic", "n": 40}, "train": tiny},
+            "dpo": {"model": "${sft}", "data": {"task": "arithmetic", "n": 40}, "train": tiny},
+        },
+    }
     path = write_recipe(tmp_path, recipe)
     results = run_recipe(load_recipe(path))
     out = tmp_path / "out"
@@ -213,9 +264,13 @@ def test_align_merge_of_a_reward_adapter_writes_a_reward_model_with_its_trained_
     from alignment.stages import reward
     from alignment.training.scoring import score_texts
 
-    ctx = reward_context(tmp_path, tiny_model, data={"task": "arithmetic", "n": 32},
-                         train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-2},
-                         eval_fraction=0)
+    ctx = reward_context(
+        tmp_path,
+        tiny_model,
+        data={"task": "arithmetic", "n": 32},
+        train={"max_steps": 2, "per_device_train_batch_size": 8, "learning_rate": 1.0e-2},
+        eval_fraction=0,
+    )
     reward.run(ctx)
     main(["merge", str(ctx.out_dir / "adapter"), str(tmp_path / "merged")])
     config = AutoConfig.from_pretrained(str(tmp_path / "merged"))
@@ -236,8 +291,13 @@ def test_pairs_longer_than_max_length_are_dropped_counted_and_said(tmp_path, tin
     rows += [{"prompt": "What is 1+1? " + "Think it over. " * 10, "chosen": "2", "rejected": "3"}] * 4
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ctx = reward_context(tmp_path, tiny_model, data={"dataset": str(data)}, eval_fraction=0,
-                         train={"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 48})
+    ctx = reward_context(
+        tmp_path,
+        tiny_model,
+        data={"dataset": str(data)},
+        eval_fraction=0,
+        train={"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 48},
+    )
     with caplog.at_level(logging.INFO, logger="alignment"):
         trainer, counts = reward.build_trainer(ctx)
     assert counts["pairs_dropped_too_long"] == 4 and counts["pairs_train"] == 20 == len(trainer.train_dataset)
@@ -251,12 +311,14 @@ def test_on_policy_pairs_with_the_data_pairs_train_on_both_and_count_them(tmp_pa
 
     on_policy = {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6}
     data = {"task": "arithmetic", "split": "train", "n": 24}
-    trainer, counts = reward.build_trainer(reward_context(tmp_path / "a", sft_checkpoint, data=data,
-                                                          on_policy=on_policy, eval_fraction=0))
+    trainer, counts = reward.build_trainer(
+        reward_context(tmp_path / "a", sft_checkpoint, data=data, on_policy=on_policy, eval_fraction=0)
+    )
     assert 0 < counts["pairs_built"] <= 24 and "data_pairs" not in counts
     assert counts["pairs_train"] == counts["pairs_built"] == len(trainer.train_dataset)
-    ctx = reward_context(tmp_path / "b", sft_checkpoint, data=data, on_policy={**on_policy, "with_data_pairs": True},
-                         eval_fraction=0)
+    ctx = reward_context(
+        tmp_path / "b", sft_checkpoint, data=data, on_policy={**on_policy, "with_data_pairs": True}, eval_fraction=0
+    )
     trainer, counts = reward.build_trainer(ctx)
     assert counts["data_pairs"] == 24 and counts["pairs_built"] > 0
     assert counts["pairs_train"] == counts["pairs_built"] + 24 == len(trainer.train_dataset)

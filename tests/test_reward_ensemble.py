@@ -46,11 +46,22 @@ def member(path: str):
 
 
 def ensemble_context(tmp_path, model, ensemble, **stage):
-    stage = {"kind": "reward", "data": {"task": "arithmetic", "n": 40}, "eval_fraction": 0.25,
-             "train": {"max_steps": 3, "per_device_train_batch_size": 8, "learning_rate": 1.0e-3},
-             "ensemble": ensemble, **stage}
-    recipe = {"name": "ens", "model": str(model), "output_dir": str(tmp_path / "out"), "seed": 1, "lora": None,
-              "stages": {"rm": stage}}
+    stage = {
+        "kind": "reward",
+        "data": {"task": "arithmetic", "n": 40},
+        "eval_fraction": 0.25,
+        "train": {"max_steps": 3, "per_device_train_batch_size": 8, "learning_rate": 1.0e-3},
+        "ensemble": ensemble,
+        **stage,
+    }
+    recipe = {
+        "name": "ens",
+        "model": str(model),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "lora": None,
+        "stages": {"rm": stage},
+    }
     return make_context(load_recipe(write_recipe(tmp_path, recipe)), "rm")
 
 
@@ -93,12 +104,15 @@ def test_a_missing_member_or_a_bad_marker_is_named(tmp_path, tiny_model):
         load_reward_model(str(moved))
 
 
-@pytest.mark.parametrize("ensemble, message", [
-    ({"members": 1}, "ensemble.members"),
-    ({"members": 3, "penalty": 0.5}, "'penalty' weighs the members' variance in combine: uwo"),
-    ({"members": 3, "combine": "median"}, "ensemble.combine"),
-    ({"members": 3, "seeds": 2}, "seeds"),
-])
+@pytest.mark.parametrize(
+    "ensemble, message",
+    [
+        ({"members": 1}, "ensemble.members"),
+        ({"members": 3, "penalty": 0.5}, "'penalty' weighs the members' variance in combine: uwo"),
+        ({"members": 3, "combine": "median"}, "ensemble.combine"),
+        ({"members": 3, "seeds": 2}, "seeds"),
+    ],
+)
 def test_bad_ensemble_settings_are_named(tmp_path, tiny_model, ensemble, message):
     with pytest.raises(UserError, match=message):
         ensemble_context(tmp_path, tiny_model, ensemble)
@@ -108,23 +122,57 @@ def test_ppo_rsft_and_evaluation_read_the_ensemble(tmp_path, tiny_model):
     """A recipe whose reward model is an ensemble: ppo is rewarded, rsft selects and evaluation reports with
     the combined score."""
     stages = {
-        "rm": {"kind": "reward", "data": {"task": "arithmetic", "n": 40}, "eval_fraction": 0,
-               "train": {"max_steps": 2, "per_device_train_batch_size": 8}, "ensemble": {"members": 2, "combine": "min"}},
-        "rsft": {"reward_model": "${rm}", "data": {"task": "arithmetic", "split": "train", "n": 8},
-                 "sampling": {"n": 2, "max_new_tokens": 4, "temperature": 1.0},
-                 "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64}},
-        "ppo": {"policy": str(tiny_model), "reward_model": "${rm}", "data": {"task": "arithmetic", "n": 8},
-                "rollout": {"batch_size": 8, "max_new_tokens": 4},
-                "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1, "save_every": 100}}}
-    evaluate = {"after": ["ppo"], "reward_model": "${rm}",
-                "suites": [{"name": "arithmetic", "data": {"task": "arithmetic", "split": "test", "n": 4},
-                            "verifier": "arithmetic", "sampling": {"temperature": 0, "max_new_tokens": 4}}]}
-    recipe = load_recipe(write_recipe(tmp_path, {"name": "ens", "model": str(tiny_model), "output_dir":
-                                                 str(tmp_path / "out"), "seed": 1, "lora": None, "stages": stages,
-                                                 "evaluate": evaluate}))
+        "rm": {
+            "kind": "reward",
+            "data": {"task": "arithmetic", "n": 40},
+            "eval_fraction": 0,
+            "train": {"max_steps": 2, "per_device_train_batch_size": 8},
+            "ensemble": {"members": 2, "combine": "min"},
+        },
+        "rsft": {
+            "reward_model": "${rm}",
+            "data": {"task": "arithmetic", "split": "train", "n": 8},
+            "sampling": {"n": 2, "max_new_tokens": 4, "temperature": 1.0},
+            "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64},
+        },
+        "ppo": {
+            "policy": str(tiny_model),
+            "reward_model": "${rm}",
+            "data": {"task": "arithmetic", "n": 8},
+            "rollout": {"batch_size": 8, "max_new_tokens": 4},
+            "train": {"total_updates": 1, "mini_batch_size": 8, "ppo_epochs": 1, "save_every": 100},
+        },
+    }
+    evaluate = {
+        "after": ["ppo"],
+        "reward_model": "${rm}",
+        "suites": [
+            {
+                "name": "arithmetic",
+                "data": {"task": "arithmetic", "split": "test", "n": 4},
+                "verifier": "arithmetic",
+                "sampling": {"temperature": 0, "max_new_tokens": 4},
+            }
+        ],
+    }
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "ens",
+                "model": str(tiny_model),
+                "output_dir": str(tmp_path / "out"),
+                "seed": 1,
+                "lora": None,
+                "stages": stages,
+                "evaluate": evaluate,
+            },
+        )
+    )
     run_recipe(recipe)
-    selected = [json.loads(line) for line in
-                (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
+    selected = [
+        json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()
+    ]
     rm = load_reward_model(str(recipe.stage_dir("rm")))
     tokenizer = load_tokenizer(str(recipe.stage_dir("rm")))
     scored = score_texts(rm, tokenizer, [r["prompt"] for r in selected], [r["completion"] for r in selected])

@@ -92,13 +92,15 @@ def test_an_ensemble_folder_without_statistics_loads_with_mean_and_is_refused_wi
         classifier.save_pretrained(path)
         load_tokenizer(str(tiny_model)).save_pretrained(path)
     for combine in ("mean", "min", "uwo"):  # the marker an older reward stage wrote
-        (folder / "reward_ensemble.json").write_text(json.dumps({"members": [".", "members/1"], "combine": combine,
-                                                                "penalty": 1.0}))
+        (folder / "reward_ensemble.json").write_text(
+            json.dumps({"members": [".", "members/1"], "combine": combine, "penalty": 1.0})
+        )
         if combine == "mean":
             assert isinstance(load_reward_model(str(folder)), RewardEnsemble)
             continue
-        with pytest.raises(UserError, match=f"combines its members with {combine} but was written without .*reward "
-                                            "stage again"):
+        with pytest.raises(
+            UserError, match=f"combines its members with {combine} but was written without .*reward stage again"
+        ):
             load_reward_model(str(folder))
         with pytest.raises(UserError, match="written without"):
             check_reward_model("${rm}", str(folder), "stages.ppo.reward_model")
@@ -133,8 +135,9 @@ def test_an_unfinished_answer_never_scores_above_the_same_answer_finished(implic
     prompts = [QUESTION] * len(ANSWERS)
     finished = score_texts(judge, tokenizer, prompts, ANSWERS, finished=[True] * len(ANSWERS))
     cut = score_texts(judge, tokenizer, prompts, ANSWERS, finished=[False] * len(ANSWERS))
-    as_sampled = [judge.score(*map(list, zip(*[encoded(tokenizer, a, False)])), tokenizer.pad_token_id)[0]
-                  for a in ANSWERS]
+    as_sampled = [
+        judge.score(*map(list, zip(*[encoded(tokenizer, a, False)])), tokenizer.pad_token_id)[0] for a in ANSWERS
+    ]
     paid = [i for i in range(len(ANSWERS)) if as_sampled[i] > finished[i] + 1e-6]
     assert paid, "the perturbed policy lowers the end of turn after none of the answers: the test shows nothing"
     for i in range(len(ANSWERS)):  # min(as sampled, finished): skipping the end-of-turn term never pays
@@ -191,8 +194,15 @@ def test_ppo_says_when_kl_coef_is_below_the_implicit_rewards_beta(tmp_path, tiny
     tokenizer.save_pretrained(dpo)
     write_marker(dpo, str(tiny_model), BETA)
     for kl, target, warned in [(BETA / 2, None, True), (BETA, None, False), (BETA, 0.5, True), (2 * BETA, None, False)]:
-        stage = {"policy": str(tiny_model), "reward_model": str(dpo), "data": {"task": "arithmetic", "n": 4},
-                 "kl_coef": kl, "kl_target": target, "rollout": {"batch_size": 4}, "train": {"mini_batch_size": 4}}
+        stage = {
+            "policy": str(tiny_model),
+            "reward_model": str(dpo),
+            "data": {"task": "arithmetic", "n": 4},
+            "kl_coef": kl,
+            "kl_target": target,
+            "rollout": {"batch_size": 4},
+            "train": {"mini_batch_size": 4},
+        }
         recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", stage, str(tiny_model))))
         Scorer(make_context(recipe, "ppo"), "cpu")
         said = logged()

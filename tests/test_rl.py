@@ -118,8 +118,12 @@ def tiny_qwen2():
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     return Qwen2ForCausalLM(config).eval()
 
@@ -142,15 +146,16 @@ def naive_completion_logprobs(model, prompt, completion, temperature=1.0):
     tokens = torch.tensor([prompt + completion])
     logits = model(input_ids=tokens).logits[0, :-1].float() / temperature
     logps = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
-    return logps[-len(completion):]
+    return logps[-len(completion) :]
 
 
 @pytest.mark.parametrize("temperature,batch_chunk_size", [(1.0, None), (0.7, 1)])
 def test_sequence_logprobs_matches_unpadded_naive_forward(tiny_qwen2, temperature, batch_chunk_size):
     prompts, completions, ids, mask = padded_batch()
     with torch.no_grad():
-        ours = rl.sequence_logprobs(tiny_qwen2, ids, mask, 4, temperature=temperature,
-                                    batch_chunk_size=batch_chunk_size)
+        ours = rl.sequence_logprobs(
+            tiny_qwen2, ids, mask, 4, temperature=temperature, batch_chunk_size=batch_chunk_size
+        )
         assert ours.shape == (2, 4)
         for b, (p, c) in enumerate(zip(prompts, completions)):
             expected = naive_completion_logprobs(tiny_qwen2, p, c, temperature)
@@ -170,7 +175,9 @@ def test_sequence_logprobs_is_differentiable_and_validates(tiny_qwen2):
 @pytest.mark.parametrize("batch_size", [1, 16])
 def test_completion_logprob_sums_match_the_naive_forward_and_an_empty_completion_is_zero(tiny_qwen2, batch_size):
     prompts, completions, _, _ = padded_batch()
-    sums = rl.completion_logprob_sums(tiny_qwen2, prompts + [[11, 12]], completions + [[]], pad=0, batch_size=batch_size)
+    sums = rl.completion_logprob_sums(
+        tiny_qwen2, prompts + [[11, 12]], completions + [[]], pad=0, batch_size=batch_size
+    )
     with torch.no_grad():
         expected = [float(naive_completion_logprobs(tiny_qwen2, p, c).sum()) for p, c in zip(prompts, completions)]
     assert sums == pytest.approx(expected + [0.0], abs=1e-5)
@@ -244,8 +251,9 @@ def test_masked_mean_var_whiten_ignore_masked_entries():
     # masked entries are set to 0
     close(rl.masked_whiten(x, mask), [[-1.161895, -0.387298, 0.0], [0.387298, 1.161895, 0.0]], atol=1e-5)
     # shift_mean=False adds the mean back: 4 + the above
-    close(rl.masked_whiten(x, mask, shift_mean=False),
-          [[2.838105, 3.612702, 0.0], [4.387298, 5.161895, 0.0]], atol=1e-5)
+    close(
+        rl.masked_whiten(x, mask, shift_mean=False), [[2.838105, 3.612702, 0.0], [4.387298, 5.161895, 0.0]], atol=1e-5
+    )
 
 
 def test_masked_mean_empty_mask_is_zero_and_ignores_nan():

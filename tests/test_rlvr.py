@@ -30,8 +30,14 @@ from helpers import patch_everywhere
 
 from alignment.errors import UserError
 
-FAST_TRAIN = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 6,
-              "logging_steps": 1, "learning_rate": 1.0e-4}
+FAST_TRAIN = {
+    "max_steps": 2,
+    "num_generations": 4,
+    "per_device_train_batch_size": 8,
+    "max_completion_length": 6,
+    "logging_steps": 1,
+    "learning_rate": 1.0e-4,
+}
 FAST = {"data": {"task": "arithmetic", "split": "train", "n": 64}, "verifiers": ["arithmetic"], "train": FAST_TRAIN}
 
 
@@ -51,10 +57,16 @@ def test_adapter_strips_trl_kwargs_restores_prompt_and_logs(tmp_path):
 
     reward = VerifierReward(resolve(check), label="exact")
     logged = []
-    out = reward(prompts=["<rendered>a", "<rendered>b", "<rendered>c"], completions=["1", "2", "?"],
-                 completion_ids=[[1], [2], [3]], trainer_state=object(), log_extra=lambda *a: None,
-                 log_metric=lambda name, value: logged.append((name, value)),
-                 answer=["1", "3", "4"], **{SOURCE_PROMPT: ["a", "b", "c"]})
+    out = reward(
+        prompts=["<rendered>a", "<rendered>b", "<rendered>c"],
+        completions=["1", "2", "?"],
+        completion_ids=[[1], [2], [3]],
+        trainer_state=object(),
+        log_extra=lambda *a: None,
+        log_metric=lambda name, value: logged.append((name, value)),
+        answer=["1", "3", "4"],
+        **{SOURCE_PROMPT: ["a", "b", "c"]},
+    )
     assert out == [1.0, 0.0, 0.0] and all(isinstance(x, float) for x in out)
     assert seen == [("1", "a", "1"), ("2", "b", "3"), ("?", "c", "4")]  # the data's prompt, not the rendered one
     assert reward.__name__ == "exact"
@@ -99,9 +111,12 @@ def test_config_validation(tmp_path):
     stage = load_recipe(write_recipe(tmp_path, good)).stages["rlvr"]
     assert [v.name for v in stage.verifiers] == ["arithmetic", "numeric"] and stage.verifiers[1].weight == 0.5
     assert stage.algorithm == "grpo"
-    for bad, message in [({"verifiers": []}, "verifiers"), ({"algorithm": "ppo"}, "algorithm"),
-                         ({"gold": [{"nme": "arithmetic"}]}, "gold"),
-                         ({"verifier": ["arithmetic"]}, "verifier")]:
+    for bad, message in [
+        ({"verifiers": []}, "verifiers"),
+        ({"algorithm": "ppo"}, "algorithm"),
+        ({"gold": [{"nme": "arithmetic"}]}, "gold"),
+        ({"verifier": ["arithmetic"]}, "verifier"),
+    ]:
         with pytest.raises(UserError, match=message):
             load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
 
@@ -137,12 +152,16 @@ def test_grpo_centres_a_reward_models_scores_without_scaling_them_unless_the_rec
     assert args_for({}, "verifiers").scale_rewards == "group"
     assert args_for({"verifiers": [], "reward_model": "rm"}, "rm").scale_rewards == "none"
     assert args_for({"reward_model": "rm"}, "both").scale_rewards == "none"
-    assert args_for({"reward_model": "rm", "train": {**FAST_TRAIN, "scale_rewards": "group"}}, "own").scale_rewards == "group"
+    assert (
+        args_for({"reward_model": "rm", "train": {**FAST_TRAIN, "scale_rewards": "group"}}, "own").scale_rewards
+        == "group"
+    )
 
 
 def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
-    recipe = recipe_dict(tmp_path, "rlvr",
-                         {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}})
+    recipe = recipe_dict(
+        tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}}
+    )
     done = run_cli("check", write_recipe(tmp_path, recipe))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
@@ -184,11 +203,14 @@ def test_prompt_data_errors_name_the_line_of_the_file_not_of_the_shuffled_order(
     from alignment.run.runner import check_recipe
 
     rows = [{"messages": [{"role": "user", "content": f"What is {a}+1?"}], "answer": str(a + 1)} for a in range(30)]
-    broken = {17: {"messages": rows[17]["messages"]},  # no answer: the verifier's column reads None in this row
-              23: {"messages": [{"role": "user"}], "answer": "24"}}  # a message without content
+    broken = {
+        17: {"messages": rows[17]["messages"]},  # no answer: the verifier's column reads None in this row
+        23: {"messages": [{"role": "user"}], "answer": "24"},
+    }  # a message without content
     path = tmp_path / "prompts.jsonl"
     data = {"dataset": str(path), "limit": 25}  # shuffled (the default), then limited: rows 17 and 23 stay in
     if stage == "evaluation":
+
         def checked():
             load_suites([SuiteSpec(name="s", data=data, verifier="arithmetic")], 1, None)
     else:
@@ -199,8 +221,11 @@ def test_prompt_data_errors_name_the_line_of_the_file_not_of_the_shuffled_order(
 
         def checked():
             check_recipe(loaded)
-    for row, message in ((17, r"column 'answer', which verifier 'arithmetic' needs, is empty"),
-                         (23, r"a chat message is not \{'role': str, 'content': str\}")):
+
+    for row, message in (
+        (17, r"column 'answer', which verifier 'arithmetic' needs, is empty"),
+        (23, r"a chat message is not \{'role': str, 'content': str\}"),
+    ):
         written = [broken[row] if i == row else r for i, r in enumerate(rows)]
         path.write_text("".join(json.dumps(r) + "\n" for r in written))
         with pytest.raises(UserError, match=rf"line {row + 1} of \S*prompts.jsonl\W.*{message}"):
@@ -227,8 +252,9 @@ def bos_adding_tokenizer():
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"bos_token": "<|begin|>"})
     bos = tokenizer.bos_token_id
-    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single="<|begin|> $A", pair="<|begin|> $A $B",
-                                                                    special_tokens=[("<|begin|>", bos)])
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|begin|> $A", pair="<|begin|> $A $B", special_tokens=[("<|begin|>", bos)]
+    )
     tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
     return tokenizer
 
@@ -252,8 +278,9 @@ def test_use_vllm_without_vllm_is_named_before_anything_loads(tmp_path, monkeypa
     from alignment.run.runner import check_recipe
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # importlib then finds no vllm, installed or not
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr",
-                                                            {**FAST, "train": {**FAST_TRAIN, "use_vllm": True}})))
+    recipe = load_recipe(
+        write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True}}))
+    )
     with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: vllm is not installed.*use_vllm: false"):
         check_recipe(recipe)
 
@@ -285,10 +312,16 @@ def test_colocated_vllm_without_a_gpu_is_refused_with_the_reason(tmp_path, monke
 
     patch_everywhere(monkeypatch, sampling, "vllm_missing", lambda *_: None)  # as if installed
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(
-        tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True, **mode}})))
-    with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
-                                        r"sync_weights.*weight_loader.*use_vllm: false.*backend: vllm"):
+    recipe = load_recipe(
+        write_recipe(
+            tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "use_vllm": True, **mode}})
+        )
+    )
+    with pytest.raises(
+        UserError,
+        match=r"(?s)stages.rlvr.train.use_vllm: there is no CUDA GPU here.*colocate mode.*"
+        r"sync_weights.*weight_loader.*use_vllm: false.*backend: vllm",
+    ):
         check_recipe(recipe)
 
 
@@ -323,14 +356,21 @@ def test_group_signal_counts_groups_without_reward_variance_from_the_weighted_ve
     first = VerifierReward(resolve(lambda completion, a: float(a)), 1.0, "first")
     second = VerifierReward(resolve(lambda completion, b: float(b)), 0.5, "second")
     training = [True]
-    signal = GroupSignal([first, second], stop_ids=[9], num_generations=2, num_generations_eval=4,
-                         training=lambda: training[0])
+    signal = GroupSignal(
+        [first, second], stop_ids=[9], num_generations=2, num_generations_eval=4, training=lambda: training[0]
+    )
     shares = []
 
     def call(a, b, ids):
         for reward in (first, second):
-            reward(prompts=["p"] * len(a), completions=["x"] * len(a), completion_ids=ids, a=a, b=b,
-                   log_metric=lambda name, value: shares.append((name, value)))
+            reward(
+                prompts=["p"] * len(a),
+                completions=["x"] * len(a),
+                completion_ids=ids,
+                a=a,
+                b=b,
+                log_metric=lambda name, value: shares.append((name, value)),
+            )
 
     # totals [1, 1 | 1, 1.5 | 0.5, 0.5]: groups 1 and 3 are flat (group 1 though the verifiers differ)
     call(a=[1, 0, 1, 1, 0, 0], b=[0, 2, 0, 1, 1, 1], ids=[[1, 9], [2], [3, 9], [4, 9], [5], [6, 9]])
@@ -399,27 +439,44 @@ def mixed(completion, answer):
 """
 
 
-@pytest.mark.parametrize("algorithm, train", [
-    ("grpo", {"scale_rewards": "batch"}),  # TRL tests the batch's spread, not each group's
-    ("rloo", {"beta": 0.04}),  # TRL tests the rewards after the KL penalty, which differs per completion
-], ids=["grpo-batch-scaled", "rloo-with-kl"])
+@pytest.mark.parametrize(
+    "algorithm, train",
+    [
+        ("grpo", {"scale_rewards": "batch"}),  # TRL tests the batch's spread, not each group's
+        ("rloo", {"beta": 0.04}),  # TRL tests the rewards after the KL penalty, which differs per completion
+    ],
+    ids=["grpo-batch-scaled", "rloo-with-kl"],
+)
 def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_them(tmp_path, logged, algorithm, train):
     (tmp_path / "signal_verifiers.py").write_text(MIXED)
-    steps = {**FAST_TRAIN, "max_steps": 3, "num_generations": 4, "per_device_train_batch_size": 16,
-             "max_completion_length": 4, "learning_rate": 1.0e-2, **train}
-    stage = {**FAST, "algorithm": algorithm, "verifiers": ["signal_verifiers:mixed"], "train": steps,
-             "data": {"task": "arithmetic", "split": "train", "n": 32}}
+    steps = {
+        **FAST_TRAIN,
+        "max_steps": 3,
+        "num_generations": 4,
+        "per_device_train_batch_size": 16,
+        "max_completion_length": 4,
+        "learning_rate": 1.0e-2,
+        **train,
+    }
+    stage = {
+        **FAST,
+        "algorithm": algorithm,
+        "verifiers": ["signal_verifiers:mixed"],
+        "train": steps,
+        "data": {"task": "arithmetic", "split": "train", "n": 32},
+    }
     _, result, history = run(tmp_path, "rlvr", stage, model=SMALLEST_MODEL)
     rewards = [float(line) for line in (tmp_path / "rewards.log").read_text().split()]
-    groups = [rewards[i:i + 4] for i in range(0, len(rewards), 4)]
+    groups = [rewards[i : i + 4] for i in range(0, len(rewards), 4)]
     truth = sum(len(set(g)) == 1 for g in groups) / len(groups)
     trl = [h["frac_reward_zero_std"] for h in history if "frac_reward_zero_std" in h]
     assert len(rewards) == 3 * 16 and 0 < truth < 1
     assert abs(sum(trl) / len(trl) - truth) > 0.1  # what TRL's number would have reported
     metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]
     assert metrics["zero_variance_groups"] == pytest.approx(truth) == result["metrics"]["zero_variance_groups"]
-    assert [h["signal/zero_variance_groups"] for h in history if "signal/zero_variance_groups" in h] == \
-        pytest.approx([sum(len(set(g)) == 1 for g in groups[k:k + 4]) / 4 for k in (0, 4, 8)])
+    assert [h["signal/zero_variance_groups"] for h in history if "signal/zero_variance_groups" in h] == pytest.approx(
+        [sum(len(set(g)) == 1 for g in groups[k : k + 4]) / 4 for k in (0, 4, 8)]
+    )
     assert metrics["completions_sampled"] == 3 * 16
     assert 0 < metrics["completions_truncated"] <= 48 and metrics["prompts_over_context"] == 0
     assert "were cut at max_completion_length=4 tokens" in logged()
@@ -428,8 +485,17 @@ def test_groups_without_verifier_signal_are_counted_where_trls_number_misses_the
 def test_a_run_whose_groups_all_got_equal_rewards_is_warned_about(tmp_path, logged):
     (tmp_path / "constant_reward.py").write_text("def always_one(completion):\n    return 1.0\n")
     train = {**FAST_TRAIN, "num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4}
-    _, result, _ = run(tmp_path, "rlvr", {**FAST, "verifiers": ["constant_reward:always_one"], "data": {
-        "task": "arithmetic", "split": "train", "n": 8}, "train": train}, model=SMALLEST_MODEL)
+    _, result, _ = run(
+        tmp_path,
+        "rlvr",
+        {
+            **FAST,
+            "verifiers": ["constant_reward:always_one"],
+            "data": {"task": "arithmetic", "split": "train", "n": 8},
+            "train": train,
+        },
+        model=SMALLEST_MODEL,
+    )
     assert result["metrics"]["zero_variance_groups"] == 1.0
     text = logged()
     assert "[rlvr] 100% of prompt groups got the same reward" in text and "train.num_generations" in text
@@ -458,8 +524,12 @@ def test_grpo_from_sft_checkpoint_keeps_accuracy_and_logs_kl(tmp_path, sft_check
     accuracy within a CPU-minutes budget (see the note at GRPO_ARITHMETIC); this guards against collapse."""
     from safetensors.torch import load_file
 
-    stage = {"model": str(sft_checkpoint), "lora": None, "data": {"task": "arithmetic", "split": "train", "n": 2000},
-             "train": GRPO_ARITHMETIC}
+    stage = {
+        "model": str(sft_checkpoint),
+        "lora": None,
+        "data": {"task": "arithmetic", "split": "train", "n": 2000},
+        "train": GRPO_ARITHMETIC,
+    }
     before = heldout_accuracy(sft_checkpoint)
     recipe, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     after = heldout_accuracy(recipe.stage_dir("rlvr"))
@@ -498,10 +568,20 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
     """`my_verifiers:lucky_seven` (a file next to the recipe) rewards answers ending in 7: a behaviour
     the policy can learn in a few steps, so its logged reward must rise."""
     (tmp_path / "my_verifiers.py").write_text(textwrap.dedent(MY_VERIFIERS))
-    stage = {"model": str(sft_checkpoint), "lora": None, "data": {"task": "arithmetic", "split": "train", "n": 500},
-             "verifiers": [{"name": "my_verifiers:lucky_seven", "options": {"digit": "7"}}],
-             "train": {"max_steps": 20, "num_generations": 8, "per_device_train_batch_size": 64,
-                       "learning_rate": 1.0e-4, "max_completion_length": 8, "logging_steps": 2}}
+    stage = {
+        "model": str(sft_checkpoint),
+        "lora": None,
+        "data": {"task": "arithmetic", "split": "train", "n": 500},
+        "verifiers": [{"name": "my_verifiers:lucky_seven", "options": {"digit": "7"}}],
+        "train": {
+            "max_steps": 20,
+            "num_generations": 8,
+            "per_device_train_batch_size": 64,
+            "learning_rate": 1.0e-4,
+            "max_completion_length": 8,
+            "logging_steps": 2,
+        },
+    }
     _, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     key = "rewards/my_verifiers:lucky_seven/mean"  # TRL logs each reward function under its __name__
     means = [h[key] for h in history if key in h]
@@ -526,11 +606,20 @@ def test_verifier_raising_on_some_rows_does_not_stop_training(tmp_path):
 # signal is weaker and 8x costlier, so minutes of CPU are far too few for GRPO to raise greedy accuracy here.
 # Where GRPO does gain in CPU minutes (the quickstart's weaker SFT, each sample batch serving several optimizer
 # steps) tests/test_quickstart.py asserts it; docs/results.md has the figures.
-GRPO_ARITHMETIC = {"max_steps": 30, "num_generations": 8, "per_device_train_batch_size": 64, "learning_rate": 2.0e-5,
-                   "max_completion_length": 8, "temperature": 1.0, "logging_steps": 5}
+GRPO_ARITHMETIC = {
+    "max_steps": 30,
+    "num_generations": 8,
+    "per_device_train_batch_size": 64,
+    "learning_rate": 2.0e-5,
+    "max_completion_length": 8,
+    "temperature": 1.0,
+    "logging_steps": 5,
+}
 
 
-DIGITS = "def digit_share(completion, **row):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
+DIGITS = (
+    "def digit_share(completion, **row):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
+)
 
 
 def test_a_checkpoints_generation_config_does_not_change_what_rlvr_samples(tmp_path, tiny_model):
@@ -591,9 +680,15 @@ def test_reward_model_reward_scores_the_rendered_conversation_as_ppo_does(tiny_m
     sources, completions = ["What is 2+3?", "What is 40+2?"], ["5", "42"]
     ids = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
     reward = RewardModelReward(model, tokenizer, [end], weight=0.5)
-    out = reward(prompts=[render_prompt(tokenizer, p) for p in sources], completions=completions,
-                 completion_ids=[ids[0] + [end], ids[1]], trainer_state=None, log_metric=lambda *a: None,
-                 answer=["5", "42"], **{SOURCE_PROMPT: sources})
+    out = reward(
+        prompts=[render_prompt(tokenizer, p) for p in sources],
+        completions=completions,
+        completion_ids=[ids[0] + [end], ids[1]],
+        trainer_state=None,
+        log_metric=lambda *a: None,
+        answer=["5", "42"],
+        **{SOURCE_PROMPT: sources},
+    )
     assert out == score_texts(model, tokenizer, sources, completions, finished=[True, False])
     assert out[1] != score_texts(model, tokenizer, sources[1:], completions[1:])[0]  # cut != finished
     assert reward.__name__ == "reward_model" and reward.weight == 0.5
@@ -605,8 +700,11 @@ def test_reward_model_config(tmp_path):
     stage = {**FAST, "verifiers": [], "reward_model": "rm"}
     alone = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
     assert alone.stages["rlvr"].reward_model == "rm" and alone.stages["rlvr"].verifiers == []
-    for bad, message in [({"verifiers": []}, "reward_model"), ({"reward_model_weight": 2.0}, "reward_model_weight"),
-                         ({"train": {**FAST["train"], "reward_weights": [1.0, 5.0]}}, "train.reward_weights")]:
+    for bad, message in [
+        ({"verifiers": []}, "reward_model"),
+        ({"reward_model_weight": 2.0}, "reward_model_weight"),
+        ({"train": {**FAST["train"], "reward_weights": [1.0, 5.0]}}, "train.reward_weights"),
+    ]:
         with pytest.raises(UserError, match=message):
             load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **bad})))
 
@@ -626,8 +724,9 @@ def test_reward_model_with_verifiers_drives_a_run(tmp_path, tiny_model):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {"reward_model": str(rm_dir), "reward_model_weight": 0.5, "gold": ["arithmetic"]}
-    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage},
-                                                            model=str(tiny_model))))
+    recipe = load_recipe(
+        write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model)))
+    )
     assert rlvr.trl_config(make_context(recipe, "rlvr")).reward_weights == [1.0, 0.5, 0.0]
     _, result, history = run(tmp_path, "rlvr", {**FAST, **stage}, model=str(tiny_model))
     steps = [h for h in history if "reward" in h]

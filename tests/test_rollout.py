@@ -28,13 +28,23 @@ def make_rollout(lengths=(2, 5, 0, 3), prompts=(3, 1, 2, 2)) -> Rollout:
     ids, attention, mask = prompt_completion_batch(prompt_ids, response_ids, PAD)
     rows, width = len(lengths), mask.shape[1]
     grid = torch.arange(rows)[:, None] * 10.0 + torch.arange(width)[None, :]
-    return Rollout(query_responses=ids, attention_mask=attention, response_mask=mask, logprobs=-grid,
-                   ref_logprobs=-grid - 0.5, values=grid / 100, entropy=grid + 0.25,
-                   scores=torch.arange(rows, dtype=torch.float), finished=torch.tensor([True, False, True, True]))
+    return Rollout(
+        query_responses=ids,
+        attention_mask=attention,
+        response_mask=mask,
+        logprobs=-grid,
+        ref_logprobs=-grid - 0.5,
+        values=grid / 100,
+        entropy=grid + 0.25,
+        scores=torch.arange(rows, dtype=torch.float),
+        finished=torch.tensor([True, False, True, True]),
+    )
 
 
 def tensors(rollout: Rollout) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if getattr(rollout, f.name) is not None}
+    return {
+        f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout) if getattr(rollout, f.name) is not None
+    }
 
 
 def with_advantages(rollout: Rollout) -> Rollout:
@@ -45,8 +55,11 @@ def with_advantages(rollout: Rollout) -> Rollout:
 # Slicing
 
 
-@pytest.mark.parametrize("rows", [torch.tensor([2, 0]), [2, 0], slice(1, 3), torch.tensor([False, True, True, False])],
-                         ids=["tensor", "list", "slice", "bool-mask"])
+@pytest.mark.parametrize(
+    "rows",
+    [torch.tensor([2, 0]), [2, 0], slice(1, 3), torch.tensor([False, True, True, False])],
+    ids=["tensor", "list", "slice", "bool-mask"],
+)
 def test_indexing_takes_the_same_rows_of_every_field(rows):
     whole = with_advantages(make_rollout())
     part = whole[rows]
@@ -74,7 +87,9 @@ def test_trimmed_cuts_only_the_columns_that_are_padding_in_every_row():
     assert torch.equal(cut.query_responses, part.query_responses[:, :6])
     assert torch.equal(cut.attention_mask.sum(1), part.attention_mask.sum(1))  # no real token cut off
     for name in ("logprobs", "ref_logprobs", "values", "entropy", "advantages", "returns"):
-        assert masked_mean(getattr(cut, name), cut.response_mask) == masked_mean(getattr(part, name), part.response_mask)
+        assert masked_mean(getattr(cut, name), cut.response_mask) == masked_mean(
+            getattr(part, name), part.response_mask
+        )
     assert torch.equal(cut.scores, part.scores) and torch.equal(cut.finished, part.finished)
     assert all(value.is_contiguous() for value in tensors(cut).values())
     assert whole.trimmed().response_width == 5  # the longest response fills T
@@ -96,14 +111,33 @@ def test_trimmed_also_cuts_the_prompt_padding_every_row_has():
 # Construction checks
 
 
-@pytest.mark.parametrize("name, bad, message", [
-    ("values", lambda r: r.values[:, :4], r"Rollout.values: shape \[4, 4\] does not fit \[B, T\]: T is 5 in response_mask"),
-    ("scores", lambda r: r.scores[:3], r"Rollout.scores: shape \[3\] does not fit \[B\]: B is 4 in query_responses"),
-    ("logprobs", lambda r: r.logprobs[:, :, None], r"Rollout.logprobs: expected a tensor \[B, T\], got shape \[4, 5, 1\]"),
-    ("finished", lambda r: r.finished[:, None], r"Rollout.finished: expected a tensor \[B\], got shape \[4, 1\]"),
-    ("attention_mask", lambda r: r.attention_mask[:, 1:], r"Rollout.attention_mask: .* P\+T is 8 in query_responses"),
-    ("entropy", lambda r: r.entropy.tolist(), r"Rollout.entropy: expected a tensor \[B, T\], got list"),
-])
+@pytest.mark.parametrize(
+    "name, bad, message",
+    [
+        (
+            "values",
+            lambda r: r.values[:, :4],
+            r"Rollout.values: shape \[4, 4\] does not fit \[B, T\]: T is 5 in response_mask",
+        ),
+        (
+            "scores",
+            lambda r: r.scores[:3],
+            r"Rollout.scores: shape \[3\] does not fit \[B\]: B is 4 in query_responses",
+        ),
+        (
+            "logprobs",
+            lambda r: r.logprobs[:, :, None],
+            r"Rollout.logprobs: expected a tensor \[B, T\], got shape \[4, 5, 1\]",
+        ),
+        ("finished", lambda r: r.finished[:, None], r"Rollout.finished: expected a tensor \[B\], got shape \[4, 1\]"),
+        (
+            "attention_mask",
+            lambda r: r.attention_mask[:, 1:],
+            r"Rollout.attention_mask: .* P\+T is 8 in query_responses",
+        ),
+        ("entropy", lambda r: r.entropy.tolist(), r"Rollout.entropy: expected a tensor \[B, T\], got list"),
+    ],
+)
 def test_a_wrong_shaped_field_is_refused_naming_it(name, bad, message):
     rollout = make_rollout()
     with pytest.raises((ValueError, TypeError), match=message):
@@ -118,9 +152,18 @@ def test_other_inconsistencies_are_refused():
         dataclasses.replace(with_advantages(rollout), returns=rollout.values[:, :2])
     wide = torch.zeros(4, 9)
     with pytest.raises(ValueError, match="query_responses has 3 columns, fewer than the 9 of response_mask"):
-        Rollout(**{**tensors(rollout), "query_responses": rollout.query_responses[:, :3],
-                   "attention_mask": rollout.attention_mask[:, :3], "response_mask": wide, "logprobs": wide,
-                   "ref_logprobs": wide, "values": wide, "entropy": wide})
+        Rollout(
+            **{
+                **tensors(rollout),
+                "query_responses": rollout.query_responses[:, :3],
+                "attention_mask": rollout.attention_mask[:, :3],
+                "response_mask": wide,
+                "logprobs": wide,
+                "ref_logprobs": wide,
+                "values": wide,
+                "entropy": wide,
+            }
+        )
     with pytest.raises(TypeError, match="Rollout.values: expected a tensor"):
         dataclasses.replace(rollout, values=None)
 
@@ -136,10 +179,27 @@ def test_stats_stay_out_of_the_sliced_container():
 
 # LoRA; rollouts long enough that some responses stop early (micro-batches are trimmed, the EOS penalty
 # applies); running reward normalisation, adaptive KL, 2 epochs, 2 micro-batches per step.
-SEEDED_RUN = dict(rollout={"max_new_tokens": 40, "temperature": 1.5}, missing_eos_penalty=0.5, kl_target=0.5,
-                  train={"ppo_epochs": 2, "reward_norm": "running"})
-LOGGED = ("score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl", "grad_norm",
-          "explained_variance", "value_mean", "response_length", "eos_fraction")
+SEEDED_RUN = dict(
+    rollout={"max_new_tokens": 40, "temperature": 1.5},
+    missing_eos_penalty=0.5,
+    kl_target=0.5,
+    train={"ppo_epochs": 2, "reward_norm": "running"},
+)
+LOGGED = (
+    "score",
+    "kl",
+    "kl_coef",
+    "entropy",
+    "policy_loss",
+    "value_loss",
+    "clipfrac",
+    "approx_kl",
+    "grad_norm",
+    "explained_variance",
+    "value_mean",
+    "response_length",
+    "eos_fraction",
+)
 
 
 def seeded_run(folder, tiny_model) -> dict:
@@ -149,9 +209,12 @@ def seeded_run(folder, tiny_model) -> dict:
     out = folder / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
     adapter = trainable_digest(out / "adapter" / "adapter_model.safetensors").values()
-    return {"history": [{key: entry[key] for key in LOGGED} for entry in history],
-            "adapter_sum": sum(t.double().sum().item() for t in adapter),
-            "adapter_abs_sum": sum(t.double().abs().sum().item() for t in adapter)}
+    return {
+        "history": [{key: entry[key] for key in LOGGED} for entry in history],
+        "adapter_sum": sum(t.double().sum().item() for t in adapter),
+        "adapter_abs_sum": sum(t.double().abs().sum().item() for t in adapter),
+    }
+
 
 # Recorded with the loop over a dict batch (commit fe76fa9, torch 2.13 on CPU); the Rollout loop gave
 # byte-equal weights there. The tolerance leaves room for another platform's float rounding only.
@@ -169,7 +232,8 @@ RECORDED = {
     "value_mean": [0.0, -0.185495, -0.168367],
     "response_length": [32.25, 29.875, 31.375],
     "eos_fraction": [0.375, 0.625, 0.5],
-    "adapter_sum": -0.7571316527610179, "adapter_abs_sum": 418.910236444819,
+    "adapter_sum": -0.7571316527610179,
+    "adapter_abs_sum": 418.910236444819,
 }
 
 

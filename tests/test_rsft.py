@@ -25,10 +25,14 @@ from conftest import (
 from alignment.errors import UserError
 from alignment.tasks.arithmetic import verify
 
-FAST = {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": ["arithmetic"],
-        "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
-        "select": "threshold", "threshold": 0.0,  # keep every parsed sample: a random-init model is rarely right
-        "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, "learning_rate": 1.0e-3}}
+FAST = {
+    "data": {"task": "arithmetic", "split": "train", "n": 16},
+    "verifiers": ["arithmetic"],
+    "sampling": {"n": 4, "max_new_tokens": 6, "temperature": 1.0},
+    "select": "threshold",
+    "threshold": 0.0,  # keep every parsed sample: a random-init model is rarely right
+    "train": {"max_steps": 2, "per_device_train_batch_size": 8, "max_length": 64, "learning_rate": 1.0e-3},
+}
 
 
 def candidate(text, score, passed=True, parsed=True, finished=True):
@@ -42,8 +46,14 @@ def candidate(text, score, passed=True, parsed=True, finished=True):
 def test_selection_rules():
     from alignment.stages.rsft import select_samples
 
-    group = [candidate("12", 0.0, passed=False), candidate("13", 1.0), candidate(" 13", 1.0),  # duplicate
-             candidate("14", 1.0, finished=False), candidate("", 1.0), candidate("15", 0.5, passed=False)]
+    group = [
+        candidate("12", 0.0, passed=False),
+        candidate("13", 1.0),
+        candidate(" 13", 1.0),  # duplicate
+        candidate("14", 1.0, finished=False),
+        candidate("", 1.0),
+        candidate("15", 0.5, passed=False),
+    ]
     texts = lambda kept: [c["completion"] for c in kept]
     assert texts(select_samples(group, "best_of_n", 1, None, by_verifier=True)) == ["13"]
     assert texts(select_samples(group, "threshold", 1, None, by_verifier=True)) == ["13"]  # passing ones only
@@ -63,8 +73,10 @@ def test_regularized_best_of_n_ranks_by_score_plus_kl_coef_times_logprob():
     stays last; at kl_coef 0 the score alone ranks, and the threshold still reads the score."""
     from alignment.stages.rsft import select_samples
 
-    group = [{**candidate(t, score), "logprob": lp} for t, score, lp in [("a", -2.0, -1.0), ("b", 3.0, -8.0),
-                                                                         ("c", 1.0, -2.0)]]
+    group = [
+        {**candidate(t, score), "logprob": lp}
+        for t, score, lp in [("a", -2.0, -1.0), ("b", 3.0, -8.0), ("c", 1.0, -2.0)]
+    ]
     texts = lambda kept: [c["completion"] for c in kept]
     assert texts(select_samples(group, "top_k", 3, None, by_verifier=False, kl_coef=0.5)) == ["c", "b", "a"]
     assert texts(select_samples(group, "best_of_n", 1, None, by_verifier=False)) == ["b"]
@@ -86,25 +98,32 @@ def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_othe
     model, tokenizer = load_policy(str(sft_checkpoint)), load_tokenizer(str(sft_checkpoint))
     prompts = ["What is 12+7?", "What is 48+37?"]
     for temperature in (1.0, 0.5):
-        samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts],
-                           SamplingSpec(n=3, temperature=temperature, max_new_tokens=6))
+        samples = generate(
+            model,
+            tokenizer,
+            [render_prompt(tokenizer, p) for p in prompts],
+            SamplingSpec(n=3, temperature=temperature, max_new_tokens=6),
+        )
         assert all(s.logprobs is not None for s in samples)
         bare = [dataclasses.replace(s, logprobs=None) for s in samples]
         rescored = sample_logprobs(model, tokenizer, prompts, bare, 4, temperature)
         assert sample_logprobs(model, tokenizer, prompts, samples, 4, temperature) == pytest.approx(rescored, abs=1e-4)
 
 
-@pytest.mark.parametrize("stage, message", [
-    ({"verifiers": []}, "exactly one of 'verifiers'"),
-    ({"reward_model": "x"}, "exactly one of 'verifiers'"),
-    ({"verifiers": [], "reward_model": "x", "select": "threshold", "threshold": None}, "needs 'threshold'"),
-    ({"select": "best_of_n", "k": 3}, "top_k"),
-    ({"rounds": 0}, "rounds"),
-    ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
-    ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
-    ({"kl_coef": 0.1, "select": "threshold", "threshold": 0.0}, "'kl_coef' ranks candidates"),
-    ({"kl_coef": -0.1}, "kl_coef"),
-])
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"verifiers": []}, "exactly one of 'verifiers'"),
+        ({"reward_model": "x"}, "exactly one of 'verifiers'"),
+        ({"verifiers": [], "reward_model": "x", "select": "threshold", "threshold": None}, "needs 'threshold'"),
+        ({"select": "best_of_n", "k": 3}, "top_k"),
+        ({"rounds": 0}, "rounds"),
+        ({"sampling": {"n": 4, "temprature": 1.0}}, "temperature"),
+        ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
+        ({"kl_coef": 0.1, "select": "threshold", "threshold": 0.0}, "'kl_coef' ranks candidates"),
+        ({"kl_coef": -0.1}, "kl_coef"),
+    ],
+)
 def test_config_errors(tmp_path, stage, message):
     from alignment.config.recipe import load_recipe
 
@@ -133,8 +152,9 @@ def test_shipped_code_rsft_recipe_validates():
 
 
 def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
-    recipe, result, _ = run(tmp_path, "rsft",
-                            {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}})
+    recipe, result, _ = run(
+        tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}}
+    )
     out = recipe.stage_dir("rsft")
     metrics = result["metrics"]
     for k in (1, 2):
@@ -202,8 +222,15 @@ def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
     rm.config.pad_token_id = rm.config.pad_token_id or 0
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
-    stage = {"model": str(sft_checkpoint), "verifiers": [], "reward_model": str(rm_dir), "select": "top_k", "k": 2,
-             "threshold": None, "kl_coef": 0.1}
+    stage = {
+        "model": str(sft_checkpoint),
+        "verifiers": [],
+        "reward_model": str(rm_dir),
+        "select": "top_k",
+        "k": 2,
+        "threshold": None,
+        "kl_coef": 0.1,
+    }
     recipe, result, _ = run(tmp_path / "run", "rsft", {**FAST, **stage})
     rows = [json.loads(line) for line in (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
     assert rows and all(isinstance(r["score"], float) for r in rows)
@@ -231,10 +258,22 @@ def test_rsft_raises_heldout_accuracy(tmp_path, sft_checkpoint):
 # Measured from the SFT fixture (2 heavily shared cores; held-out greedy accuracy, n=200): this config
 # 0.57 -> 0.745 (round pass rates 0.235 -> 0.352); one round only: 0.645; n=1000 prompts, one round: 0.53.
 # What matters is how many correct 2-digit answers the SFT steps see (the fixture gets those ~10% right).
-RSFT_ARITHMETIC = {"data": {"task": "arithmetic", "split": "train", "n": 2000}, "rounds": 2, "select": "best_of_n",
-                   "threshold": None, "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 8, "batch_size": 256},
-                   "train": {"learning_rate": 5.0e-4, "num_train_epochs": 2, "per_device_train_batch_size": 16,
-                             "max_length": 64, "lr_scheduler_type": "cosine", "warmup_steps": 10, "logging_steps": 50}}
+RSFT_ARITHMETIC = {
+    "data": {"task": "arithmetic", "split": "train", "n": 2000},
+    "rounds": 2,
+    "select": "best_of_n",
+    "threshold": None,
+    "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 8, "batch_size": 256},
+    "train": {
+        "learning_rate": 5.0e-4,
+        "num_train_epochs": 2,
+        "per_device_train_batch_size": 16,
+        "max_length": 64,
+        "lr_scheduler_type": "cosine",
+        "warmup_steps": 10,
+        "logging_steps": 50,
+    },
+}
 MIN_GAIN = 0.10
 
 
@@ -246,8 +285,11 @@ def test_selected_rows_longer_than_max_length_are_counted_and_said(tmp_path, log
     from alignment.training.rows import token_rows
 
     (tmp_path / "accept.py").write_text("def everything(completion):\n    return 1.0\n")
-    stage = {"verifiers": ["accept:everything"], "sampling": {"n": 4, "max_new_tokens": 40, "temperature": 1.0},
-             "train": {**FAST["train"], "max_length": 32}}
+    stage = {
+        "verifiers": ["accept:everything"],
+        "sampling": {"n": 4, "max_new_tokens": 40, "temperature": 1.0},
+        "train": {**FAST["train"], "max_length": 32},
+    }
     recipe, result, _ = run(tmp_path, "rsft", {**FAST, **stage})
     out = recipe.stage_dir("rsft")
     tokenizer = load_tokenizer(str(out))

@@ -100,12 +100,16 @@ def test_running_out_of_memory_while_merging_names_the_setting(tiny_model, monke
 def test_merge_lora_is_a_no_op_without_an_adapter(tiny_model, prompts):
     tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
     spec = {"temperature": 0, "max_new_tokens": 6}
-    assert ([s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec))]
-            == [s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec, merge_lora=False))])
+    assert [s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec))] == [
+        s.token_ids for s in generate(model, tokenizer, prompts, SamplingSpec(**spec, merge_lora=False))
+    ]
 
 
-@pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9}],
-                         ids=["greedy", "sampled", "top-p"])
+@pytest.mark.parametrize(
+    "spec",
+    [{"temperature": 0}, {"temperature": 1.0, "n": 3}, {"temperature": 0.7, "top_p": 0.9}],
+    ids=["greedy", "sampled", "top-p"],
+)
 def test_a_checkpoints_generation_config_does_not_change_what_is_sampled(tiny_model, prompts, tmp_path, spec):
     tokenizer = load_tokenizer(str(tiny_model))
     clean, skewed = load_policy(str(tiny_model)), load_policy(str(with_skewed_generation_config(tiny_model, tmp_path)))
@@ -143,8 +147,13 @@ def test_the_stop_set_is_the_union_of_eos_end_of_turn_and_the_checkpoints_eos_id
 # `engine: loop` (sampling/decode.py) against `engine: generate` (one model.generate call per batch), the
 # sampler it replaced: same ids, same stops, same random draws. The tiny model's weights are shaken so that its
 # rows stop at different steps (the random-init model repeats one token), which exercises the compaction.
-LOOP_CASES = [{"temperature": 0}, {"temperature": 0, "n": 3, "batch_size": 7}, {"temperature": 1.0, "n": 3},
-              {"temperature": 0.7, "top_p": 0.9, "n": 4, "batch_size": 7}, {"temperature": 1.0, "top_k": 5, "n": 2}]
+LOOP_CASES = [
+    {"temperature": 0},
+    {"temperature": 0, "n": 3, "batch_size": 7},
+    {"temperature": 1.0, "n": 3},
+    {"temperature": 0.7, "top_p": 0.9, "n": 4, "batch_size": 7},
+    {"temperature": 1.0, "top_k": 5, "n": 2},
+]
 
 
 @pytest.fixture(scope="module")
@@ -195,8 +204,15 @@ def test_first_argmax_finds_torchs_argmax_by_chunks():
     scores[7, [3 * ARGMAX_CHUNK + 4, 3 * ARGMAX_CHUNK + 30]] = float("nan")  # the first NaN, in the last chunk
     scores[8] = 0.0
     expected = scores.argmax(dim=-1)
-    assert expected.tolist()[1:8] == [5, ARGMAX_CHUNK + 1000, vocab - 20, vocab - 1, ARGMAX_CHUNK + 2, 0,
-                                      3 * ARGMAX_CHUNK + 4]  # the cases above, as torch ranks them
+    assert expected.tolist()[1:8] == [
+        5,
+        ARGMAX_CHUNK + 1000,
+        vocab - 20,
+        vocab - 1,
+        ARGMAX_CHUNK + 2,
+        0,
+        3 * ARGMAX_CHUNK + 4,
+    ]  # the cases above, as torch ranks them
     assert torch.equal(first_argmax(scores), expected)
     assert torch.equal(first_argmax(scores[:, : 2 * ARGMAX_CHUNK]), scores[:, : 2 * ARGMAX_CHUNK].argmax(dim=-1))
     across = scores.t().contiguous().t()  # the same values, a row's entries far apart in memory
@@ -237,8 +253,9 @@ def test_greedy_tokens_found_by_chunks_are_generates(tiny_model, varied_model, v
 
 @pytest.mark.parametrize("compaction", [False, True], ids=["rows-stay", "rows-leave"])
 @pytest.mark.parametrize("spec", [{"temperature": 0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled"])
-def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_model, varied_prompts, spec,
-                                                            compaction, monkeypatch):
+def test_the_decode_loops_logprobs_are_generates_raw_logits(
+    tiny_model, varied_model, varied_prompts, spec, compaction, monkeypatch
+):
     """The reference is model.generate's own per-step logits (output_logits) for the same left-padded batch. While
     every row stays in the batch the log-probs are those bit for bit; once finished rows leave it, the BLAS kernels
     of a smaller batch may sum in another order (seen on an AVX512 host: 1.5e-6 on this model; bit for bit on an
@@ -254,29 +271,38 @@ def test_the_decode_loops_logprobs_are_generates_raw_logits(tiny_model, varied_m
     looped = generate(varied_model, tokenizer, varied_prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
     assert len({len(s.token_ids) for s in looped}) > 1  # rows stop at different steps (and leave, with compaction)
     stops = stop_token_ids(tokenizer, varied_model)
-    order = sorted(range(len(looped)), key=lambda k: -len(tokenizer(varied_prompts[k // spec.get("n", 1)],
-                                                                        add_special_tokens=False)["input_ids"]))
+    order = sorted(
+        range(len(looped)),
+        key=lambda k: -len(tokenizer(varied_prompts[k // spec.get("n", 1)], add_special_tokens=False)["input_ids"]),
+    )
     rows = [tokenizer(varied_prompts[k // spec.get("n", 1)], add_special_tokens=False)["input_ids"] for k in order]
     input_ids, attention = left_padded(rows, tokenizer.pad_token_id, "cpu")
     torch.manual_seed(0)
     with torch.no_grad(), checkpoint_sampling_defaults_off(varied_model):
-        out = varied_model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=24,
-                                    do_sample=spec["temperature"] > 0, eos_token_id=stops,
-                                    pad_token_id=tokenizer.pad_token_id, output_logits=True,
-                                    return_dict_in_generate=True)
+        out = varied_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=24,
+            do_sample=spec["temperature"] > 0,
+            eos_token_id=stops,
+            pad_token_id=tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     steps = [logits.log_softmax(-1) for logits in out.logits]  # per step [batch, vocab], as the loop computes them
     for row, k in enumerate(order):
         sample = looped[k]
         expected = [steps[t][row, token].item() for t, token in enumerate(sample.token_ids)]
-        assert out.sequences[row, input_ids.shape[1]:][: len(sample.token_ids)].tolist() == sample.token_ids
+        assert out.sequences[row, input_ids.shape[1] :][: len(sample.token_ids)].tolist() == sample.token_ids
         if compaction:
             assert sample.logprobs == pytest.approx(expected, abs=1e-5, rel=0)
         else:
             assert sample.logprobs == expected  # bit for bit
 
 
-def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(tiny_model, varied_model, varied_prompts,
-                                                                           monkeypatch):
+def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(
+    tiny_model, varied_model, varied_prompts, monkeypatch
+):
     tokenizer = load_tokenizer(str(tiny_model))
     batches, logits = [], []
     forward = varied_model.forward
@@ -307,8 +333,10 @@ def test_a_shared_prefix_is_prefilled_once_and_samples_the_same(tiny_model, vari
     false, which the test above holds equal to generate), log-probs to fp32 rounding."""
     tokenizer = load_tokenizer(str(tiny_model))
     system = {"role": "system", "content": "Answer with the sum only."}
-    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
-               for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
+    prompts = [
+        render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+        for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]
+    ]
     shared = shared_prefix([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts])
     assert shared >= 8
     shapes, forward = [], varied_model.forward
@@ -322,8 +350,9 @@ def test_a_shared_prefix_is_prefilled_once_and_samples_the_same(tiny_model, vari
     for share in (True, False):
         monkeypatch.setattr(varied_model, "forward", recording)
         torch.manual_seed(0)
-        runs[share] = generate(varied_model, tokenizer, prompts,
-                               SamplingSpec(max_new_tokens=24, share_prefix=share, **spec))
+        runs[share] = generate(
+            varied_model, tokenizer, prompts, SamplingSpec(max_new_tokens=24, share_prefix=share, **spec)
+        )
         monkeypatch.undo()
         if share:
             assert shapes[0] == (1, shared) and shapes[1][1] < max(len(tokenizer(p)["input_ids"]) for p in prompts)
@@ -372,7 +401,11 @@ def test_the_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_checkp
     batch 2, where the loop streams the rows (sampling/stream.py)."""
     tokenizer, model = load_tokenizer(str(smollm2_checkpoint)), load_policy(str(smollm2_checkpoint))
     prompts = [render_prompt(tokenizer, f"What is {a} + {b}? Answer briefly.") for a, b in [(2, 3), (37, 48), (120, 7)]]
-    for spec in ({"temperature": 0}, {"temperature": 1.0, "n": 4, "batch_size": 6}, {"temperature": 0, "batch_size": 2}):
+    for spec in (
+        {"temperature": 0},
+        {"temperature": 1.0, "n": 4, "batch_size": 6},
+        {"temperature": 0, "batch_size": 2},
+    ):
         reference, looped = both_engines(model, tokenizer, prompts, **spec)
         assert [s.token_ids for s in looped] == [s.token_ids for s in reference]
         assert [s.finished for s in looped] == [s.finished for s in reference]
@@ -380,17 +413,22 @@ def test_the_decode_loop_samples_what_generate_samples_on_smollm2(smollm2_checkp
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared-prefix", "whole-prompts"])
-def test_kept_prefills_give_the_same_samples_without_running_the_prompts_again(tiny_model, varied_model, share,
-                                                                                 monkeypatch):
+def test_kept_prefills_give_the_same_samples_without_running_the_prompts_again(
+    tiny_model, varied_model, share, monkeypatch
+):
     """Inside `prefills_kept`, a second call on the same prompts (greedy, then temperature 1 as the evaluation's KL
     samples) decodes from the first call's prefill: the same ids, finished flags and log-probs as calls without it,
     bit for bit, and only one-token decode steps run in the second call."""
     tokenizer = load_tokenizer(str(tiny_model))
     system = {"role": "system", "content": "Answer with the sum only."}
-    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
-               for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]]
-    specs = [SamplingSpec(temperature=0, max_new_tokens=16, batch_size=3, share_prefix=share),
-             SamplingSpec(temperature=1.0, max_new_tokens=16, batch_size=3, share_prefix=share)]
+    prompts = [
+        render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+        for a, b in [(1, 2), (37, 48), (5, 60), (99, 9), (12, 345)]
+    ]
+    specs = [
+        SamplingSpec(temperature=0, max_new_tokens=16, batch_size=3, share_prefix=share),
+        SamplingSpec(temperature=1.0, max_new_tokens=16, batch_size=3, share_prefix=share),
+    ]
 
     def both(kept: bool):
         widths, forward = [], varied_model.forward

@@ -42,8 +42,9 @@ def varied_model(tiny_model):
     return shaken(load_policy(str(tiny_model)))
 
 
-@pytest.mark.parametrize("spec", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}],
-                         ids=["temperature-1", "top-k"])
+@pytest.mark.parametrize(
+    "spec", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}], ids=["temperature-1", "top-k"]
+)
 def test_inverse_cdf_draws_follow_the_models_distribution(tiny_model, varied_model, prompts, spec):
     """3000 one-token samples of one prompt: their frequencies match the warped softmax (total variation < 0.05),
     and top-k's cut tokens never appear."""

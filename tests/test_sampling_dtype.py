@@ -76,8 +76,9 @@ def test_the_models_own_weights_come_back_untouched(tiny_model, varied_model, pr
         assert torch.equal(p, before[name][1])
 
 
-def test_the_bf16_copy_is_kept_between_calls_refilled_at_each_and_dropped_with_the_model(tiny_model, prompts,
-                                                                                         monkeypatch):
+def test_the_bf16_copy_is_kept_between_calls_refilled_at_each_and_dropped_with_the_model(
+    tiny_model, prompts, monkeypatch
+):
     """On CPU a second call samples from the same bf16 storage as the first (no fresh pages), filled from the weights
     as they are then: after an update its samples are the updated model's cast to bf16. The copies go with the
     model."""
@@ -149,8 +150,11 @@ def head_inputs(model, tokenizer, prompts, **spec) -> list[tuple[int, bool]]:
     and whether its input's strides were the compact ones (not is_contiguous(): a one-row slice counts as contiguous
     whatever its strides)."""
     head, seen = model.get_output_embeddings(), []
-    spy = head.register_forward_hook(lambda module, args, output: seen.append(
-        (args[0].shape[-2], args[0].stride() == torch.empty(args[0].shape).stride())))
+    spy = head.register_forward_hook(
+        lambda module, args, output: seen.append(
+            (args[0].shape[-2], args[0].stride() == torch.empty(args[0].shape).stride())
+        )
+    )
     try:
         sampled(model, tokenizer, prompts, temperature=0, **spec)
     finally:
@@ -160,8 +164,9 @@ def head_inputs(model, tokenizer, prompts, **spec) -> list[tuple[int, bool]]:
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
-def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_generates_view(tiny_model, varied_model,
-                                                                                        varied_prompts, bf16):
+def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_generates_view(
+    tiny_model, varied_model, varied_prompts, bf16
+):
     """torch's CPU linear runs a strided [rows, 1, hidden] input (the prefill's `logits_to_keep=1` slice) through a
     frozen head as a batched product over a per-row copy of its weight: 1000x slower in bf16 on SmolLM2
     (decode.contiguous_head_input).
@@ -186,8 +191,10 @@ def test_a_shared_prefix_asks_the_head_for_no_logits(tiny_model, varied_model, b
     (models.prefix.prefix_cache), so the head multiplies nothing; the prompts' rest then gets one position each."""
     tokenizer = load_tokenizer(str(tiny_model))
     system = {"role": "system", "content": "Answer with the sum only."}
-    prompts = [render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
-               for a, b in [(1, 2), (37, 48), (5, 60)]]
+    prompts = [
+        render_prompt(tokenizer, [system, {"role": "user", "content": f"What is {a}+{b}?"}])
+        for a, b in [(1, 2), (37, 48), (5, 60)]
+    ]
     assert shared_prefix([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]) >= 8
     model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
     seen = head_inputs(model, tokenizer, prompts)
@@ -196,8 +203,9 @@ def test_a_shared_prefix_asks_the_head_for_no_logits(tiny_model, varied_model, b
     assert compact[1] is bf16 and all(compact[2:])  # the rest's slice as in the prefill without a prefix
 
 
-ONEDNN_BF16 = pytest.mark.skipif(not onednn_runs_bf16(),
-                                 reason="not an x86 CPU with native bf16 (AVX512-BF16 or AMX): no weights are prepacked")
+ONEDNN_BF16 = pytest.mark.skipif(
+    not onednn_runs_bf16(), reason="not an x86 CPU with native bf16 (AVX512-BF16 or AMX): no weights are prepacked"
+)
 
 
 def packed_calls(monkeypatch) -> list[int]:
@@ -210,8 +218,9 @@ def packed_calls(monkeypatch) -> list[int]:
 
 @ONEDNN_BF16
 @pytest.mark.parametrize("spec", CASES, ids=["greedy-streamed", "sampled", "top-p"])
-def test_prepacked_bf16_linears_sample_what_torchs_own_linear_samples(tiny_model, varied_model, varied_prompts,
-                                                                       spec, monkeypatch):
+def test_prepacked_bf16_linears_sample_what_torchs_own_linear_samples(
+    tiny_model, varied_model, varied_prompts, spec, monkeypatch
+):
     tokenizer = load_tokenizer(str(tiny_model))
     calls = packed_calls(monkeypatch)
     packed = sampled(varied_model, tokenizer, varied_prompts, dtype="bfloat16", **spec)
@@ -249,8 +258,9 @@ def test_prepacked_linears_covers_bf16_linear_layers_only_and_puts_their_forward
     assert not packs_for_onednn(torch.nn.Embedding(4, 2).to(torch.bfloat16))
     biased = torch.nn.Linear(bf16.config.hidden_size, 8).to(torch.bfloat16)  # Qwen2's q, k and v carry a bias
     with prepacked_linears(biased):
-        assert "forward" in vars(biased) and torch.equal(biased(x), torch.nn.functional.linear(x, biased.weight,
-                                                                                              biased.bias))
+        assert "forward" in vars(biased) and torch.equal(
+            biased(x), torch.nn.functional.linear(x, biased.weight, biased.bias)
+        )
 
 
 @ONEDNN_BF16

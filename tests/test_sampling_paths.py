@@ -68,8 +68,9 @@ class EngineCheck:
             samples = self.original(model, tokenizer, encoded, settings, progress, logprobs)
         else:
             state = torch.get_rng_state()
-            reference = self.original(model, tokenizer, encoded, settings.model_copy(update={"engine": "generate"}),
-                                      progress, logprobs=True)
+            reference = self.original(
+                model, tokenizer, encoded, settings.model_copy(update={"engine": "generate"}), progress, logprobs=True
+            )
             after = torch.get_rng_state()
             torch.set_rng_state(state)
             samples = self.original(model, tokenizer, encoded, settings, progress, logprobs)
@@ -88,9 +89,11 @@ class EngineCheck:
 
 
 def first_difference(reference, got) -> str:
-    at = next((t for t, (a, b) in enumerate(zip(reference.token_ids, got.token_ids)) if a != b),
-              min(len(reference.token_ids), len(got.token_ids)))
-    return f"first differing token at step {at}: generate {reference.token_ids[at:at + 1]}, loop {got.token_ids[at:at + 1]}"
+    at = next(
+        (t for t, (a, b) in enumerate(zip(reference.token_ids, got.token_ids)) if a != b),
+        min(len(reference.token_ids), len(got.token_ids)),
+    )
+    return f"first differing token at step {at}: generate {reference.token_ids[at : at + 1]}, loop {got.token_ids[at : at + 1]}"
 
 
 @pytest.fixture(scope="module")
@@ -137,27 +140,39 @@ def run_ppo(folder: Path, policy: Path, engine: str | None, merge_lora: bool = T
     run_recipe(load_recipe(path))
     out = folder / "out" / "ppo"
     history = json.loads((out / "log_history.json").read_text())
-    return ([(h["score"], h["kl"], h["response_length"]) for h in history],
-            weights(out / "adapter" / "adapter_model.safetensors"))
+    return (
+        [(h["score"], h["kl"], h["response_length"]) for h in history],
+        weights(out / "adapter" / "adapter_model.safetensors"),
+    )
 
 
 def run_rsft(folder: Path, policy: Path, engine: str | None):
-    stage = {"data": {"task": "arithmetic", "split": "train", "n": 8}, "verifiers": [VERIFIER],
-             "sampling": with_engine({"n": 4, "max_new_tokens": 8, "temperature": 1.0, "batch_size": 6}, engine),
-             "select": "threshold", "threshold": 1.0,
-             "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64}}
+    stage = {
+        "data": {"task": "arithmetic", "split": "train", "n": 8},
+        "verifiers": [VERIFIER],
+        "sampling": with_engine({"n": 4, "max_new_tokens": 8, "temperature": 1.0, "batch_size": 6}, engine),
+        "select": "threshold",
+        "threshold": 1.0,
+        "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64},
+    }
     return files(run_stage(folder, "rsft", stage, policy), "selected_round1.jsonl")
 
 
 def run_on_policy_pairs(folder: Path, policy: Path, engine: str | None):
-    stage = {"data": {"task": "arithmetic", "split": "train", "n": 8},
-             "on_policy": with_engine({"verifier": VERIFIER, "n": 4, "temperature": 0.9, "top_k": 20,
-                                       "max_new_tokens": 8, "batch_size": 6}, engine),
-             "train": {"max_steps": 1, "per_device_train_batch_size": 4, "logging_steps": 1}}
+    stage = {
+        "data": {"task": "arithmetic", "split": "train", "n": 8},
+        "on_policy": with_engine(
+            {"verifier": VERIFIER, "n": 4, "temperature": 0.9, "top_k": 20, "max_new_tokens": 8, "batch_size": 6},
+            engine,
+        ),
+        "train": {"max_steps": 1, "per_device_train_batch_size": 4, "logging_steps": 1},
+    }
     out = run_stage(folder, "dpo", stage, policy, lora={"r": 4, "lora_alpha": 8})
     metrics = json.loads((out / "stage.json").read_text())["metrics"]
-    return ({k: metrics[k] for k in ("pairs_built", "prompts_dropped")},
-            weights(out / "adapter" / "adapter_model.safetensors"))
+    return (
+        {k: metrics[k] for k in ("pairs_built", "prompts_dropped")},
+        weights(out / "adapter" / "adapter_model.safetensors"),
+    )
 
 
 def run_evaluation(folder: Path, policy: Path, engine: str | None):
@@ -169,9 +184,13 @@ def run_evaluation(folder: Path, policy: Path, engine: str | None):
     reference = folder / "reference"
     if not reference.exists():
         shutil.copytree(policy, reference)
-    suite = SuiteSpec(name="arith", data={"task": "arithmetic", "split": "test", "n": 6}, verifier="arithmetic",
-                      sampling=with_engine({"temperature": 0, "max_new_tokens": 8, "batch_size": 4}, engine),
-                      pass_k=with_engine({"n": 4, "k": [2, 4], "temperature": 0.8, "top_p": 0.9}, engine))
+    suite = SuiteSpec(
+        name="arith",
+        data={"task": "arithmetic", "split": "test", "n": 6},
+        verifier="arithmetic",
+        sampling=with_engine({"temperature": 0, "max_new_tokens": 8, "batch_size": 4}, engine),
+        pass_k=with_engine({"n": 4, "k": [2, 4], "temperature": 0.8, "top_p": 0.9}, engine),
+    )
     evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval", reference=str(reference))
     lines = [json.loads(line) for line in (folder / "eval" / "samples.jsonl").read_text().splitlines()]
     assert any("kl" in line for line in lines)
@@ -179,29 +198,54 @@ def run_evaluation(folder: Path, policy: Path, engine: str | None):
 
 
 def run_tool_evaluation(folder: Path, policy: Path, engine: str | None):
-    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 8},
-                      verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
-                      max_turns=3, sampling=with_engine({"temperature": 1.0, "max_new_tokens": 200}, engine))
+    suite = SuiteSpec(
+        name="products",
+        data={"task": "tool_arithmetic", "split": "test", "n": 8},
+        verifier="arithmetic",
+        tools=["calculator"],
+        tool_format="hermes",
+        describe_tools=False,
+        max_turns=3,
+        sampling=with_engine({"temperature": 1.0, "max_new_tokens": 200}, engine),
+    )
     evaluate_checkpoints({"policy": str(policy)}, [suite], folder / "eval")
     return files(folder / "eval", "samples.jsonl")
 
 
 def run_tool_rsft(folder: Path, policy: Path, engine: str | None):
-    stage = {"data": {"task": "tool_arithmetic", "split": "train", "n": 6}, "verifiers": [VERIFIER],
-             "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False, "max_turns": 3,
-             "sampling": with_engine({"n": 2, "max_new_tokens": 200, "temperature": 1.0}, engine),
-             "select": "threshold", "threshold": 1.0,
-             "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256}}
+    stage = {
+        "data": {"task": "tool_arithmetic", "split": "train", "n": 6},
+        "verifiers": [VERIFIER],
+        "tools": ["calculator"],
+        "tool_format": "hermes",
+        "describe_tools": False,
+        "max_turns": 3,
+        "sampling": with_engine({"n": 2, "max_new_tokens": 200, "temperature": 1.0}, engine),
+        "select": "threshold",
+        "threshold": 1.0,
+        "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256},
+    }
     return files(run_stage(folder, "rsft", stage, policy), "selected_round1.jsonl")
 
 
 def run_tool_rlvr(folder: Path, policy: Path, engine: str | None):
     """GRPO's rollout_func builds its sampling settings from TRL's arguments: no engine to name."""
     assert engine is None
-    stage = {"data": {"task": "arithmetic", "split": "train", "n": 8}, "verifiers": ["arithmetic"],
-             "tools": ["calculator"], "tool_format": "hermes", "max_turns": 3, "max_tool_output_tokens": 16,
-             "train": {"max_steps": 1, "num_generations": 4, "per_device_train_batch_size": 8,
-                       "max_completion_length": 200, "logging_steps": 1}}
+    stage = {
+        "data": {"task": "arithmetic", "split": "train", "n": 8},
+        "verifiers": ["arithmetic"],
+        "tools": ["calculator"],
+        "tool_format": "hermes",
+        "max_turns": 3,
+        "max_tool_output_tokens": 16,
+        "train": {
+            "max_steps": 1,
+            "num_generations": 4,
+            "per_device_train_batch_size": 8,
+            "max_completion_length": 200,
+            "logging_steps": 1,
+        },
+    }
     run_stage(folder, "rlvr", stage, policy)
 
 
@@ -212,14 +256,16 @@ class SamplingPath(NamedTuple):
     calls: int  # at least this many (a multi-turn rollout calls the sampler once per turn)
 
 
-PATHS = {"ppo": SamplingPath(run_ppo, True, {1.0}, 2),
-         "ppo-unmerged-lora": SamplingPath(functools.partial(run_ppo, merge_lora=False), True, {1.0}, 2),
-         "rsft": SamplingPath(run_rsft, True, {1.0}, 1),
-         "on-policy-pairs": SamplingPath(run_on_policy_pairs, True, {0.9}, 1),
-         "evaluation": SamplingPath(run_evaluation, True, {0, 0.8, 1.0}, 3),
-         "tools-evaluation": SamplingPath(run_tool_evaluation, True, {1.0}, 2),
-         "tools-rsft": SamplingPath(run_tool_rsft, True, {1.0}, 2),
-         "tools-rlvr": SamplingPath(run_tool_rlvr, False, {1.0}, 2)}
+PATHS = {
+    "ppo": SamplingPath(run_ppo, True, {1.0}, 2),
+    "ppo-unmerged-lora": SamplingPath(functools.partial(run_ppo, merge_lora=False), True, {1.0}, 2),
+    "rsft": SamplingPath(run_rsft, True, {1.0}, 1),
+    "on-policy-pairs": SamplingPath(run_on_policy_pairs, True, {0.9}, 1),
+    "evaluation": SamplingPath(run_evaluation, True, {0, 0.8, 1.0}, 3),
+    "tools-evaluation": SamplingPath(run_tool_evaluation, True, {1.0}, 2),
+    "tools-rsft": SamplingPath(run_tool_rsft, True, {1.0}, 2),
+    "tools-rlvr": SamplingPath(run_tool_rlvr, False, {1.0}, 2),
+}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -227,16 +273,21 @@ def test_every_sampling_path_gets_from_the_loop_what_generate_gives(path, policy
     run, names_engine, temperatures, calls = PATHS[path]
     # The random policy writes no tool calls: two closed turns in three (by their length) are read as one, so
     # rollouts run one to max_turns turns, and some end with an answer.
-    monkeypatch.setattr(ToolFormat, "parse",
-                        lambda self, text: ([Call("calculator", {"expression": "2*3"})] if len(text) % 3 else [], []))
+    monkeypatch.setattr(
+        ToolFormat,
+        "parse",
+        lambda self, text: ([Call("calculator", {"expression": "2*3"})] if len(text) % 3 else [], []),
+    )
     runs = {}
-    for engine in ([None, "generate"] if names_engine else [None]):
+    for engine in [None, "generate"] if names_engine else [None]:
         check = EngineCheck(hf.generate_ids)
         with monkeypatch.context() as patch:
             patch_everywhere(patch, hf, "generate_ids", check)
             runs[engine] = run(tmp_path / (engine or "default"), policy, engine)
         assert len(check.calls) >= calls, f"{path}: {len(check.calls)} calls of the sampler"
-        assert {c.engine for c in check.calls} == {engine or "loop"}, f"{path}: the recipe's engine must reach every call"
+        assert {c.engine for c in check.calls} == {engine or "loop"}, (
+            f"{path}: the recipe's engine must reach every call"
+        )
         assert {c.temperature for c in check.calls} == temperatures
         if engine is None:
             assert any(c.varied for c in check.calls), "rows must stop at different steps"

@@ -52,15 +52,21 @@ def forwards(model, monkeypatch) -> list[tuple[int, int, int]]:
 
 
 def both(model, tokenizer, prompts, **spec):
-    runs = {engine: generate(model, tokenizer, prompts, SamplingSpec(temperature=0, max_new_tokens=24, engine=engine,
-                                                                     **spec))
-            for engine in ("generate", "loop")}
+    runs = {
+        engine: generate(
+            model, tokenizer, prompts, SamplingSpec(temperature=0, max_new_tokens=24, engine=engine, **spec)
+        )
+        for engine in ("generate", "loop")
+    }
     return runs["generate"], runs["loop"]
 
 
 @pytest.mark.parametrize("system", [True, False], ids=["shared-prefix", "no-prefix"])
-@pytest.mark.parametrize("spec", [{"batch_size": 3}, {"batch_size": 4, "n": 2}, {"batch_size": 2, "share_prefix": False}],
-                         ids=["batch3", "n2-batch4", "batch2-whole-prompts"])
+@pytest.mark.parametrize(
+    "spec",
+    [{"batch_size": 3}, {"batch_size": 4, "n": 2}, {"batch_size": 2, "share_prefix": False}],
+    ids=["batch3", "n2-batch4", "batch2-whole-prompts"],
+)
 def test_the_stream_decodes_what_generate_decodes(tiny_model, shaken_model, system, spec):
     tokenizer = load_tokenizer(str(tiny_model))
     prompts = arithmetic_prompts(tokenizer, system)
@@ -72,9 +78,10 @@ def test_the_stream_decodes_what_generate_decodes(tiny_model, shaken_model, syst
     assert [s.text for s in streamed] == [s.text for s in reference]
     assert any(s.finished for s in streamed) and len({len(s.token_ids) for s in streamed}) > 2  # rows left early
     # The log-probs against a fresh forward of each prompt + completion, alone: the temperature-1 log-softmax.
-    for sample in streamed[:: 3]:
-        ids = torch.tensor([tokenizer(prompts[sample.prompt_index], add_special_tokens=False)["input_ids"]
-                            + sample.token_ids])
+    for sample in streamed[::3]:
+        ids = torch.tensor(
+            [tokenizer(prompts[sample.prompt_index], add_special_tokens=False)["input_ids"] + sample.token_ids]
+        )
         with torch.no_grad():
             logits = shaken_model(input_ids=ids).logits[0, -len(sample.token_ids) - 1 : -1].float()
         expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids)[:, None]).squeeze(1)
@@ -110,9 +117,15 @@ def test_the_stream_keeps_its_batch_full_while_rows_wait(tiny_model, shaken_mode
 def test_greedy_with_lora_streams_the_same_merged_and_unmerged(tiny_model):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     prompts = arithmetic_prompts(tokenizer, system=True)
-    runs = [generate(model, tokenizer, prompts, SamplingSpec(temperature=0, max_new_tokens=12, batch_size=3,
-                                                             merge_lora=merge, engine=engine))
-            for merge, engine in [(True, "loop"), (False, "loop"), (True, "generate")]]
+    runs = [
+        generate(
+            model,
+            tokenizer,
+            prompts,
+            SamplingSpec(temperature=0, max_new_tokens=12, batch_size=3, merge_lora=merge, engine=engine),
+        )
+        for merge, engine in [(True, "loop"), (False, "loop"), (True, "generate")]
+    ]
     assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]] == [s.token_ids for s in runs[2]]
 
 
@@ -141,8 +154,9 @@ def test_inverse_cdf_rows_stream_within_the_batch_and_a_seed_repeats_them(tiny_m
     torch.manual_seed(0)
     assert [s.token_ids for s in generate(shaken_model, tokenizer, prompts, spec)] == [s.token_ids for s in samples]
     for sample in samples[::5]:
-        ids = torch.tensor([tokenizer(prompts[sample.prompt_index], add_special_tokens=False)["input_ids"]
-                            + sample.token_ids])
+        ids = torch.tensor(
+            [tokenizer(prompts[sample.prompt_index], add_special_tokens=False)["input_ids"] + sample.token_ids]
+        )
         with torch.no_grad():
             logits = shaken_model(input_ids=ids).logits[0, -len(sample.token_ids) - 1 : -1].float() / 0.7
         expected = logits.log_softmax(-1).gather(1, torch.tensor(sample.token_ids)[:, None]).squeeze(1)

@@ -44,16 +44,23 @@ class Hostile:
 
 HOSTILE = [
     # without namespaces (root ignores RLIMIT_NPROC) a fork bomb would hit the host: namespaces only
-    Hostile("fork_bomb", """
+    Hostile(
+        "fork_bomb",
+        """
         import os
         while True:
             try:
                 os.fork()
             except OSError:
                 pass
-    """, needs_namespaces=True, endless=True),
+    """,
+        needs_namespaces=True,
+        endless=True,
+    ),
     Hostile("infinite_loop", "while True:\n    pass\n", endless=True),
-    Hostile("busy_threads", """
+    Hostile(
+        "busy_threads",
+        """
         import threading
         def spin():
             while True:
@@ -61,56 +68,83 @@ HOSTILE = [
         for _ in range(4):
             threading.Thread(target=spin).start()
         spin()
-    """, endless=True),
-    Hostile("sleep_forever_ignoring_signals", """
+    """,
+        endless=True,
+    ),
+    Hostile(
+        "sleep_forever_ignoring_signals",
+        """
         import signal, time
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM):
             signal.signal(s, signal.SIG_IGN)
         time.sleep(1000)
-    """),
+    """,
+    ),
     Hostile("memory_hog_at_once", "x = bytearray(10 ** 10)\n"),
     Hostile("memory_hog_gradual", "chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))\n"),
-    Hostile("disk_filler_one_file", """
+    Hostile(
+        "disk_filler_one_file",
+        """
         with open("big.bin", "wb") as f:
             while True:
                 f.write(b"x" * 10 ** 6)
-    """),
-    Hostile("disk_filler_many_files", """
+    """,
+    ),
+    Hostile(
+        "disk_filler_many_files",
+        """
         import os
         for i in range(10 ** 6):
             with open(os.path.join(os.environ.get("TMPDIR", "."), f"f{i}"), "wb") as f:
                 f.write(b"x" * 10 ** 6)
-    """, needs_namespaces=True),  # without a private /tmp this fills the host disk until the timeout
+    """,
+        needs_namespaces=True,
+    ),  # without a private /tmp this fills the host disk until the timeout
     Hostile("huge_output", "while True:\n    print('x' * 10 ** 9)\n"),
     Hostile("endless_output", "import sys\nwhile True:\n    sys.stdout.write('y' * 10 ** 6)\n"),
-    Hostile("env_secrets", """
+    Hostile(
+        "env_secrets",
+        """
         import os
         def add(a, b):
             return a + b
         assert os.environ.get("HF_TOKEN") == "hf_sandbox_test_secret"
-    """),
-    Hostile("caller_environ_via_proc", """
+    """,
+    ),
+    Hostile(
+        "caller_environ_via_proc",
+        """
         def add(a, b):
             return a + b
         assert open("/proc/CALLER_PID/environ", "rb").read()  # the caller's start-up environment
-    """, needs_namespaces=True),
-    Hostile("kill_parent", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "kill_parent",
+        """
         import os, time
         os.kill(os.getppid(), 9)
         time.sleep(0.5)
-    """),
+    """,
+    ),
     Hostile("kill_process_group", "import os\nos.killpg(os.getpgid(0), 9)\n"),
     Hostile("kill_everything", "import os, signal\nos.kill(-1, signal.SIGKILL)\n", needs_namespaces=True),
     Hostile("ctypes_segfault", "import ctypes\nctypes.string_at(0)\n"),
-    Hostile("c_stack_overflow", """
+    Hostile(
+        "c_stack_overflow",
+        """
         import sys
         sys.setrecursionlimit(10 ** 9)
         nested = []
         for _ in range(10 ** 5):
             nested = [nested]
         repr(nested)
-    """),
-    Hostile("daemon_double_fork_setsid", """
+    """,
+    ),
+    Hostile(
+        "daemon_double_fork_setsid",
+        """
         import os, sys
         if os.fork() == 0:
             os.setsid()
@@ -119,66 +153,94 @@ HOSTILE = [
             os._exit(0)
         def add(a, b):
             return a + b
-    """, tests="assert add(2, 3) == 6\n"),
-    Hostile("runner_leaves_its_session", """
+    """,
+        tests="assert add(2, 3) == 6\n",
+    ),
+    Hostile(
+        "runner_leaves_its_session",
+        """
         import os
         os.setsid()
         while True:
             pass
-    """, endless=True),
-    Hostile("background_child_then_exit", """
+    """,
+        endless=True,
+    ),
+    Hostile(
+        "background_child_then_exit",
+        """
         import subprocess, sys
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)", "MARK"], start_new_session=True)
         def add(a, b):
             return 0
-    """),
+    """,
+    ),
     Hostile("sys_exit_before_tests", "def add(a, b):\n    return 0\nimport sys\nsys.exit(0)\n"),
     Hostile("os_exit_before_tests", "def add(a, b):\n    return 0\nimport os\nos._exit(0)\n"),
     Hostile("system_exit_from_tested_function", "def add(a, b):\n    raise SystemExit(0)\n"),
-    Hostile("exit_zero_from_atexit", """
+    Hostile(
+        "exit_zero_from_atexit",
+        """
         import atexit, os
         atexit.register(lambda: os._exit(0))
         def add(a, b):
             return 0
-    """),
-    Hostile("redefine_assertion_error", """
+    """,
+    ),
+    Hostile(
+        "redefine_assertion_error",
+        """
         import builtins
         class AssertionError(Exception):
             pass
         builtins.AssertionError = AssertionError
         def add(a, b):
             return 0
-    """),
-    Hostile("disable_exec", """
+    """,
+    ),
+    Hostile(
+        "disable_exec",
+        """
         import builtins
         builtins.exec = lambda *args, **kwargs: None
         def add(a, b):
             return 0
-    """),
-    Hostile("patch_unittest", """
+    """,
+    ),
+    Hostile(
+        "patch_unittest",
+        """
         import unittest
         unittest.TestCase.assertEqual = lambda self, a, b, msg=None: None
         def add(a, b):
             return 0
-    """, tests=textwrap.dedent("""
+    """,
+        tests=textwrap.dedent("""
         import unittest
         class T(unittest.TestCase):
             def test_add(self):
                 self.assertEqual(add(2, 3), 5)
-    """)),
-    Hostile("patch_test_result_during_tests", """
+    """),
+    ),
+    Hostile(
+        "patch_test_result_during_tests",
+        """
         def add(a, b):
             import unittest
             unittest.TestResult.addFailure = lambda *args: None
             unittest.TestResult.wasSuccessful = lambda self: True
             return 0
-    """, tests=textwrap.dedent("""
+    """,
+        tests=textwrap.dedent("""
         import unittest
         class T(unittest.TestCase):
             def test_add(self):
                 self.assertEqual(add(2, 3), 5)
-    """)),
-    Hostile("forge_sentinel_on_every_fd", """
+    """),
+    ),
+    Hostile(
+        "forge_sentinel_on_every_fd",
+        """
         import os
         for fd in range(3, 256):
             try:
@@ -186,44 +248,71 @@ HOSTILE = [
             except OSError:
                 pass
         os._exit(0)
-    """),
+    """,
+    ),
     Hostile("become_root", "import os\nos.setuid(0)\ndef add(a, b):\n    return a + b\n", needs_namespaces=True),
-    Hostile("connect_localhost", """
+    Hostile(
+        "connect_localhost",
+        """
         import socket
         s = socket.create_connection(("127.0.0.1", PORT), timeout=1)
         s.sendall(b"hello")
         def add(a, b):
             return a + b
-    """, needs_namespaces=True),
-    Hostile("connect_public_ip", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "connect_public_ip",
+        """
         import socket
         socket.create_connection(("1.1.1.1", 443), timeout=1)
         def add(a, b):
             return a + b
-    """, needs_namespaces=True),
-    Hostile("dns_lookup", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "dns_lookup",
+        """
         import socket
         socket.getaddrinfo("example.com", 443)
         def add(a, b):
             return a + b
-    """, needs_namespaces=True),
-    Hostile("read_world_readable_tmp_file", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "read_world_readable_tmp_file",
+        """
         def add(a, b):
             return a + b
         assert "TOPSECRET" in open("SECRET_PATH").read()
-    """, needs_namespaces=True),
-    Hostile("read_private_file", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "read_private_file",
+        """
         def add(a, b):
             return a + b
         assert "TOPSECRET" in open("PRIVATE_PATH").read()
-    """, needs_namespaces=True),
-    Hostile("read_callers_home", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "read_callers_home",
+        """
         import os
         def add(a, b):
             return a + b
         assert os.path.exists("HOME_SECRET")
-    """, needs_namespaces=True),
-    Hostile("write_outside_workdir", """
+    """,
+        needs_namespaces=True,
+    ),
+    Hostile(
+        "write_outside_workdir",
+        """
         import os
         os.chmod(".", 0)
         for path in ("/etc/sandbox-test", "/usr/sandbox-test", os.getcwd() + "/../../sandbox-test"):
@@ -231,7 +320,9 @@ HOSTILE = [
         os.chmod("/", 0o777)
         def add(a, b):
             return a + b
-    """, needs_namespaces=True),  # as root without namespaces this would really chmod /
+    """,
+        needs_namespaces=True,
+    ),  # as root without namespaces this would really chmod /
 ]
 
 
@@ -311,15 +402,21 @@ def test_hostile_program_scores_zero(case, planted):
     assert _sandbox_dirs() == dirs_before  # the temporary directory is gone
     if case.name.startswith(("connect_", "dns_")):
         # Refused at once by the empty network namespace (not a socket timeout): the program's own error says so.
-        assert ("Network is unreachable" in result.detail or "name resolution" in result.detail) and \
-            "timed out" not in result.detail and not result.detail.startswith("timeout"), result.detail[-500:]
+        assert (
+            ("Network is unreachable" in result.detail or "name resolution" in result.detail)
+            and "timed out" not in result.detail
+            and not result.detail.startswith("timeout")
+        ), result.detail[-500:]
         with pytest.raises(socket.timeout):
             planted["server"].accept()  # nothing reached the caller's loopback
 
 
 CORRECT = [
     ("plain_asserts", "def add(a, b):\n    return a + b\n", TESTS),
-    ("unittest_class", "def add(a, b):\n    return a + b\n", textwrap.dedent("""
+    (
+        "unittest_class",
+        "def add(a, b):\n    return a + b\n",
+        textwrap.dedent("""
         import unittest
         class TestAdd(unittest.TestCase):
             def test_small(self):
@@ -328,20 +425,31 @@ CORRECT = [
                 self.assertEqual(add(-2, -3), -5)
         if __name__ == "__main__":
             unittest.main()
-    """)),
-    ("tests_patch_builtins_input", "def double():\n    return 2 * int(input())\n", textwrap.dedent("""
+    """),
+    ),
+    (
+        "tests_patch_builtins_input",
+        "def double():\n    return 2 * int(input())\n",
+        textwrap.dedent("""
         import builtins
         builtins.input = lambda *args: "21"
         assert double() == 42
-    """)),
-    ("unguarded_unittest_main", "def add(a, b):\n    return a + b\n", textwrap.dedent("""
+    """),
+    ),
+    (
+        "unguarded_unittest_main",
+        "def add(a, b):\n    return a + b\n",
+        textwrap.dedent("""
         import unittest
         class T(unittest.TestCase):
             def test(self):
                 self.assertEqual(add(1, 1), 2)
         unittest.main()
-    """)),
-    ("files_threads_subprocess_output", textwrap.dedent("""
+    """),
+    ),
+    (
+        "files_threads_subprocess_output",
+        textwrap.dedent("""
         import os, subprocess, sys, tempfile, threading
         with open("notes.txt", "w") as f:
             f.write("hello")
@@ -355,8 +463,12 @@ CORRECT = [
         print("z" * 200_000)  # more than the caller reads back
         def add(a, b):
             return a + b
-    """), ("assert open('notes.txt').read() == 'hello'\nassert results == [45]\n"
-           "assert child.stdout.strip() == '42', child\nassert add(2, 3) == 5\n")),
+    """),
+        (
+            "assert open('notes.txt').read() == 'hello'\nassert results == [45]\n"
+            "assert child.stdout.strip() == '42', child\nassert add(2, 3) == 5\n"
+        ),
+    ),
 ]
 
 
@@ -410,8 +522,13 @@ def test_unsandboxed_mode_still_cleans_up():
     marker = f"sandbox-test-{uuid.uuid4().hex}"
     daemon = textwrap.dedent(HOSTILE[[h.name for h in HOSTILE].index("daemon_double_fork_setsid")].code)
     daemon = daemon.replace("MARK", marker)
-    for code in ("while True:\n    pass\n", "import os\nos._exit(0)\n", daemon, daemon + "while True:\n    pass\n",
-                 "import os, time\nos.kill(os.getppid(), 9)\ntime.sleep(0.5)\n"):
+    for code in (
+        "while True:\n    pass\n",
+        "import os\nos._exit(0)\n",
+        daemon,
+        daemon + "while True:\n    pass\n",
+        "import os, time\nos.kill(os.getppid(), 9)\ntime.sleep(0.5)\n",
+    ):
         result = run_python(code, "assert add(2, 3) == 6\n", Limits(timeout=TIMEOUT), mode="none")
         assert not result.passed, code
     _assert_no_survivors(marker)

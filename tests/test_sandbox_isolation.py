@@ -330,7 +330,13 @@ def test_timed_out_calls_leave_no_zombie():
     """The caller adopts orphans (as a trainer that is pid 1 of a container does) and runs timed-out
     calls: every process the sandbox started must have been reaped by someone of ours."""
     modes = ([*NAMESPACED] if process.isolation() else []) + ["none"]
-    done = subprocess.run([sys.executable, "-c", ZOMBIES, *modes], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", ZOMBIES, *modes],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["ZOMBIES", "0"], done.stdout

@@ -12,9 +12,11 @@ spec.loader.exec_module(seeds)
 
 
 def finished_seed(out, seed, sft, rlvr):
-    metrics = {"base": {"arithmetic/pass@1": 0.0, "arithmetic/kl": 9.0},
-               "sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
-               "rlvr": {"arithmetic/pass@1": rlvr, "arithmetic/kl": 0.5}}
+    metrics = {
+        "base": {"arithmetic/pass@1": 0.0, "arithmetic/kl": 9.0},
+        "sft": {"arithmetic/pass@1": sft, "arithmetic/kl": 0.0},
+        "rlvr": {"arithmetic/pass@1": rlvr, "arithmetic/kl": 0.5},
+    }
     (out / f"seed-{seed}" / "eval").mkdir(parents=True)
     (out / f"seed-{seed}" / "eval" / "metrics.json").write_text(json.dumps({"checkpoints": metrics}))
     (out / f"seed-{seed}" / "wall_s.json").write_text(json.dumps({"wall_s": 500.0 + seed, "jobs": 2, "threads": 2}))
@@ -25,7 +27,9 @@ def test_the_table_has_mean_min_max_per_stage_and_every_seeds_gain(tmp_path):
     finished_seed(tmp_path, 2, sft=0.70, rlvr=0.90)
     data = seeds.main(["--seeds", "1", "2", "--out", str(tmp_path), "--table-only"])
     assert data["summary"]["arithmetic/pass@1"]["rlvr"] == pytest.approx({"mean": 0.925, "min": 0.90, "max": 0.95})
-    assert data["gains_points"][1]["rlvr"] == pytest.approx(35.0) and data["gains_points"][2]["rlvr"] == pytest.approx(20.0)
+    assert data["gains_points"][1]["rlvr"] == pytest.approx(35.0) and data["gains_points"][2]["rlvr"] == pytest.approx(
+        20.0
+    )
     table = (tmp_path / "seeds.md").read_text()
     assert "0.925 [0.900, 0.950]" in table and "| min | | +20.0 |" in table and "--jobs 2" in table
     assert "| seed | sft arithmetic/pass@1 | rlvr (points) |" in table  # no gain column for the zero-shot base

@@ -55,8 +55,10 @@ def test_sft_trains_writes_checkpoint_and_rerun_skips(tmp_path, caplog):
 
 def written(folder) -> dict[str, tuple[bytes, int]]:
     """(bytes, mtime in ns) of a stage's stage.json and weights: what a rerun must leave alone."""
-    return {name: ((folder / name).read_bytes(), (folder / name).stat().st_mtime_ns)
-            for name in ("stage.json", "model.safetensors")}
+    return {
+        name: ((folder / name).read_bytes(), (folder / name).stat().st_mtime_ns)
+        for name in ("stage.json", "model.safetensors")
+    }
 
 
 def test_sft_on_chat_messages_with_lora_keeps_adapter(tmp_path):
@@ -77,8 +79,12 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
     for packed in (False, True):
         recipe = sft_recipe(tmp_path / str(packed))
         if packed:
-            recipe["stages"]["sft"]["train"] = {**QUICK_TRAIN, "packing": True, "packing_strategy": "bfd",
-                                                "per_device_train_batch_size": 4}
+            recipe["stages"]["sft"]["train"] = {
+                **QUICK_TRAIN,
+                "packing": True,
+                "packing_strategy": "bfd",
+                "per_device_train_batch_size": 4,
+            }
         loaded = load_recipe(write_recipe(tmp_path / str(packed), recipe))
         run_recipe(loaded)
         record = json.loads((loaded.stage_dir("sft") / "stage.json").read_text())
@@ -103,8 +109,12 @@ def test_lora_chain_reference_reproduces_previous_stage(tmp_path):
     from alignment.models.lora import apply_lora
 
     recipe = sft_recipe(tmp_path, lora={"r": 4, "lora_alpha": 8})
-    recipe["stages"]["sft2"] = {"kind": "sft", "model": "${sft}", "data": {"task": "arithmetic", "n": 200},
-                                "train": QUICK_TRAIN}
+    recipe["stages"]["sft2"] = {
+        "kind": "sft",
+        "model": "${sft}",
+        "data": {"task": "arithmetic", "n": 200},
+        "train": QUICK_TRAIN,
+    }
     loaded = load_recipe(write_recipe(tmp_path, recipe))
     run_recipe(loaded)
     first = load_policy(str(loaded.stage_dir("sft"))).eval()
@@ -137,11 +147,15 @@ def test_prompt_rendering_is_one_convention(tiny_model):
     pair = render_pair(tokenizer, {"prompt": "What is 1+2?", "completion": "3"})
     assert pair["prompt"] == render_prompt(tokenizer, "What is 1+2?") == "<|user|>What is 1+2?<|end|><|assistant|>"
     assert pair["completion"] == "3<|end|>" == render_completion(tokenizer, "What is 1+2?", "3")
-    chat = render_pair(tokenizer, {"messages": [{"role": "user", "content": "What is 1+2?"},
-                                                {"role": "assistant", "content": "3"}]})
+    chat = render_pair(
+        tokenizer, {"messages": [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]}
+    )
     assert chat == pair
-    ultrachat = {"prompt": "What is 1+2?", "prompt_id": "x1", "messages": [
-        {"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}]}
+    ultrachat = {
+        "prompt": "What is 1+2?",
+        "prompt_id": "x1",
+        "messages": [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}],
+    }
     assert render_pair(tokenizer, ultrachat) == pair  # prompt + messages, no completion: the conversation
     assert end_of_turn(tokenizer) == "<|end|>"
 
@@ -160,10 +174,21 @@ def test_sft_under_accelerate_two_cpu_processes_only_rank0_writes(tmp_path):
     path = write_recipe(tmp_path, sft_recipe(tmp_path))
     env = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "configs/accelerate/cpu_2proc.yaml"), "--main_process_port", "29533",
-         str(REPO / "scripts/run_recipe.py"), str(path)],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "configs/accelerate/cpu_2proc.yaml"),
+            "--main_process_port",
+            "29533",
+            str(REPO / "scripts/run_recipe.py"),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
@@ -187,8 +212,13 @@ def test_answers_end_with_one_end_of_turn_token(tmp_path, tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.eos_token = "<|system|>"  # <|end|> stays the special token closing each turn, like <|im_end|>
     tokenizer.save_pretrained(folder)
-    recipe = {"name": "eos", "model": str(folder), "output_dir": str(tmp_path / "out"), "seed": 1,
-              "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}, "train": {"max_steps": 1, "max_length": 64}}}}
+    recipe = {
+        "name": "eos",
+        "model": str(folder),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "stages": {"sft": {"data": {"task": "arithmetic", "n": 8}, "train": {"max_steps": 1, "max_length": 64}}},
+    }
     trainer, tokenizer, _ = sft.build_trainer(make_context(load_recipe(write_recipe(tmp_path, recipe)), "sft"))
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     assert tokenizer.eos_token == "<|system|>"
@@ -206,8 +236,13 @@ def test_sft_trains_on_trls_conversational_prompt_completion_rows(tmp_path):
     from alignment.data.formatting import render_pair
     from alignment.models.tokenizer import load_tokenizer
 
-    rows = [{"prompt": [{"role": "user", "content": f"What is {a}+{a}?"}],
-             "completion": [{"role": "assistant", "content": str(2 * a)}]} for a in range(40)]
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a}+{a}?"}],
+            "completion": [{"role": "assistant", "content": str(2 * a)}],
+        }
+        for a in range(40)
+    ]
     recipe = sft_recipe(tmp_path)
     recipe["stages"]["sft"]["data"] = {"dataset": jsonl(tmp_path / "chat.jsonl", rows)}
     loaded = load_recipe(write_recipe(tmp_path, recipe))
@@ -251,8 +286,9 @@ def test_the_recipes_template_settings_are_trained_with_and_saved(tmp_path):
 
 
 @pytest.mark.parametrize("save_dtype, expected", [("auto", torch.bfloat16), ("float32", torch.float32)])
-def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says(tmp_path, tiny_model, save_dtype,
-                                                                                 expected):
+def test_outputs_are_saved_in_the_start_checkpoints_dtype_unless_the_recipe_says(
+    tmp_path, tiny_model, save_dtype, expected
+):
     from alignment.models.loading import load_policy
     from alignment.models.tokenizer import load_tokenizer
 

@@ -93,9 +93,14 @@ def test_a_checkpoint_with_an_empty_tensor_is_an_error(tmp_path):
     check_saved_tensors(tmp_path / "ok")
     (tmp_path / "bad" / "adapter").mkdir(parents=True)
     save_file({"a": torch.ones(2, 3)}, tmp_path / "bad" / "model.safetensors")
-    save_file({"lora_A": torch.empty(0), "lora_B": torch.ones(1)}, tmp_path / "bad" / "adapter" / "adapter_model.safetensors")
-    with pytest.raises(UserError, match=r"1 empty tensor\(s\) \(adapter/adapter_model.safetensors: lora_A\).*not "
-                                        r"marked finished"):
+    save_file(
+        {"lora_A": torch.empty(0), "lora_B": torch.ones(1)}, tmp_path / "bad" / "adapter" / "adapter_model.safetensors"
+    )
+    with pytest.raises(
+        UserError,
+        match=r"1 empty tensor\(s\) \(adapter/adapter_model.safetensors: lora_A\).*not "
+        r"marked finished",
+    ):
         check_saved_tensors(tmp_path / "bad")
     (tmp_path / "none").mkdir()
     with pytest.raises(UserError, match="holds no weights files"):

@@ -20,12 +20,17 @@ RECIPE = REPO / "recipes" / "smollm2-135m" / "arithmetic.yaml"
 FEW_STEPS = {
     "sft": {"data": {"n": 16}, "train": {"max_steps": 2}},
     "rm": {"data": {"n": 16, "limit": 16}, "eval_data": {"n": 8}, "train": {"max_steps": 2}},
-    "ppo": {"data": {"n": 16, "limit": 16}, "rollout": {"batch_size": 4},
-            "train": {"mini_batch_size": 4, "total_updates": 1, "warmup_steps": 0}},
+    "ppo": {
+        "data": {"n": 16, "limit": 16},
+        "rollout": {"batch_size": 4},
+        "train": {"mini_batch_size": 4, "total_updates": 1, "warmup_steps": 0},
+    },
     "dpo": {"data": {"n": 16, "limit": 16}, "train": {"max_steps": 2}},
     "rsft": {"data": {"n": 4, "limit": 4}, "sampling": {"n": 2, "batch_size": 8}},
-    "rlvr": {"data": {"n": 16, "limit": 16},
-             "train": {"max_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4, "steps_per_generation": 1}},
+    "rlvr": {
+        "data": {"n": 16, "limit": 16},
+        "train": {"max_steps": 2, "num_generations": 2, "per_device_train_batch_size": 4, "steps_per_generation": 1},
+    },
 }
 
 
@@ -65,12 +70,14 @@ def test_every_stage_runs_on_smollm2_and_every_output_chats(tmp_path, smollm2_ch
         model = AutoModelForCausalLM.from_pretrained(folder)  # plain transformers: merged weights, no peft
         assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token != tokenizer.eos_token, stage
         assert "You are a helpful AI assistant named SmolLM" in tokenizer.apply_chat_template(
-            question, add_generation_prompt=True, tokenize=False), stage  # the checkpoint's own template, kept
-        inputs = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True)
+            question, add_generation_prompt=True, tokenize=False
+        ), stage  # the checkpoint's own template, kept
+        inputs = tokenizer.apply_chat_template(
+            question, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
             output = model.generate(**inputs, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        reply_ids = output[0, inputs["input_ids"].shape[1]:].tolist()
+        reply_ids = output[0, inputs["input_ids"].shape[1] :].tolist()
         reply = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
         assert reply, stage
         assert tokenizer.eos_token_id in reply_ids, f"{stage} did not end its reply within 48 tokens: {reply!r}"

@@ -37,5 +37,7 @@ print(json.dumps({"check": callable(module.check), "run": callable(module.run),
 def test_dispatching_a_kind_imports_its_module_and_no_other_stage():
     done = subprocess.run([sys.executable, "-c", DISPATCH_ONE], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == \
-        '{"check": true, "run": true, "loaded": ["alignment.stages.sft"], "grpo": false}'
+    assert (
+        done.stdout.strip().splitlines()[-1]
+        == '{"check": true, "run": true, "loaded": ["alignment.stages.sft"], "grpo": false}'
+    )

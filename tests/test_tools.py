@@ -37,18 +37,43 @@ def real_template(family: str, template: str):
 
 
 # --- calculator ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("expression, value", [
-    ("2+3*4", "14"), ("(123 * 45) / 7", "5535/7"), ("1/4", "0.25"), ("2**10", "1024"), ("-3 - -2", "-1"),
-    ("0.1 + 0.2", "0.3"), ("2**-2", "0.25"), ("((7))", "7"), ("123*45", "5535"), ("10/4", "2.5"),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("2+3*4", "14"),
+        ("(123 * 45) / 7", "5535/7"),
+        ("1/4", "0.25"),
+        ("2**10", "1024"),
+        ("-3 - -2", "-1"),
+        ("0.1 + 0.2", "0.3"),
+        ("2**-2", "0.25"),
+        ("((7))", "7"),
+        ("123*45", "5535"),
+        ("10/4", "2.5"),
+    ],
+)
 def test_calculator_is_exact(expression, value):
     assert calculator(expression) == value
 
 
-@pytest.mark.parametrize("expression", [
-    "__import__('os').system('true')", "10**100000", "9**9**9", "1/0", "a+b", "2**0.5", "1" * 300, "[1]*3",
-    "(lambda: 1)()", "2 if 1 else 3", "0**-1", "1 < 2", "",
-])
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "__import__('os').system('true')",
+        "10**100000",
+        "9**9**9",
+        "1/0",
+        "a+b",
+        "2**0.5",
+        "1" * 300,
+        "[1]*3",
+        "(lambda: 1)()",
+        "2 if 1 else 3",
+        "0**-1",
+        "1 < 2",
+        "",
+    ],
+)
 def test_calculator_refuses_what_is_not_bounded_arithmetic(expression):
     with pytest.raises((ValueError, ZeroDivisionError)):
         calculator(expression)
@@ -102,8 +127,11 @@ def user_dir(tmp_path):
 
 
 def test_user_tools_and_environments_resolve_with_their_schemas(user_dir):
-    box = resolve_tools([ToolSpec(name="calculator"), ToolSpec(name="my_tools:lookup", options={"table": "t"})],
-                        "my_tools:Shop", [user_dir])
+    box = resolve_tools(
+        [ToolSpec(name="calculator"), ToolSpec(name="my_tools:lookup", options={"table": "t"})],
+        "my_tools:Shop",
+        [user_dir],
+    )
     names = [s["function"]["name"] for s in box.schemas]
     assert names == ["calculator", "lookup", "buy"]
     assert "table" not in box.schemas[1]["function"]["parameters"]["properties"]  # bound from the recipe: hidden
@@ -113,16 +141,19 @@ def test_user_tools_and_environments_resolve_with_their_schemas(user_dir):
     assert tools["buy"](item="x") == "bought" and env.reward() == 1.0
 
 
-@pytest.mark.parametrize("tools, environment, message", [
-    (["nonesuch"], None, "Unknown tool 'nonesuch'"),
-    (["my_tools:missing"], None, "has no function 'missing'"),
-    (["my_tools:undocumented"], None, "cannot be described to the model"),
-    ([{"name": "my_tools:lookup", "options": {"colour": 1}}], None, "no argument(s) 'colour'"),
-    ([{"name": "python", "options": {"colour": 1}}], None, "bad `options:`"),
-    (["calculator", "calculator"], None, "a second tool named 'calculator'"),
-    ([], "my_tools:NoReset", "has no reset(row)"),
-    ([], "nowhere:Env", "cannot import module 'nowhere'"),
-])
+@pytest.mark.parametrize(
+    "tools, environment, message",
+    [
+        (["nonesuch"], None, "Unknown tool 'nonesuch'"),
+        (["my_tools:missing"], None, "has no function 'missing'"),
+        (["my_tools:undocumented"], None, "cannot be described to the model"),
+        ([{"name": "my_tools:lookup", "options": {"colour": 1}}], None, "no argument(s) 'colour'"),
+        ([{"name": "python", "options": {"colour": 1}}], None, "bad `options:`"),
+        (["calculator", "calculator"], None, "a second tool named 'calculator'"),
+        ([], "my_tools:NoReset", "has no reset(row)"),
+        ([], "nowhere:Env", "cannot import module 'nowhere'"),
+    ],
+)
 def test_resolution_errors_are_user_errors_naming_the_key(user_dir, tools, environment, message):
     with pytest.raises(UserError, match="stages.x") as error:
         resolve_tools([ToolSpec.model_validate(t) for t in tools], environment, [user_dir], "stages.x")
@@ -136,9 +167,14 @@ def test_tool_keys_without_tools_are_refused():
 
 
 # --- formats on real templates ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("family, template, style", [
-    ("qwen2.5", "qwen2_5", "hermes"), ("llama3", "llama3_1", "llama3_json"), ("llama3", "llama3_2", "llama3_json"),
-])
+@pytest.mark.parametrize(
+    "family, template, style",
+    [
+        ("qwen2.5", "qwen2_5", "hermes"),
+        ("llama3", "llama3_1", "llama3_json"),
+        ("llama3", "llama3_2", "llama3_json"),
+    ],
+)
 def test_pieces_rebuild_the_templates_own_tool_conversation(family, template, style):
     """Prompt + the model's call + end of turn + the tool result turn, each rendered on its own, are exactly the
     template's rendering of the whole conversation: appending the result's ids continues what was sampled."""
@@ -148,11 +184,19 @@ def test_pieces_rebuild_the_templates_own_tool_conversation(family, template, st
     assert (fmt.style, fmt.native) == (style, True)
     call = Call("calculator", {"expression": "2*3"})
     whole = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2*3?"},
-         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-             "name": call.name, "arguments": call.arguments}}]},
-         {"role": "tool", "name": "calculator", "content": "6"}],
-        tools=box.schemas, add_generation_prompt=True, tokenize=False)
+        [
+            {"role": "user", "content": "What is 2*3?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}],
+            },
+            {"role": "tool", "name": "calculator", "content": "6"},
+        ],
+        tools=box.schemas,
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompt = fmt.render_prompt(tokenizer, "What is 2*3?", box.schemas)
     eot = "<|im_end|>" if style == "hermes" else "<|eot_id|>"
     pieces = prompt + fmt.call_text([call]) + eot + fmt.result_text(tokenizer, [("calculator", "6")])
@@ -170,27 +214,40 @@ def test_templates_without_tools_need_a_tool_format():
     prompt = fmt.render_prompt(tokenizer, "What is 2*3?", resolve_tools(CALC, None, []).schemas)
     assert prompt.startswith("<|im_start|>system\nYou may call tools") and "<tool_call>" in prompt
     assert fmt.result_text(tokenizer, [("calculator", "6")]) == (
-        "\n<|im_start|>tool\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "\n<|im_start|>tool\n<tool_response>\n6\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
-@pytest.mark.parametrize("style, text, calls, failures", [
-    ("hermes", 'Let me.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>', [Call("f", {"a": 1})], 0),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"}</tool_call>',
-     [Call("f", {}), Call("g", {})], 0),
-    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>', [Call("f", {"a": 2})], 0),
-    ("hermes", "<tool_call>{name: f}</tool_call>", [], 1),
-    ("hermes", '<tool_call>{"name": "f"', [], 1),
-    ("hermes", '<tool_call>{"arguments": {}}</tool_call>', [], 1),
-    ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', [], 1),
-    ("hermes", "The answer is 6.", [], 0),
-    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}', [Call("f", {"a": 1})], 0),
-    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}', [Call("f", {})], 0),
-    ("llama3_json", '{"name": "f", "parameters": ', [], 1),
-    ("llama3_json", "It is 6.", [], 0),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', [Call("f", {"a": 1})], 0),
-    ("mistral", "[TOOL_CALLS][{oops", [], 1),
-    ("mistral", "Six.", [], 0),
-])
+@pytest.mark.parametrize(
+    "style, text, calls, failures",
+    [
+        (
+            "hermes",
+            'Let me.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
+            [Call("f", {"a": 1})],
+            0,
+        ),
+        (
+            "hermes",
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g"}</tool_call>',
+            [Call("f", {}), Call("g", {})],
+            0,
+        ),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>', [Call("f", {"a": 2})], 0),
+        ("hermes", "<tool_call>{name: f}</tool_call>", [], 1),
+        ("hermes", '<tool_call>{"name": "f"', [], 1),
+        ("hermes", '<tool_call>{"arguments": {}}</tool_call>', [], 1),
+        ("hermes", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', [], 1),
+        ("hermes", "The answer is 6.", [], 0),
+        ("llama3_json", '{"name": "f", "parameters": {"a": 1}}', [Call("f", {"a": 1})], 0),
+        ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}', [Call("f", {})], 0),
+        ("llama3_json", '{"name": "f", "parameters": ', [], 1),
+        ("llama3_json", "It is 6.", [], 0),
+        ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]', [Call("f", {"a": 1})], 0),
+        ("mistral", "[TOOL_CALLS][{oops", [], 1),
+        ("mistral", "Six.", [], 0),
+    ],
+)
 def test_parse(style, text, calls, failures):
     found, reasons = ToolFormat(style, native=False).parse(text)
     assert found == calls and len(reasons) == failures
@@ -217,17 +274,23 @@ def scripted_sampler(tokenizer, scripts: dict[str, list[str]]):
 
 def script_tokenizer():
     tokenizer = family_tokenizer("smollm2")
-    tokenizer.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}" \
-                              "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>",
-                                                                "<|tool|>", "<|system|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|end|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|system|>"]}
+    )
     return tokenizer
 
 
-def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, max_new_tokens=400,
-               **limits):
+def run_script(
+    monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(), rows=None, max_new_tokens=400, **limits
+):
     tokenizer = script_tokenizer()
-    monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, {k: list(v) for k, v in scripts.items()}))
+    monkeypatch.setattr(
+        rollout_module, "generate_ids", scripted_sampler(tokenizer, {k: list(v) for k, v in scripts.items()})
+    )
     fmt = ToolFormat("hermes", native=False)
     box = resolve_tools(tools, environment, list(search_dirs))
     trajectories = start(tokenizer, fmt, box, list(scripts), rows or [{} for _ in scripts])
@@ -236,22 +299,23 @@ def run_script(monkeypatch, scripts, tools=CALC, environment=None, search_dirs=(
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def test_every_failure_mode_is_an_observation_and_counted(monkeypatch, user_dir):
     (user_dir / "flaky.py").write_text(
         "import time\n\n"
-        "def boom(x: int) -> str:\n    \"\"\"Raise.\n\n    Args:\n        x: anything\n    \"\"\"\n"
+        'def boom(x: int) -> str:\n    """Raise.\n\n    Args:\n        x: anything\n    """\n'
         "    raise RuntimeError('kaboom')\n\n"
-        "def slow(x: int) -> str:\n    \"\"\"Sleep.\n\n    Args:\n        x: seconds\n    \"\"\"\n"
+        'def slow(x: int) -> str:\n    """Sleep.\n\n    Args:\n        x: seconds\n    """\n'
         "    time.sleep(x)\n    return 'late'\n\n"
-        "def loud(x: int) -> str:\n    \"\"\"Talk.\n\n    Args:\n        x: words\n    \"\"\"\n"
-        "    return 'word ' * x\n")
+        'def loud(x: int) -> str:\n    """Talk.\n\n    Args:\n        x: words\n    """\n'
+        "    return 'word ' * x\n"
+    )
     tools = [*CALC, *(ToolSpec(name=f"flaky:{n}") for n in ("boom", "slow", "loud"))]
     scripts = {
         "ok": [call("calculator", expression="2*3"), "It is 6."],
-        "json": ["<tool_call>{not json}</tool_call>", "<tool_call>{\"name\": \"calculator\"", "6"],
+        "json": ["<tool_call>{not json}</tool_call>", '<tool_call>{"name": "calculator"', "6"],
         "unknown": [call("nonesuch", x=1), "6"],
         "args": [call("calculator", expr="2*3"), "6"],
         "raise": [call("boom", x=1), "6"],
@@ -259,13 +323,28 @@ def test_every_failure_mode_is_an_observation_and_counted(monkeypatch, user_dir)
         "long": [call("loud", x=200), "6"],
         "turns": [call("calculator", expression="1+1")] * 4,
     }
-    tokenizer, fmt, t = run_script(monkeypatch, scripts, tools, search_dirs=[user_dir], max_turns=4,
-                                   tool_timeout=0.5, max_tool_time=0.7, max_tool_output_tokens=50,
-                                   max_completion_length=2000)
-    counts = {k: {c: v.counts[c] for c in ("turns", "tool_calls", "tool_errors", "parse_failures",
-                                           "truncated_tool_outputs")} for k, v in t.items()}
-    assert counts["ok"] == {"turns": 2, "tool_calls": 1, "tool_errors": 0, "parse_failures": 0,
-                            "truncated_tool_outputs": 0}
+    tokenizer, fmt, t = run_script(
+        monkeypatch,
+        scripts,
+        tools,
+        search_dirs=[user_dir],
+        max_turns=4,
+        tool_timeout=0.5,
+        max_tool_time=0.7,
+        max_tool_output_tokens=50,
+        max_completion_length=2000,
+    )
+    counts = {
+        k: {c: v.counts[c] for c in ("turns", "tool_calls", "tool_errors", "parse_failures", "truncated_tool_outputs")}
+        for k, v in t.items()
+    }
+    assert counts["ok"] == {
+        "turns": 2,
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "parse_failures": 0,
+        "truncated_tool_outputs": 0,
+    }
     assert t["ok"].turns[1] == {"role": "tool", "name": "calculator", "content": "6"}
     assert t["ok"].answer == "It is 6." and t["ok"].stop_reason == "answer"
     assert counts["json"]["parse_failures"] == 2 and counts["json"]["turns"] == 3
@@ -301,8 +380,14 @@ def test_the_budget_ends_a_rollout_where_a_result_would_not_fit(monkeypatch):
 
 def test_environments_are_one_instance_per_rollout_with_their_reward(monkeypatch, user_dir):
     scripts = {"a": [call("buy", item="x"), "done"], "b": ["nothing"]}
-    _, _, t = run_script(monkeypatch, scripts, tools=[], environment="my_tools:Shop", search_dirs=[user_dir],
-                         rows=[{"stock": 1}, {"stock": 1}])
+    _, _, t = run_script(
+        monkeypatch,
+        scripts,
+        tools=[],
+        environment="my_tools:Shop",
+        search_dirs=[user_dir],
+        rows=[{"stock": 1}, {"stock": 1}],
+    )
     assert t["a"].reward == 1.0 and t["b"].reward == 0.0
     assert t["a"].environment is not t["b"].environment
     assert t["a"].record()["environment_reward"] == 1.0
@@ -374,13 +459,21 @@ def test_rlvr_reports_every_count_once_per_batch(monkeypatch, broken_env):
     tokenizer = script_tokenizer()
     scripts = {"a": [call("calculator", expression="2*3"), "6"], "b": ["7"]}
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, scripts))
-    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
-                    environment="broken_env:Broken", tool_format="hermes", describe_tools=False)
+    config = Config(
+        data={"task": "arithmetic"},
+        verifiers=["arithmetic"],
+        tools=["calculator"],
+        environment="broken_env:Broken",
+        tool_format="hermes",
+        describe_tools=False,
+    )
     tools = ToolRollouts(config, tokenizer, [broken_env], "stages.rlvr")
     prompts = [row["prompt"] for row in tools.prepare([{SOURCE_PROMPT: key} for key in scripts])]
-    trainer = SimpleNamespace(args=SimpleNamespace(max_completion_length=200, temperature=1.0, top_p=1.0, top_k=0),
-                              accelerator=SimpleNamespace(unwrap_model=lambda model: model),
-                              model=SimpleNamespace(training=True))
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(max_completion_length=200, temperature=1.0, top_p=1.0, top_k=0),
+        accelerator=SimpleNamespace(unwrap_model=lambda model: model),
+        model=SimpleNamespace(training=True),
+    )
     output = tools(prompts, trainer)
     assert output["tool_reward_errors"] == [1, 1] and output["tool_tool_calls"] == [1, 0]
     fields = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")}
@@ -388,8 +481,12 @@ def test_rlvr_reports_every_count_once_per_batch(monkeypatch, broken_env):
     funcs = tools.rewards([Scored("first"), Scored("second")])
     assert len(funcs) == 3  # the environment's reward last
     for func in funcs:
-        func(prompts=prompts, completions=["?", "?"], log_metric=lambda name, value: logged.append((name, value)),
-             **fields)
+        func(
+            prompts=prompts,
+            completions=["?", "?"],
+            log_metric=lambda name, value: logged.append((name, value)),
+            **fields,
+        )
     names = [name for name, _ in logged]
     assert sorted(names) == sorted({"tools/call_rate", *(f"tools/{k}" for k in COUNTS)})
     assert dict(logged)["tools/reward_errors"] == 1.0 and dict(logged)["tools/call_rate"] == 0.5
@@ -405,15 +502,30 @@ def test_an_evaluation_suite_reports_every_count(monkeypatch, broken_env):
     tokenizer = script_tokenizer()
     scripts = {"a": [call("calculator", expression="2*3"), "6"], "b": ["7"]}
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_sampler(tokenizer, scripts))
-    spec = SuiteSpec(name="s", data={"task": "tool_arithmetic", "n": 2}, verifier="arithmetic", tools=["calculator"],
-                     environment="broken_env:Broken", tool_format="hermes", describe_tools=False,
-                     sampling={"max_new_tokens": 200})
-    suite = SimpleNamespace(spec=spec, prompts=list(scripts), rows=[{}, {}],
-                            toolbox=resolve_tools(CALC, "broken_env:Broken", [broken_env]))
+    spec = SuiteSpec(
+        name="s",
+        data={"task": "tool_arithmetic", "n": 2},
+        verifier="arithmetic",
+        tools=["calculator"],
+        environment="broken_env:Broken",
+        tool_format="hermes",
+        describe_tools=False,
+        sampling={"max_new_tokens": 200},
+    )
+    suite = SimpleNamespace(
+        spec=spec, prompts=list(scripts), rows=[{}, {}], toolbox=resolve_tools(CALC, "broken_env:Broken", [broken_env])
+    )
     samples, scores, records = tool_samples(None, tokenizer, suite, "eval")
     assert [s.text for s in samples] == ["6", "7"]
-    assert scores == {"tool_call_rate": 0.5, "turns": 1.5, "tool_errors": 0.0, "parse_failures": 0.0,
-                      "skipped_calls": 0.0, "truncated_tool_outputs": 0.0, "reward_errors": 1.0}
+    assert scores == {
+        "tool_call_rate": 0.5,
+        "turns": 1.5,
+        "tool_errors": 0.0,
+        "parse_failures": 0.0,
+        "skipped_calls": 0.0,
+        "truncated_tool_outputs": 0.0,
+        "reward_errors": 1.0,
+    }
     assert [r["reward_errors"] for r in records] == [1, 1]
 
 
@@ -426,24 +538,37 @@ def test_sampler_logprobs_equal_the_policys_on_the_models_own_tokens(tiny_model,
     tokenizer, model = load_tokenizer(str(path)), load_policy(str(path))
     prompts = [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]]
     torch.manual_seed(0)
-    trajectories, encoded = calculator_rollout(model, tokenizer, SamplingSpec(max_new_tokens=8, batch_size=2),
-                                               monkeypatch, prompts)
+    trajectories, encoded = calculator_rollout(
+        model, tokenizer, SamplingSpec(max_new_tokens=8, batch_size=2), monkeypatch, prompts
+    )
     assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=2e-4)
 
 
 # --- rlvr: sampling options the tool rollout cannot honour, the environment's reward in the group signal ---------
-@pytest.mark.parametrize("train, key", [({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                                        ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs")])
+@pytest.mark.parametrize(
+    "train, key",
+    [
+        ({"min_p": 0.1}, "min_p"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs"),
+    ],
+)
 def test_rlvr_refuses_sampling_options_the_tool_rollout_would_ignore(train, key):
     from alignment.config.stages.rlvr import Config
     from alignment.training.tool_rollouts import ToolRollouts
 
-    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
-                    tool_format="hermes", train=train)
+    config = Config(
+        data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"], tool_format="hermes", train=train
+    )
     with pytest.raises(UserError, match=f"stages.rlvr.train.{key}: with tools"):
         ToolRollouts(config, script_tokenizer(), [], "stages.rlvr")
-    inert = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"], tool_format="hermes",
-                   train={"repetition_penalty": 1.0, "generation_kwargs": {}})
+    inert = Config(
+        data={"task": "arithmetic"},
+        verifiers=["arithmetic"],
+        tools=["calculator"],
+        tool_format="hermes",
+        train={"repetition_penalty": 1.0, "generation_kwargs": {}},
+    )
     ToolRollouts(inert, script_tokenizer(), [], "stages.rlvr")
 
 

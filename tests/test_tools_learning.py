@@ -27,22 +27,48 @@ def tool_learning_recipe(tmp_path: Path, seed: int) -> dict:
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft_rows))
     (tmp_path / "boxes.jsonl").write_text("\n".join(json.dumps(r) for r in secret_box.rl_rows(512, seed)))
     return {
-        "name": "tool-learning", "model": {"tiny": {"hidden_size": 64, "num_layers": 2}},
-        "output_dir": str(tmp_path / "out"), "seed": seed,
+        "name": "tool-learning",
+        "model": {"tiny": {"hidden_size": 64, "num_layers": 2}},
+        "output_dir": str(tmp_path / "out"),
+        "seed": seed,
         "stages": {
             # 200 steps: the call text is learned in about 50, copying the tool's digit into the answer in 75-150
             # (a sharp transition whose step varies with the seed).
-            "sft": {"data": {"dataset": str(tmp_path / "sft.jsonl")},
-                    "train": {"num_train_epochs": 4, "per_device_train_batch_size": 32, "learning_rate": 5.0e-3,
-                              "lr_scheduler_type": "constant_with_warmup", "warmup_steps": 10, "max_length": 128,
-                              "logging_steps": 50}},
-            "rlvr": {"model": "${sft}", "data": {"dataset": str(tmp_path / "boxes.jsonl")},
-                     "verifiers": ["arithmetic"], "environment": "secret_box:SecretBox", "tool_format": FORMAT,
-                     "describe_tools": False, "max_turns": 2, "max_tool_output_tokens": 32,
-                     "train": {"max_steps": RL_STEPS, "num_generations": 8, "per_device_train_batch_size": 16,
-                               "learning_rate": 1.0e-3, "lr_scheduler_type": "constant", "beta": 0.0,
-                               "temperature": 1.0,
-                               "max_completion_length": 80, "logging_steps": 1}}}}
+            "sft": {
+                "data": {"dataset": str(tmp_path / "sft.jsonl")},
+                "train": {
+                    "num_train_epochs": 4,
+                    "per_device_train_batch_size": 32,
+                    "learning_rate": 5.0e-3,
+                    "lr_scheduler_type": "constant_with_warmup",
+                    "warmup_steps": 10,
+                    "max_length": 128,
+                    "logging_steps": 50,
+                },
+            },
+            "rlvr": {
+                "model": "${sft}",
+                "data": {"dataset": str(tmp_path / "boxes.jsonl")},
+                "verifiers": ["arithmetic"],
+                "environment": "secret_box:SecretBox",
+                "tool_format": FORMAT,
+                "describe_tools": False,
+                "max_turns": 2,
+                "max_tool_output_tokens": 32,
+                "train": {
+                    "max_steps": RL_STEPS,
+                    "num_generations": 8,
+                    "per_device_train_batch_size": 16,
+                    "learning_rate": 1.0e-3,
+                    "lr_scheduler_type": "constant",
+                    "beta": 0.0,
+                    "temperature": 1.0,
+                    "max_completion_length": 80,
+                    "logging_steps": 1,
+                },
+            },
+        },
+    }
 
 
 def learning_curve(tmp_path: Path, seed: int) -> tuple[list[float], list[float]]:
@@ -68,8 +94,8 @@ def test_a_tiny_model_learns_to_call_the_tool_it_needs(tmp_path):
     0.27 -> 0.68; reward 0.35 -> 0.73, 0.21 -> 0.78, 0.33 -> 0.70 (seed 1 learned by step 12, dropped to 0.25 at
     steps 25-27, back to 0.81 at step 30). The margins (0.3) are below the smallest rise (0.37)."""
     calls, rewards = learning_curve(tmp_path, seed=1)
-    start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2:])
-    start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2:])
+    start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2 :])
+    start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2 :])
     assert start_calls < 0.6, f"the SFT policy already calls in {start_calls:.0%} of rollouts: no room to learn"
     assert end_calls >= start_calls + 0.3, (calls, rewards)
     assert end_reward >= start_reward + 0.3, (calls, rewards)

@@ -13,15 +13,35 @@ from conftest import SMALLEST_MODEL, recipe_dict, write_recipe
 from alignment.tasks import tool_arithmetic
 from alignment.tools.formats import Call, ToolFormat
 
-TRAIN = {"max_steps": 2, "num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 48,
-         "logging_steps": 1, "learning_rate": 1.0e-4}
+TRAIN = {
+    "max_steps": 2,
+    "num_generations": 4,
+    "per_device_train_batch_size": 8,
+    "max_completion_length": 48,
+    "logging_steps": 1,
+    "learning_rate": 1.0e-4,
+}
 
 
 def recipe(tmp_path: Path, **stage) -> dict:
-    return {"name": "tools-test", "model": SMALLEST_MODEL, "output_dir": str(tmp_path / "out"), "seed": 1,
-            "stages": {"rlvr": {"data": {"task": "arithmetic", "split": "train", "n": 32}, "verifiers": ["arithmetic"],
-                                "tools": ["calculator"], "tool_format": "hermes", "max_turns": 3,
-                                "max_tool_output_tokens": 16, "train": TRAIN, **stage}}}
+    return {
+        "name": "tools-test",
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / "out"),
+        "seed": 1,
+        "stages": {
+            "rlvr": {
+                "data": {"task": "arithmetic", "split": "train", "n": 32},
+                "verifiers": ["arithmetic"],
+                "tools": ["calculator"],
+                "tool_format": "hermes",
+                "max_turns": 3,
+                "max_tool_output_tokens": 16,
+                "train": TRAIN,
+                **stage,
+            }
+        },
+    }
 
 
 def test_rlvr_trains_on_multi_turn_rollouts_with_tool_results(tmp_path, monkeypatch):
@@ -42,13 +62,16 @@ def test_rlvr_trains_on_multi_turn_rollouts_with_tool_results(tmp_path, monkeypa
     assert any("tools/call_rate" in entry for entry in history)
 
 
-@pytest.mark.parametrize("stage, message", [
-    ({"tools": ["nonesuch"]}, "stages.rlvr.tools.0: Unknown tool 'nonesuch'"),
-    ({"tool_format": None}, "tool_format"),
-    ({"algorithm": "rloo"}, "tools need algorithm: grpo"),
-    ({"environment": "nowhere:Env"}, "stages.rlvr.environment"),
-    ({"tools": [], "max_turns": 3, "tool_format": None, "max_tool_output_tokens": 16}, "only apply with `tools:`"),
-])
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"tools": ["nonesuch"]}, "stages.rlvr.tools.0: Unknown tool 'nonesuch'"),
+        ({"tool_format": None}, "tool_format"),
+        ({"algorithm": "rloo"}, "tools need algorithm: grpo"),
+        ({"environment": "nowhere:Env"}, "stages.rlvr.environment"),
+        ({"tools": [], "max_turns": 3, "tool_format": None, "max_tool_output_tokens": 16}, "only apply with `tools:`"),
+    ],
+)
 def test_align_check_validates_the_tool_keys(tmp_path, stage, message):
     """What `align check` runs (load_recipe + check_recipe), in process."""
     from alignment.config.recipe import load_recipe
@@ -64,8 +87,12 @@ def test_ppo_refuses_tools_and_names_the_stages_that_run_them(tmp_path):
     from alignment.config.recipe import load_recipe
     from alignment.errors import UserError
 
-    stage = {"verifiers": ["arithmetic"], "data": {"task": "arithmetic", "n": 8}, "tools": ["calculator"],
-             "max_turns": 2}
+    stage = {
+        "verifiers": ["arithmetic"],
+        "data": {"task": "arithmetic", "n": 8},
+        "tools": ["calculator"],
+        "max_turns": 2,
+    }
     with pytest.raises(UserError, match=r"'stages.ppo': ppo does not take max_turns, tools: .* rlvr .* rsft"):
         load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "ppo", stage)))
 
@@ -86,10 +113,14 @@ def test_trls_vllm_engine_is_refused_with_tools_and_the_vllm_backend_named_where
     from alignment.errors import UserError
     from alignment.training import tool_rollouts
 
-    config = Config(data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"],
-                    train={"use_vllm": True})
-    with pytest.raises(UserError, match=r"(?s)stages.rlvr.train.use_vllm: .*never sample.*use_vllm: false.*rsft and "
-                                        r"evaluation suites, with `sampling: \{backend: vllm\}`"):
+    config = Config(
+        data={"task": "arithmetic"}, verifiers=["arithmetic"], tools=["calculator"], train={"use_vllm": True}
+    )
+    with pytest.raises(
+        UserError,
+        match=r"(?s)stages.rlvr.train.use_vllm: .*never sample.*use_vllm: false.*rsft and "
+        r"evaluation suites, with `sampling: \{backend: vllm\}`",
+    ):
         tool_rollouts.check_engine(config, "stages.rlvr")
 
 
@@ -110,17 +141,32 @@ def test_an_evaluation_suite_with_tools_reports_tool_use_and_whole_trajectories(
     from alignment.evaluation.evaluate import evaluate_checkpoints
 
     monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "2*3"})], []))
-    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 6},
-                      verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
-                      max_turns=2, sampling={"temperature": 1.0, "max_new_tokens": 60})
+    suite = SuiteSpec(
+        name="products",
+        data={"task": "tool_arithmetic", "split": "test", "n": 6},
+        verifier="arithmetic",
+        tools=["calculator"],
+        tool_format="hermes",
+        describe_tools=False,
+        max_turns=2,
+        sampling={"temperature": 1.0, "max_new_tokens": 60},
+    )
     metrics = evaluate_checkpoints({"tiny": str(tiny_model)}, [suite], tmp_path / "eval")["tiny"]
-    assert {"products/pass@1", "products/tool_call_rate", "products/tool_errors", "products/parse_failures",
-            "products/turns", "products/truncated_tool_outputs"} <= set(metrics)
+    assert {
+        "products/pass@1",
+        "products/tool_call_rate",
+        "products/tool_errors",
+        "products/parse_failures",
+        "products/turns",
+        "products/truncated_tool_outputs",
+    } <= set(metrics)
     assert 1 <= metrics["products/turns"] <= 2
     lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and all(line["trajectory"]["messages"][0]["role"] == "assistant" for line in lines)
-    assert all(line["completion"] == [t for t in line["trajectory"]["messages"] if t["role"] == "assistant"][-1]["content"]
-               for line in lines)
+    assert all(
+        line["completion"] == [t for t in line["trajectory"]["messages"] if t["role"] == "assistant"][-1]["content"]
+        for line in lines
+    )
 
 
 def test_pass_k_with_tools_samples_n_whole_rollouts_per_prompt(tmp_path, tiny_model, monkeypatch):
@@ -133,10 +179,17 @@ def test_pass_k_with_tools_samples_n_whole_rollouts_per_prompt(tmp_path, tiny_mo
     from alignment.tools import rollout as rollout_module
 
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(load_tokenizer(str(tiny_model))))
-    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 5},
-                      verifier="arithmetic", tools=["calculator"], tool_format="hermes", describe_tools=False,
-                      max_turns=2, sampling={"temperature": 0, "max_new_tokens": 200},
-                      pass_k={"n": 3, "k": [1, 3], "limit": 4})
+    suite = SuiteSpec(
+        name="products",
+        data={"task": "tool_arithmetic", "split": "test", "n": 5},
+        verifier="arithmetic",
+        tools=["calculator"],
+        tool_format="hermes",
+        describe_tools=False,
+        max_turns=2,
+        sampling={"temperature": 0, "max_new_tokens": 200},
+        pass_k={"n": 3, "k": [1, 3], "limit": 4},
+    )
     metrics = evaluate_checkpoints({"tiny": str(tiny_model)}, [suite], tmp_path / "eval")["tiny"]
     lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     sampled = [line for line in lines if line["mode"] == "pass_k"]
@@ -176,13 +229,29 @@ def test_rsft_selects_whole_trajectories_and_trains_with_tool_results_masked(tmp
     from alignment.tools import rollout as rollout_module
 
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
-    stage = {"kind": "rsft", "data": {"task": "tool_arithmetic", "split": "train", "n": 8}, "verifiers": ["arithmetic"],
-             "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False, "max_turns": 2,
-             "sampling": {"n": 2, "max_new_tokens": 200},
-             "train": {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 256}}
-    loaded = load_recipe(write_recipe(tmp_path, {"name": "rsft-tools", "model": SMALLEST_MODEL,
-                                                 "output_dir": str(tmp_path / "out"), "seed": 1,
-                                                 "stages": {"rsft": stage}}))
+    stage = {
+        "kind": "rsft",
+        "data": {"task": "tool_arithmetic", "split": "train", "n": 8},
+        "verifiers": ["arithmetic"],
+        "tools": ["calculator"],
+        "tool_format": "hermes",
+        "describe_tools": False,
+        "max_turns": 2,
+        "sampling": {"n": 2, "max_new_tokens": 200},
+        "train": {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 256},
+    }
+    loaded = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "rsft-tools",
+                "model": SMALLEST_MODEL,
+                "output_dir": str(tmp_path / "out"),
+                "seed": 1,
+                "stages": {"rsft": stage},
+            },
+        )
+    )
     metrics = run_recipe(loaded)["rsft"]
     metrics = metrics.get("metrics", metrics)
     assert metrics["round1/selected"] == 8 and metrics["round1/pass_rate"] == 1.0
@@ -194,8 +263,12 @@ def test_rsft_selects_whole_trajectories_and_trains_with_tool_results_masked(tmp
         mask, ids = row["completion_mask"], row["input_ids"]
         sampled = tokenizer.decode([t for t, m in zip(ids, mask) if m])
         # (the tiny model's reloaded tokenizer drops whitespace, so compare without it)
-        expected = tool_arithmetic.call_text(re.findall(r"\d+\*\d+", row["prompt"])[-1]) + "<|end|>" + \
-            row["completion"] + "<|end|>"
+        expected = (
+            tool_arithmetic.call_text(re.findall(r"\d+\*\d+", row["prompt"])[-1])
+            + "<|end|>"
+            + row["completion"]
+            + "<|end|>"
+        )
         assert re.sub(r"\s", "", sampled) == re.sub(r"\s", "", expected)
         assert "<tool_response>" in tokenizer.decode(ids) and "<tool_response>" not in sampled
         assert row["trajectory"]["tool_calls"] == 1 and row["trajectory"]["stop_reason"] == "answer"
@@ -214,8 +287,9 @@ def test_the_tasks_demonstrations_are_written_as_the_rollout_writes_calls_and_re
     messages = rows[1]["prompt"]
     prompt = fmt.render_prompt(tokenizer, messages[:1], [], describe=False)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert rendered == (prompt + messages[1]["content"] + "<|end|>" +
-                        fmt.result_text(tokenizer, [("calculator", rows[1]["answer"])]))
+    assert rendered == (
+        prompt + messages[1]["content"] + "<|end|>" + fmt.result_text(tokenizer, [("calculator", rows[1]["answer"])])
+    )
     assert [len(r["prompt"]) for r in rows[:2]] == [1, 3]  # the call, then the answer after its result
     assert rows[0]["completion"] == [messages[1]] and rows[1]["completion"][0]["content"] == rows[1]["answer"]
 
@@ -230,12 +304,15 @@ def test_call_fraction_is_the_share_of_trained_first_turns_that_call(call_fracti
     from alignment.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    rows = tool_arithmetic.build(ToolArithmeticParams(n=300, demonstrations=True, call_fraction=call_fraction),
-                                 "train", 0)
+    rows = tool_arithmetic.build(
+        ToolArithmeticParams(n=300, demonstrations=True, call_fraction=call_fraction), "train", 0
+    )
     trained = []  # the text of every turn SFT trains on
     for row in rows:
         for rendered in render_example(tokenizer, row)[0]:
-            trained += [t for t, on in rendered["segments"] if on] if "segments" in rendered else [rendered["completion"]]
+            trained += (
+                [t for t, on in rendered["segments"] if on] if "segments" in rendered else [rendered["completion"]]
+            )
     calls = sum("<tool_call>" in t for t in trained)
     assert len(trained) == 600  # per problem: the first turn, and the answer after the result
     assert abs(calls / 300 - call_fraction) < 0.08
@@ -275,9 +352,14 @@ def test_rlvr_with_an_environment_gets_its_reward(tmp_path, monkeypatch):
 
     (tmp_path / "calc_env.py").write_text(CHECKED_CALCULATOR)
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
-    stage = recipe(tmp_path, tools=[], environment="calc_env:CheckedCalculator", describe_tools=False,
-                   data={"task": "tool_arithmetic", "split": "train", "n": 32},
-                   train={**TRAIN, "max_completion_length": 200})
+    stage = recipe(
+        tmp_path,
+        tools=[],
+        environment="calc_env:CheckedCalculator",
+        describe_tools=False,
+        data={"task": "tool_arithmetic", "split": "train", "n": 32},
+        train={**TRAIN, "max_completion_length": 200},
+    )
     loaded = load_recipe(write_recipe(tmp_path, stage))
     metrics = run_recipe(loaded)["rlvr"]
     metrics = metrics.get("metrics", metrics)

@@ -42,44 +42,104 @@ class Row:
 
 
 ROWS = [
-    Row("gold_then_example_usage_block",
-        f"Here is the function:\n\n{fence(GOLD)}\n\nExample usage:\n\n{fence(USAGE)}\n\nThis prints (4, 5).", 1.0),
+    Row(
+        "gold_then_example_usage_block",
+        f"Here is the function:\n\n{fence(GOLD)}\n\nExample usage:\n\n{fence(USAGE)}\n\nThis prints (4, 5).",
+        1.0,
+    ),
     Row("prose_and_one_block", f"We intersect the two sets.\n{fence(GOLD)}\nThe result is a tuple.", 1.0),
-    Row("helper_in_an_earlier_block", fence("def common(a, b):\n    return set(a) & set(b)\n") + "\nThen:\n" +
-        fence("def similar_elements(a, b):\n    return tuple(common(a, b))\n") + "\n" + fence(USAGE), 1.0),
-    Row("import_in_its_own_block", fence("from functools import reduce\n") + "\n" +
-        fence("def similar_elements(a, b):\n    return tuple(reduce(set.intersection, [set(a), set(b)]))\n"), 1.0),
+    Row(
+        "helper_in_an_earlier_block",
+        fence("def common(a, b):\n    return set(a) & set(b)\n")
+        + "\nThen:\n"
+        + fence("def similar_elements(a, b):\n    return tuple(common(a, b))\n")
+        + "\n"
+        + fence(USAGE),
+        1.0,
+    ),
+    Row(
+        "import_in_its_own_block",
+        fence("from functools import reduce\n")
+        + "\n"
+        + fence("def similar_elements(a, b):\n    return tuple(reduce(set.intersection, [set(a), set(b)]))\n"),
+        1.0,
+    ),
     Row("example_block_that_raises", fence(GOLD) + "\n" + fence("print(similar_elements((1, 2)))\n"), 1.0),
-    Row("example_block_that_loops", fence(GOLD) + "\n" +
-        fence("while True:\n    print(similar_elements((1, 2), (2, 3)))\n"), 1.0),
-    Row("example_block_with_its_own_wrong_assert", fence(GOLD) + "\n" +
-        fence("assert similar_elements((1, 2), (2, 3)) == (3,)\n"), 1.0),
-    Row("main_guard_reading_input", fence(GOLD + "\nif __name__ == '__main__':\n    a = input()\n"
-                                          "    print(similar_elements(a, a))\n    raise SystemExit(1)\n"), 1.0),
-    Row("doctest_transcript_after_the_code", fence(GOLD) + "\n" +
-        fence(">>> similar_elements((3, 4), (4, 5))\n(4,)\n>>> similar_elements((1,), (2,))\n()\n"), 1.0),
-    Row("doctest_transcript_that_defines_the_function", fence(
-        ">>> def similar_elements(a, b):\n...     return tuple(set(a) & set(b))\n...\n"
-        ">>> similar_elements((3, 4), (4, 5))\n(4,)\n"), 1.0),
+    Row(
+        "example_block_that_loops",
+        fence(GOLD) + "\n" + fence("while True:\n    print(similar_elements((1, 2), (2, 3)))\n"),
+        1.0,
+    ),
+    Row(
+        "example_block_with_its_own_wrong_assert",
+        fence(GOLD) + "\n" + fence("assert similar_elements((1, 2), (2, 3)) == (3,)\n"),
+        1.0,
+    ),
+    Row(
+        "main_guard_reading_input",
+        fence(
+            GOLD + "\nif __name__ == '__main__':\n    a = input()\n"
+            "    print(similar_elements(a, a))\n    raise SystemExit(1)\n"
+        ),
+        1.0,
+    ),
+    Row(
+        "doctest_transcript_after_the_code",
+        fence(GOLD)
+        + "\n"
+        + fence(">>> similar_elements((3, 4), (4, 5))\n(4,)\n>>> similar_elements((1,), (2,))\n()\n"),
+        1.0,
+    ),
+    Row(
+        "doctest_transcript_that_defines_the_function",
+        fence(
+            ">>> def similar_elements(a, b):\n...     return tuple(set(a) & set(b))\n...\n"
+            ">>> similar_elements((3, 4), (4, 5))\n(4,)\n"
+        ),
+        1.0,
+    ),
     Row("code_and_transcript_in_one_block", fence(GOLD + "\n>>> similar_elements((3, 4), (4, 5))\n(4,)\n"), 1.0),
-    Row("doctests_in_a_docstring_are_code", fence(
-        'def similar_elements(a, b):\n    """\n    >>> similar_elements((3, 4), (4, 5))\n    (4,)\n    """\n'
-        "    return tuple(set(a) & set(b))\n"), 1.0),
-    Row("untagged_code_then_untagged_output", fence(GOLD, "") + "\nOutput:\n" + fence("The shared elements are (4, 5)\n", ""), 1.0),
+    Row(
+        "doctests_in_a_docstring_are_code",
+        fence(
+            'def similar_elements(a, b):\n    """\n    >>> similar_elements((3, 4), (4, 5))\n    (4,)\n    """\n'
+            "    return tuple(set(a) & set(b))\n"
+        ),
+        1.0,
+    ),
+    Row(
+        "untagged_code_then_untagged_output",
+        fence(GOLD, "") + "\nOutput:\n" + fence("The shared elements are (4, 5)\n", ""),
+        1.0,
+    ),
     Row("shell_block_then_python_block", fence("pip install nothing\n", "bash") + "\n" + fence(GOLD), 1.0),
     Row("later_definition_wins", "A first try:\n" + fence(WRONG) + "\nThat is wrong; fixed:\n" + fence(GOLD), 1.0),
-    Row("example_block_sets_what_the_code_reads", fence(
-        "def build():\n    return {'op': lambda a, b: tuple(set(a) & set(b))}\n"
-        "def similar_elements(a, b):\n    return TABLE['op'](a, b)\n") + "\n" + fence("TABLE = build()\n"), 1.0),
-    Row("example_block_reuses_a_local_name_of_the_solution", fence(
-        "def similar_elements(a, b):\n    result = tuple(set(a) & set(b))\n    return result\n") + "\n" +
-        fence("result = similar_elements((1, 2))\nprint(result)\n"), 1.0),
+    Row(
+        "example_block_sets_what_the_code_reads",
+        fence(
+            "def build():\n    return {'op': lambda a, b: tuple(set(a) & set(b))}\n"
+            "def similar_elements(a, b):\n    return TABLE['op'](a, b)\n"
+        )
+        + "\n"
+        + fence("TABLE = build()\n"),
+        1.0,
+    ),
+    Row(
+        "example_block_reuses_a_local_name_of_the_solution",
+        fence("def similar_elements(a, b):\n    result = tuple(set(a) & set(b))\n    return result\n")
+        + "\n"
+        + fence("result = similar_elements((1, 2))\nprint(result)\n"),
+        1.0,
+    ),
     Row("unclosed_last_block", fence(GOLD) + "\n```python\nprint(similar_elements((1, 2), (2, 3)))\n", 1.0),
     # the tests still decide
     Row("wrong_then_example_usage", fence(WRONG) + "\n" + fence(USAGE), 0.0),
     Row("right_then_wrong_redefinition", fence(GOLD) + "\n" + fence(WRONG), 0.0),
-    Row("usage_block_that_rebinds_the_tested_name", fence(GOLD) + "\n" +
-        fence("similar_elements = lambda a, b: similar_elements\n"), 0.0),
+    Row(
+        "usage_block_that_rebinds_the_tested_name",
+        fence(GOLD) + "\n" + fence("similar_elements = lambda a, b: similar_elements\n"),
+        0.0,
+    ),
     Row("usage_inside_the_defining_block_runs_as_written", fence(GOLD + "print(similar_elements((1, 2)))\n"), 0.0),
     Row("broken_tagged_block", fence(GOLD) + "\n" + fence("def oops(:\n"), 0.0),
 ]

@@ -41,9 +41,19 @@ def user_module(tmp_path):
 
 # --- resolution ------------------------------------------------------------------------------
 
+
 def test_builtin_keys():
-    assert {"numeric", "gsm8k", "math", "regex", "think_format", "answer_tag", "json", "python_tests",
-            "arithmetic"} <= set(BUILTINS)
+    assert {
+        "numeric",
+        "gsm8k",
+        "math",
+        "regex",
+        "think_format",
+        "answer_tag",
+        "json",
+        "python_tests",
+        "arithmetic",
+    } <= set(BUILTINS)
     assert BUILTINS["gsm8k"] == BUILTINS["numeric"]
     v = resolve("numeric")
     assert isinstance(v, Verifier) and v.name == "numeric" and v.target == BUILTINS["numeric"]
@@ -163,6 +173,7 @@ def test_entry_point_plugins(monkeypatch, tmp_path, user_module):
 
 # --- the Verifier wrapper --------------------------------------------------------------------
 
+
 def two_columns(completion, answer):
     return 1.0 if completion.strip() == str(answer) else 0.0
 
@@ -261,7 +272,11 @@ def test_summarize():
         VerifyResult(0.0, "error", "ValueError: x"),
     ]
     assert summarize(results) == {
-        "n": 5, "pass_rate": 0.2, "mean_reward": 0.3, "unparseable_rate": 0.2, "error_rate": 0.2,
+        "n": 5,
+        "pass_rate": 0.2,
+        "mean_reward": 0.3,
+        "unparseable_rate": 0.2,
+        "error_rate": 0.2,
     }
     assert summarize([])["n"] == 0
     assert summarize(results, threshold=0.5)["pass_rate"] == 0.4

@@ -65,7 +65,9 @@ def test_samples_follow_the_policy_through_every_update(tiny_model, prompts, fak
     ours = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY))
     sampled = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"))
     assert [s.token_ids for s in sampled] == [s.token_ids for s in ours]  # the engine's dummy weights were replaced
-    assert [(s.prompt_index, s.text, s.finished) for s in sampled] == [(s.prompt_index, s.text, s.finished) for s in ours]
+    assert [(s.prompt_index, s.text, s.finished) for s in sampled] == [
+        (s.prompt_index, s.text, s.finished) for s in ours
+    ]
     assert all(torch.equal(before[n], t) for n, t in base_weights(model).items()), "the base (the reference) drifted"
 
     with torch.no_grad():  # an optimizer step on the adapter
@@ -118,8 +120,9 @@ def test_sampling_is_seeded_per_prompt_from_torch(tiny_model, prompts, fake_vllm
     assert all(len(s.token_ids) <= 8 for s in first)
 
 
-def test_a_checkpoints_generation_config_does_not_change_what_vllm_samples(tiny_model, prompts, tmp_path, fake_vllm,
-                                                                         monkeypatch):
+def test_a_checkpoints_generation_config_does_not_change_what_vllm_samples(
+    tiny_model, prompts, tmp_path, fake_vllm, monkeypatch
+):
     """The checkpoint whose generation_config.json sets every sampling field samples through vLLM exactly as the
     clean one: the engine is told to ignore generation configs (`generation_config="vllm"`, not vLLM's "auto")
     and every request sets each field that shapes the distribution to its neutral value."""
@@ -143,8 +146,17 @@ def test_a_checkpoints_generation_config_does_not_change_what_vllm_samples(tiny_
         runs.append([s.token_ids for s in generate(model, tokenizer, prompts, spec)])
     assert runs[0] == runs[1]
     assert all(engine.kwargs["generation_config"] == "vllm" for engine in fake_vllm.LLM.instances)
-    neutral = {"min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
-               "frequency_penalty": 0.0, "temperature": 1.0, "top_p": 0.9, "top_k": 0, "max_tokens": 8}
+    neutral = {
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 0,
+        "max_tokens": 8,
+    }
     assert len(sent) == 2 * len(prompts)
     assert all({k: getattr(params, k) for k in neutral} == neutral for params in sent)
 
@@ -153,8 +165,13 @@ def test_log_prob_check_catches_a_sampler_without_the_policy_weights(tiny_model,
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     fake_vllm.LLM.ignore_weights = True  # the push silently does nothing: the engine keeps random weights
     with pytest.raises(UserError, match=r"(?s)differ from the policy's.*vllm.logprob_tolerance: 0.1"):
-        generate(model, tokenizer, prompts, SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm"),
-                 progress="ppo rollout")
+        generate(
+            model,
+            tokenizer,
+            prompts,
+            SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm"),
+            progress="ppo rollout",
+        )
     unchecked = SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm", vllm={"check_samples": 0})
     assert len(generate(model, tokenizer, prompts, unchecked)) == len(prompts)  # the check is what caught it
 
@@ -168,7 +185,9 @@ def test_the_gap_is_small_when_the_weights_arrived(tiny_model, prompts, fake_vll
 def test_an_engine_that_cannot_start_is_a_clear_error(tiny_model, prompts, fake_vllm):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     fake_vllm.LLM.fail_with = RuntimeError("No CUDA GPUs are available")
-    with pytest.raises(UserError, match=r"(?s)rsft sampling: vLLM could not start.*No CUDA GPUs.*backend: transformers"):
+    with pytest.raises(
+        UserError, match=r"(?s)rsft sampling: vLLM could not start.*No CUDA GPUs.*backend: transformers"
+    ):
         generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"), progress="rsft sampling")
 
 
@@ -180,11 +199,15 @@ def test_missing_vllm_is_named_when_the_recipe_loads(tmp_path, tiny_model, monke
         key = r"stages.ppo.rollout.backend'"
     else:
         path = tmp_path / "recipe.yaml"
-        path.write_text(f"name: r\nmodel: {tiny_model}\noutput_dir: {tmp_path / 'out'}\nstages:\n  rsft:\n"
-                        "    kind: rsft\n    data: {task: arithmetic, n: 8}\n    verifiers: [{name: numeric}]\n"
-                        "    sampling: {backend: vllm}\n")
+        path.write_text(
+            f"name: r\nmodel: {tiny_model}\noutput_dir: {tmp_path / 'out'}\nstages:\n  rsft:\n"
+            "    kind: rsft\n    data: {task: arithmetic, n: 8}\n    verifiers: [{name: numeric}]\n"
+            "    sampling: {backend: vllm}\n"
+        )
         key = r"stages.rsft.sampling.backend'"
-    with pytest.raises(UserError, match=rf"(?s){key}.*vllm is not installed.*scripts/vllm_env.sh.*backend: transformers"):
+    with pytest.raises(
+        UserError, match=rf"(?s){key}.*vllm is not installed.*scripts/vllm_env.sh.*backend: transformers"
+    ):
         load_recipe(path)
     assert not (tmp_path / "out").exists()
 
@@ -203,8 +226,14 @@ def test_every_field_that_shapes_the_distribution_is_set_and_seeds_differ(fake_v
     params = vllm_engine.sampling_params(spec, [2, 5], 4)
     first = params[0]
     assert (first.temperature, first.top_p, first.top_k, first.n, first.max_tokens) == (0.7, 0.9, 20, 3, 5)
-    assert (first.min_p, first.min_tokens, first.repetition_penalty, first.presence_penalty,
-            first.frequency_penalty, first.ignore_eos) == (0.0, 0, 1.0, 0.0, 0.0, False)
+    assert (
+        first.min_p,
+        first.min_tokens,
+        first.repetition_penalty,
+        first.presence_penalty,
+        first.frequency_penalty,
+        first.ignore_eos,
+    ) == (0.0, 0, 1.0, 0.0, 0.0, False)
     assert first.stop_token_ids == [2, 5] and first.logprobs == 0 and first.detokenize is False
     # vLLM seeds sample j of a request `seed + j`: prompt i's seed is base + i*n, so no two samples share one
     seeds = [p.seed + j for p in params for j in range(3)]
@@ -225,7 +254,9 @@ def test_starting_the_engine_leaves_the_process_as_it_was(tiny_model, prompts, f
     generate(model, tokenizer, prompts, spec)  # the running engine
     running = torch.rand(3)
     torch.manual_seed(11)
-    generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm", vllm={"max_model_len": 200}))  # a new engine
+    generate(
+        model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm", vllm={"max_model_len": 200})
+    )  # a new engine
     started = torch.rand(3)
     assert torch.equal(started, running), "starting an engine moved torch's generator"
     first, second = fake_vllm.LLM.instances
@@ -238,8 +269,11 @@ def test_prompts_longer_than_the_engine_holds_are_an_error_before_sampling(tiny_
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
     spec = SamplingSpec(**GREEDY, backend="vllm", vllm={"max_model_len": longest})
-    with pytest.raises(UserError, match=rf"(?s)ppo rollout: 2 of 4 prompts are {longest} to {longest} tokens.*"
-                                        rf"at most {longest} tokens.*vllm.max_model_len"):
+    with pytest.raises(
+        UserError,
+        match=rf"(?s)ppo rollout: 2 of 4 prompts are {longest} to {longest} tokens.*"
+        rf"at most {longest} tokens.*vllm.max_model_len",
+    ):
         generate(model, tokenizer, prompts, spec, progress="ppo rollout")
 
 
@@ -253,21 +287,36 @@ def test_completions_cut_by_the_engine_length_are_counted(tiny_model, prompts, f
     assert f"{cut} of 4 completions stopped before max_new_tokens=8" in logged()
 
 
-def test_sleep_mode_where_vllm_has_none_is_an_error_before_the_engine_starts(tiny_model, prompts, fake_vllm, monkeypatch):
+def test_sleep_mode_where_vllm_has_none_is_an_error_before_the_engine_starts(
+    tiny_model, prompts, fake_vllm, monkeypatch
+):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
-    monkeypatch.setattr(fake_vllm.platforms, "current_platform", type(fake_vllm.platforms.current_platform)(
-        device_name="cpu", is_cpu=lambda: True, is_sleep_mode_available=lambda: False))
+    monkeypatch.setattr(
+        fake_vllm.platforms,
+        "current_platform",
+        type(fake_vllm.platforms.current_platform)(
+            device_name="cpu", is_cpu=lambda: True, is_sleep_mode_available=lambda: False
+        ),
+    )
     with pytest.raises(UserError, match=r"(?s)rsft sampling: `vllm.sleep: true`.*no sleep mode on this platform \(cpu"):
-        generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm", vllm={"sleep": True}),
-                 progress="rsft sampling")
+        generate(
+            model,
+            tokenizer,
+            prompts,
+            SamplingSpec(**GREEDY, backend="vllm", vllm={"sleep": True}),
+            progress="rsft sampling",
+        )
     assert fake_vllm.LLM.instances == []
 
 
 def test_a_push_the_engine_refuses_is_a_clear_error(tiny_model, prompts, fake_vllm, monkeypatch):
     tokenizer, model = load_tokenizer(str(tiny_model)), lora_policy(tiny_model)
     monkeypatch.setattr(vllm_engine, "vllm_weights", lambda m: iter([("model.no_such.weight", torch.zeros(1))]))
-    with pytest.raises(UserError, match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
-                                        r"engine \(KeyError.*no_such.*backend: transformers"):
+    with pytest.raises(
+        UserError,
+        match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
+        r"engine \(KeyError.*no_such.*backend: transformers",
+    ):
         generate(model, tokenizer, prompts, SamplingSpec(**GREEDY, backend="vllm"), progress="ppo rollout")
 
 
@@ -280,8 +329,9 @@ def test_tool_rollouts_feed_the_engine_ids_turn_by_turn(tiny_model, tmp_path, fa
     requests = engine_requests(monkeypatch)
     settings = SamplingSpec(temperature=1.0, max_new_tokens=8, backend="vllm", vllm={"logprob_tolerance": 1e-3})
     torch.manual_seed(0)
-    trajectories, encoded = calculator_rollout(model, tokenizer, settings, monkeypatch,
-                                               [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]])
+    trajectories, encoded = calculator_rollout(
+        model, tokenizer, settings, monkeypatch, [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]]
+    )
     assert_fed_turn_by_turn(trajectories, requests)
     assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=1e-3)
     assert len(requests) >= 2 and fake_vllm.LLM.pushes == len(requests)
@@ -294,19 +344,38 @@ def test_rsft_samples_its_tool_rollouts_through_vllm(tmp_path, tiny_model, fake_
     calls = [Call("calculator", {"expression": "2*3"})]  # on about half the turns; the others answer
     monkeypatch.setattr(ToolFormat, "parse", lambda self, text: (calls if len(text) % 2 == 0 else [], []))
     requests = engine_requests(monkeypatch)
-    stage = {"data": {"task": "tool_arithmetic", "split": "train", "n": 4}, "verifiers": ["my_checks:anything"],
-             "tools": ["calculator"], "tool_format": "hermes", "describe_tools": False, "max_turns": 2,
-             "sampling": {"n": 2, "max_new_tokens": 100, "backend": "vllm"},
-             "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256}}
+    stage = {
+        "data": {"task": "tool_arithmetic", "split": "train", "n": 4},
+        "verifiers": ["my_checks:anything"],
+        "tools": ["calculator"],
+        "tool_format": "hermes",
+        "describe_tools": False,
+        "max_turns": 2,
+        "sampling": {"n": 2, "max_new_tokens": 100, "backend": "vllm"},
+        "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256},
+    }
     model = quick_stopping(tiny_model, tmp_path / "quick")
-    loaded = load_recipe(write_recipe(tmp_path, {"name": "rsft-tools-vllm", "model": str(model), "seed": 1,
-                                                 "output_dir": str(tmp_path / "out"), "stages": {"rsft": stage}}))
+    loaded = load_recipe(
+        write_recipe(
+            tmp_path,
+            {
+                "name": "rsft-tools-vllm",
+                "model": str(model),
+                "seed": 1,
+                "output_dir": str(tmp_path / "out"),
+                "stages": {"rsft": stage},
+            },
+        )
+    )
     run_recipe(loaded)
     assert len(requests) == 2 and fake_vllm.LLM.pushes == 2  # a call, and a push, per turn
     rows = [json.loads(line) for line in (loaded.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()]
     assert rows and any(row["trajectory"]["tool_calls"] for row in rows)
     returned = [ids for call in requests for _, ids in call]
     for row in rows:  # every model turn trained on is what the engine returned
-        turns = [ids for sampled, ids in sampled_runs(SimpleNamespace(ids=row["input_ids"], mask=row["completion_mask"]))
-                 if sampled]
+        turns = [
+            ids
+            for sampled, ids in sampled_runs(SimpleNamespace(ids=row["input_ids"], mask=row["completion_mask"]))
+            if sampled
+        ]
         assert turns and all(ids in returned for ids in turns)

@@ -20,25 +20,44 @@ class DataSpec(Strict):
 
     model_config = ConfigDict(extra="allow")
 
-    dataset: str | None = Field(None, description="Hugging Face Hub dataset id, or a local .json/.jsonl/.parquet/.csv "
-                                "file or folder of them (as given, or relative to the recipe's folder); give this or "
-                                "`task`")
-    task: str | None = Field(None, description="built-in offline task (`arithmetic`) whose rows are generated from the "
-                             "recipe's seed; its parameters are further keys of this mapping; give this or `dataset`")
-    config: str | None = Field(None, description="configuration (subset) name of a hub dataset, passed to "
-                               "datasets.load_dataset; default: the dataset's own; an error on local files")
-    split: str = Field("train", description="split of a hub dataset; in a local folder, the files named after it "
-                       "(`train_sft.jsonl`, `train_sft-00000-of-00001.parquet`); a single local file holds one split "
-                       "(`train` or the file's own name, anything else is an error); a task gives its held-out "
-                       "problems for `test`, `validation`, `eval` or `heldout` and its training problems otherwise")
-    format: str | None = Field(None, description="`hh`: preference rows whose chosen/rejected are whole Anthropic "
-                               "HH-RLHF transcripts, read as chat turns (also detected, with a log line); for a task "
-                               "source, the task's own `format` parameter")
-    rename: dict[str, str] = Field(default_factory=dict, description="{old: new} column renames, applied first, to map "
-                                   "a dataset's columns onto those the stage needs; an unknown column is an error")
+    dataset: str | None = Field(
+        None,
+        description="Hugging Face Hub dataset id, or a local .json/.jsonl/.parquet/.csv "
+        "file or folder of them (as given, or relative to the recipe's folder); give this or "
+        "`task`",
+    )
+    task: str | None = Field(
+        None,
+        description="built-in offline task (`arithmetic`) whose rows are generated from the "
+        "recipe's seed; its parameters are further keys of this mapping; give this or `dataset`",
+    )
+    config: str | None = Field(
+        None,
+        description="configuration (subset) name of a hub dataset, passed to "
+        "datasets.load_dataset; default: the dataset's own; an error on local files",
+    )
+    split: str = Field(
+        "train",
+        description="split of a hub dataset; in a local folder, the files named after it "
+        "(`train_sft.jsonl`, `train_sft-00000-of-00001.parquet`); a single local file holds one split "
+        "(`train` or the file's own name, anything else is an error); a task gives its held-out "
+        "problems for `test`, `validation`, `eval` or `heldout` and its training problems otherwise",
+    )
+    format: str | None = Field(
+        None,
+        description="`hh`: preference rows whose chosen/rejected are whole Anthropic "
+        "HH-RLHF transcripts, read as chat turns (also detected, with a log line); for a task "
+        "source, the task's own `format` parameter",
+    )
+    rename: dict[str, str] = Field(
+        default_factory=dict,
+        description="{old: new} column renames, applied first, to map "
+        "a dataset's columns onto those the stage needs; an unknown column is an error",
+    )
     shuffle: bool = Field(True, description="shuffle the rows with the recipe's seed (after `rename`, before `limit`)")
-    limit: int | None = Field(None, gt=0, description="keep only the first `limit` rows (after shuffling); default: "
-                              "every row")
+    limit: int | None = Field(
+        None, gt=0, description="keep only the first `limit` rows (after shuffling); default: every row"
+    )
 
     @model_validator(mode="after")
     def _one_source_and_known_keys(self):
@@ -52,8 +71,10 @@ class DataSpec(Strict):
                 f"allowed keys: {', '.join(type(self).model_fields)}"
             )
         if self.task is None and self.format not in (None, *DATA_FORMATS):
-            raise ValueError(f"unknown format '{self.format}'{did_you_mean(self.format.lower(), DATA_FORMATS)}; formats of "
-                             f"a dataset: {', '.join(DATA_FORMATS)}")
+            raise ValueError(
+                f"unknown format '{self.format}'{did_you_mean(self.format.lower(), DATA_FORMATS)}; formats of "
+                f"a dataset: {', '.join(DATA_FORMATS)}"
+            )
         if self.task is not None:
             try:
                 params_model = task_params_model(self.task)

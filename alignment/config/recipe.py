@@ -34,37 +34,65 @@ _REF = re.compile(r"^\$\{([A-Za-z_][\w-]*)\}$")
 
 
 class TinyModel(Strict):
-    tiny: TinySpec = Field(description="a model built from scratch with a character-level tokenizer, with the recipe's "
-                           "seed, into <output_dir>/base (offline runs and tests)")
+    tiny: TinySpec = Field(
+        description="a model built from scratch with a character-level tokenizer, with the recipe's "
+        "seed, into <output_dir>/base (offline runs and tests)"
+    )
 
 
 class Recipe(Strict):
-    name: str = Field(description="name of the run: output_dir defaults to outputs/<name>, and `${name}` "
-                      "interpolates it anywhere in the recipe")
-    model: str | TinyModel | GgufSpec = Field(description="the base model the first stage starts from: hub id, "
-                                             "local folder, a .gguf file (or {gguf: FILE, package: REQUIREMENT}), or "
-                                             "{tiny: {...}}")
-    output_dir: str | None = Field(None, description="folder holding every stage's output (<output_dir>/<stage>/), "
-                                   "the base model built or converted for the run, and the evaluation; default: "
-                                   "outputs/<name>")
-    seed: int = Field(42, description="the one seed of the run: data shuffling and built-in tasks, the tiny model's "
-                      "initial weights, TRL's seed and data_seed, PPO's and RSFT's sampling, the evaluation's")
-    lora: LoraSpec | None = Field(None, description="LoRA settings every stage trains with unless it gives its own "
-                                  "`lora:` (`lora: null` in a stage: full fine-tuning there); default: none, every "
-                                  "stage trains all weights")
-    template: TemplateSpec | None = Field(None, description="chat-template settings (system prompt, template variables) "
-                                          "written into the tokenizer, so every stage renders prompts with them")
+    name: str = Field(
+        description="name of the run: output_dir defaults to outputs/<name>, and `${name}` "
+        "interpolates it anywhere in the recipe"
+    )
+    model: str | TinyModel | GgufSpec = Field(
+        description="the base model the first stage starts from: hub id, "
+        "local folder, a .gguf file (or {gguf: FILE, package: REQUIREMENT}), or "
+        "{tiny: {...}}"
+    )
+    output_dir: str | None = Field(
+        None,
+        description="folder holding every stage's output (<output_dir>/<stage>/), "
+        "the base model built or converted for the run, and the evaluation; default: "
+        "outputs/<name>",
+    )
+    seed: int = Field(
+        42,
+        description="the one seed of the run: data shuffling and built-in tasks, the tiny model's "
+        "initial weights, TRL's seed and data_seed, PPO's and RSFT's sampling, the evaluation's",
+    )
+    lora: LoraSpec | None = Field(
+        None,
+        description="LoRA settings every stage trains with unless it gives its own "
+        "`lora:` (`lora: null` in a stage: full fine-tuning there); default: none, every "
+        "stage trains all weights",
+    )
+    template: TemplateSpec | None = Field(
+        None,
+        description="chat-template settings (system prompt, template variables) "
+        "written into the tokenizer, so every stage renders prompts with them",
+    )
     save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from")
-    trust_remote_code: bool = Field(False, description="run code shipped with a hub model or tokenizer (transformers' "
-                                    "trust_remote_code) for every model the recipe loads; only for sources you trust")
-    report_to: str | list[str] = Field("none", description="experiment trackers (e.g. wandb, tensorboard): TRL's "
-                                       "report_to in TRL-backed stages, accelerate's log_with in ppo; none: only "
-                                       "log_history.json")
-    stages: dict[str, Any] = Field(min_length=1, description="stage id -> that stage's keys (see its kind), run in the "
-                                   "order written; `kind` defaults to the id")
-    evaluate: dict[str, Any] | None = Field(None, description="the evaluation run after the stages (see `evaluate:`); "
-                                            "default: none")
+        "auto", description="dtype of every output's weights; auto: the dtype of the checkpoint a stage starts from"
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="run code shipped with a hub model or tokenizer (transformers' "
+        "trust_remote_code) for every model the recipe loads; only for sources you trust",
+    )
+    report_to: str | list[str] = Field(
+        "none",
+        description="experiment trackers (e.g. wandb, tensorboard): TRL's "
+        "report_to in TRL-backed stages, accelerate's log_with in ppo; none: only "
+        "log_history.json",
+    )
+    stages: dict[str, Any] = Field(
+        min_length=1,
+        description="stage id -> that stage's keys (see its kind), run in the order written; `kind` defaults to the id",
+    )
+    evaluate: dict[str, Any] | None = Field(
+        None, description="the evaluation run after the stages (see `evaluate:`); default: none"
+    )
 
     @field_validator("model")
     @classmethod
@@ -166,9 +194,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:
                 continue  # an unhashable key: SafeLoader itself rejects it below
             if first is not None:
-                raise UserError(f"duplicate key '{key}' at {self._position(key_node.start_mark, first)} (first at "
-                                f"{self._position(first, key_node.start_mark)}): a mapping holds one value per key; "
-                                "rename or remove one.")
+                raise UserError(
+                    f"duplicate key '{key}' at {self._position(key_node.start_mark, first)} (first at "
+                    f"{self._position(first, key_node.start_mark)}): a mapping holds one value per key; "
+                    "rename or remove one."
+                )
             first_mark[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
@@ -190,7 +220,9 @@ def _parse_yaml(path: Path) -> dict:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise UserError(f"{path}: YAML syntax error{where}: {getattr(error, 'problem', error)}.") from None
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: a recipe is a YAML mapping with 'name', 'model' and 'stages'; got {type(raw).__name__}.")
+        raise UserError(
+            f"{path}: a recipe is a YAML mapping with 'name', 'model' and 'stages'; got {type(raw).__name__}."
+        )
     return raw
 
 
@@ -240,11 +272,15 @@ def _set_dotted(raw: dict, key: str, value: Any, item: str) -> None:
 
 def _list_index(items: list, part: str, list_key: str, item: str) -> int:
     if not part.isdigit():
-        raise UserError(f"bad override '{item}': '{list_key}' is a list, so the key after it must be an index "
-                        f"({_indices(items)}), not '{part}'.")
+        raise UserError(
+            f"bad override '{item}': '{list_key}' is a list, so the key after it must be an index "
+            f"({_indices(items)}), not '{part}'."
+        )
     if int(part) >= len(items):
-        raise UserError(f"bad override '{item}': index {part} is out of range: '{list_key}' has {len(items)} "
-                        f"item(s) ({_indices(items)}); an override can change an item, not add one.")
+        raise UserError(
+            f"bad override '{item}': index {part} is out of range: '{list_key}' has {len(items)} "
+            f"item(s) ({_indices(items)}); an override can change an item, not add one."
+        )
     return int(part)
 
 
@@ -321,7 +357,9 @@ def _check_references(recipe: Recipe, path: Path) -> None:
                 )
             if ref == sid or _reaches(graph, ref, sid):
                 cycle = " -> ".join([sid, ref] + ([sid] if ref != sid else []))
-                raise UserError(f"{path}: '{key}' creates a reference cycle ({cycle}); a stage can only use earlier stages.")
+                raise UserError(
+                    f"{path}: '{key}' creates a reference cycle ({cycle}); a stage can only use earlier stages."
+                )
             if key == f"stages.{sid}.reward_model" and not recipe.stages[ref].scores_as_reward:
                 raise UserError(
                     f"{path}: '{key}' names stage '{ref}' (kind {recipe.stages[ref].kind}), which makes no reward "

@@ -49,8 +49,10 @@ class Topic:
             return self.note
         kind = self.root.model_fields.get("kind")
         if kind is not None and kind.description:
-            return f"{kind.description}. Keys of a stage `{STAGE_KEY}` with `kind: {self.name}` (or with the id " \
-                   f"`{self.name}`)."
+            return (
+                f"{kind.description}. Keys of a stage `{STAGE_KEY}` with `kind: {self.name}` (or with the id "
+                f"`{self.name}`)."
+            )
         return f"Keys under `{self.key}`." if self.key else "Keys at the top level of a recipe."
 
 
@@ -59,9 +61,17 @@ def topics() -> dict[str, Topic]:
     found = [Topic("recipe", "Recipe (top level)", Recipe, "")]
     found += [Topic(kind, f"Stage kind `{kind}`", config, STAGE_KEY) for kind, config in CONFIGS.items()]
     found.append(Topic("evaluate", "Evaluation (`evaluate:`)", EvaluateSpec, "evaluate"))
-    found += [Topic(task, f"Built-in task `{task}` (`data: {{task: {task}, ...}}`)", params, "data",
-                    f"Keys of a `data:` mapping with `task: {task}`, beside those of every data spec (DataSpec: "
-                    "split, shuffle, limit, ...).") for task, params in TASK_PARAMS.items()]
+    found += [
+        Topic(
+            task,
+            f"Built-in task `{task}` (`data: {{task: {task}, ...}}`)",
+            params,
+            "data",
+            f"Keys of a `data:` mapping with `task: {task}`, beside those of every data spec (DataSpec: "
+            "split, shuffle, limit, ...).",
+        )
+        for task, params in TASK_PARAMS.items()
+    ]
     return {topic.name: topic for topic in found}
 
 
@@ -69,8 +79,10 @@ def topic(name: str) -> Topic:
     """One topic; an unknown name is a UserError with a "did you mean" and the names there are."""
     known = topics()
     if name not in known:
-        raise UserError(f"no config keys for '{name}'{did_you_mean(name, known)}; give one of {', '.join(known)} "
-                        "(or nothing, for all of them).")
+        raise UserError(
+            f"no config keys for '{name}'{did_you_mean(name, known)}; give one of {', '.join(known)} "
+            "(or nothing, for all of them)."
+        )
     return known[name]
 
 
@@ -135,8 +147,12 @@ BOUNDS = (("gt", "> {}"), ("ge", ">= {}"), ("lt", "< {}"), ("le", "<= {}"), ("mi
 
 def bounds(field: FieldInfo) -> str:
     """The field's numeric and length constraints: '> 0, <= 1'."""
-    found = [text.format(getattr(m, name)) for m in field.metadata for name, text in BOUNDS
-             if getattr(m, name, None) is not None]
+    found = [
+        text.format(getattr(m, name))
+        for m in field.metadata
+        for name, text in BOUNDS
+        if getattr(m, name, None) is not None
+    ]
     return ", ".join(found)
 
 
@@ -223,8 +239,10 @@ def markdown() -> str:
                 lines += ["", f"Also at {', '.join(_code(k) for k in others)}."] if others else []
             lines += ["", "| key | type | default | description |", "|---|---|---|---|"]
             for name, field in model.model_fields.items():
-                lines.append(f"| `{name}` | {_escape(type_of(field, link))} | `{default_of(field)}` | "
-                             f"{_escape(field.description or '')} |")
+                lines.append(
+                    f"| `{name}` | {_escape(type_of(field, link))} | `{default_of(field)}` | "
+                    f"{_escape(field.description or '')} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -250,5 +268,7 @@ def text(name: str | None = None, width: int | None = None) -> str:
             lines += ["", ", ".join(k or "(top level)" for k in keys) + label]
             for field_name, field in model.model_fields.items():
                 lines.append(f"  {field_name}: {type_of(field)} = {default_of(field)}")
-                lines += textwrap.wrap(field.description or "", width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+                lines += textwrap.wrap(
+                    field.description or "", width, initial_indent=" " * 6, subsequent_indent=" " * 6
+                )
     return "\n".join(lines).lstrip("\n") + "\n"

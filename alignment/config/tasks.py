@@ -17,20 +17,35 @@ class ArithmeticParams(Strict):
 
     n: int = Field(1000, gt=0, description="number of rows")
     digits: int | tuple[int, int] = Field(2, description="digits per operand, or a (min, max) range")
-    operators: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], description="operators a problem "
-                                                    "draws from, one chosen uniformly per problem")
-    format: Literal["prompt_completion", "messages"] = Field("prompt_completion", description="prompt_completion: "
-                                                             "`prompt` and `completion` columns; messages: a chat "
-                                                             "`messages` column instead (both with answer, chosen, "
-                                                             "rejected)")
-    style: Literal["plain", "sycophancy"] = Field("plain", description="sycophancy: every prompt first states a "
-                                                  "plausible wrong answer as the user's belief ('I think 37+48 is 75.')")
-    phrasing: Literal["compact", "chat"] = Field("compact", description="compact: 'What is 37+48?'; chat: 'What is "
-                                                 "37 + 48? Answer with just the number.'")
-    sycophancy_fraction: float = Field(0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way")
+    operators: list[Literal["+", "-", "*"]] = Field(
+        default_factory=lambda: ["+"], description="operators a problem draws from, one chosen uniformly per problem"
+    )
+    format: Literal["prompt_completion", "messages"] = Field(
+        "prompt_completion",
+        description="prompt_completion: "
+        "`prompt` and `completion` columns; messages: a chat "
+        "`messages` column instead (both with answer, chosen, "
+        "rejected)",
+    )
+    style: Literal["plain", "sycophancy"] = Field(
+        "plain",
+        description="sycophancy: every prompt first states a "
+        "plausible wrong answer as the user's belief ('I think 37+48 is 75.')",
+    )
+    phrasing: Literal["compact", "chat"] = Field(
+        "compact", description="compact: 'What is 37+48?'; chat: 'What is 37 + 48? Answer with just the number.'"
+    )
+    sycophancy_fraction: float = Field(
+        0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way"
+    )
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
-    carry_mistake_rate: float = Field(0.0, ge=0, le=1, description="share of carrying additions whose demonstrated "
-                                      "completion drops the carry (answer, chosen and the verifier stay correct)")
+    carry_mistake_rate: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of carrying additions whose demonstrated "
+        "completion drops the carry (answer, chosen and the verifier stay correct)",
+    )
 
 
 class ToolArithmeticParams(Strict):
@@ -39,14 +54,23 @@ class ToolArithmeticParams(Strict):
 
     n: int = Field(1000, gt=0, description="number of problems")
     digits: tuple[int, int] = Field((3, 2), description="digits of the two factors")
-    demonstrations: bool = Field(False, description="rows hold conversational `prompt`/`completion` pairs demonstrating "
-                                 "one turn each, the call or direct answer and the answer after a result (SFT); "
-                                 "false: `prompt` and `answer` only (RL, evaluation)")
-    call_fraction: float = Field(0.5, ge=0, le=1, description="share of demonstrated problems whose first turn calls "
-                                 "the calculator (the others answer directly); every problem also demonstrates the "
-                                 "answer after the calculator's result")
-    phrasing: Literal["compact", "chat"] = Field("compact", description="compact: 'What is 123*45?'; chat: 'What is "
-                                                 "123 * 45? Answer with just the number.'")
+    demonstrations: bool = Field(
+        False,
+        description="rows hold conversational `prompt`/`completion` pairs demonstrating "
+        "one turn each, the call or direct answer and the answer after a result (SFT); "
+        "false: `prompt` and `answer` only (RL, evaluation)",
+    )
+    call_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="share of demonstrated problems whose first turn calls "
+        "the calculator (the others answer directly); every problem also demonstrates the "
+        "answer after the calculator's result",
+    )
+    phrasing: Literal["compact", "chat"] = Field(
+        "compact", description="compact: 'What is 123*45?'; chat: 'What is 123 * 45? Answer with just the number.'"
+    )
     test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
 
 
@@ -59,9 +83,12 @@ class ReasoningGymTask(Strict):
     """One task of a `reasoning_gym` mix, given as a mapping: its weight and its reasoning-gym config."""
 
     weight: float = Field(1.0, gt=0, description="the task's share of the rows, relative to the other tasks' weights")
-    config: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the task's reasoning-gym "
-                                   "config dataclass (leg_counting: `min_animals`, ...), checked by `align check`; "
-                                   "`seed` and `size` are the toolkit's")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments of the task's reasoning-gym "
+        "config dataclass (leg_counting: `min_animals`, ...), checked by `align check`; "
+        "`seed` and `size` are the toolkit's",
+    )
 
     @model_validator(mode="after")
     def _seed_and_size_are_ours(self):
@@ -75,38 +102,58 @@ class ReasoningGymParams(Strict):
     """Keys of `data: {task: reasoning_gym, ...}` (alignment/tasks/reasoning_gym.py builds the rows): problems
     from reasoning-gym's generators, one task or a weighted mix. Needs `pip install -e ".[tasks]"`."""
 
-    tasks: dict[str, ReasoningGymTask] = Field(min_length=1, description="reasoning-gym task names, each with its "
-                                               "weight (`leg_counting: 1`) or `{weight, config}`; names are checked "
-                                               "against the installed reasoning-gym by `align check` (importing it "
-                                               "takes seconds, so not at recipe load)")
+    tasks: dict[str, ReasoningGymTask] = Field(
+        min_length=1,
+        description="reasoning-gym task names, each with its "
+        "weight (`leg_counting: 1`) or `{weight, config}`; names are checked "
+        "against the installed reasoning-gym by `align check` (importing it "
+        "takes seconds, so not at recipe load)",
+    )
     n: int = Field(1000, gt=0, description="number of rows, shared among the tasks in proportion to their weights")
-    format: Literal["prompt_completion", "messages"] = Field("prompt_completion", description="prompt_completion: "
-                                                             "`prompt` (instruction and question as one text) and "
-                                                             "`completion` columns; messages: a chat `messages` "
-                                                             "column instead (the instruction as the system turn)")
-    system_prompt: Literal[REASONING_GYM_PROMPTS] = Field("default", description="reasoning-gym's instruction to "
-                                                          "answer inside <answer></answer> tags, by its name in "
-                                                          "reasoning_gym.utils.SYSTEM_PROMPTS; none: the question "
-                                                          "alone")
-    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of each task's questions (by a hash of the "
-                                 "question text) reserved for the held-out splits")
+    format: Literal["prompt_completion", "messages"] = Field(
+        "prompt_completion",
+        description="prompt_completion: "
+        "`prompt` (instruction and question as one text) and "
+        "`completion` columns; messages: a chat `messages` "
+        "column instead (the instruction as the system turn)",
+    )
+    system_prompt: Literal[REASONING_GYM_PROMPTS] = Field(
+        "default",
+        description="reasoning-gym's instruction to "
+        "answer inside <answer></answer> tags, by its name in "
+        "reasoning_gym.utils.SYSTEM_PROMPTS; none: the question "
+        "alone",
+    )
+    test_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="share of each task's questions (by a hash of the question text) reserved for the held-out splits",
+    )
 
     @field_validator("tasks", mode="before")
     @classmethod
     def _bare_weights(cls, value):
         """`leg_counting: 2` is short for `leg_counting: {weight: 2}`."""
         if isinstance(value, dict):
-            return {name: {"weight": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                    for name, v in value.items()}
+            return {
+                name: {"weight": v} if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                for name, v in value.items()
+            }
         return value
 
 
-TASK_PARAMS: dict[str, type[Strict]] = {"arithmetic": ArithmeticParams, "tool_arithmetic": ToolArithmeticParams,
-                                        "reasoning_gym": ReasoningGymParams}
+TASK_PARAMS: dict[str, type[Strict]] = {
+    "arithmetic": ArithmeticParams,
+    "tool_arithmetic": ToolArithmeticParams,
+    "reasoning_gym": ReasoningGymParams,
+}
 
 
 def task_params_model(name: str) -> type[Strict]:
     """The parameter model of a built-in task; an unknown name is a UserError with a "did you mean"."""
     if name not in TASK_PARAMS:
-        raise UserError(f"Unknown task '{name}'{did_you_mean(name, TASK_PARAMS)}; built-in tasks: {', '.join(TASK_PARAMS)}.")
+        raise UserError(
+            f"Unknown task '{name}'{did_you_mean(name, TASK_PARAMS)}; built-in tasks: {', '.join(TASK_PARAMS)}."
+        )
     return TASK_PARAMS[name]

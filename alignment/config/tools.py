@@ -24,33 +24,57 @@ class ToolSpec(ByName):
     """One entry of `tools:`; a bare string is shorthand for `{name: ...}`."""
 
     name: str = Field(description="built-in tool (calculator, python) or module:function (file next to the recipe)")
-    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments bound to every call, "
-                                    "hidden from the model (the python tool's timeout, memory_mb, output_chars)")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments bound to every call, "
+        "hidden from the model (the python tool's timeout, memory_mb, output_chars)",
+    )
 
 
 class ToolUse(Strict):
     """Multi-turn rollouts with tools. No `tools:` and no `environment:` = single-turn sampling as before."""
 
     tools: list[ToolSpec] = Field(default_factory=list, description="tools the model may call during a rollout")
-    environment: str | None = Field(None, description="module:Class with reset(row), tool methods and an optional "
-                                    "reward(); one instance per rollout")
-    max_turns: int = Field(4, ge=1, description="assistant turns per rollout; a tool result follows each turn but "
-                           "the last that calls a tool")
-    tool_format: Literal[TOOL_FORMATS] | None = Field(None, description="how tool calls are written, for chat "
-                                                      "templates without tool support (default: the template's own)")
-    describe_tools: bool = Field(True, description="describe the tools in a system message (templates without tool "
-                                 "support); false: the prompts stay as in the data, for a model taught the calls "
-                                 "by demonstrations (a small context)")
-    max_tool_output_tokens: int = Field(256, gt=0, description="a tool result longer than this is cut, with a "
-                                        "marker, and counted (truncated_tool_outputs)")
+    environment: str | None = Field(
+        None,
+        description="module:Class with reset(row), tool methods and an optional reward(); one instance per rollout",
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="assistant turns per rollout; a tool result follows each turn but the last that calls a tool",
+    )
+    tool_format: Literal[TOOL_FORMATS] | None = Field(
+        None,
+        description="how tool calls are written, for chat templates without tool support (default: the template's own)",
+    )
+    describe_tools: bool = Field(
+        True,
+        description="describe the tools in a system message (templates without tool "
+        "support); false: the prompts stay as in the data, for a model taught the calls "
+        "by demonstrations (a small context)",
+    )
+    max_tool_output_tokens: int = Field(
+        256,
+        gt=0,
+        description="a tool result longer than this is cut, with a marker, and counted (truncated_tool_outputs)",
+    )
     tool_timeout: float = Field(10.0, gt=0, description="seconds one tool call may take")
     max_tool_time: float = Field(60.0, gt=0, description="seconds all tool calls of one rollout may take together")
-    max_tool_calls: int = Field(8, ge=1, description="tool calls (malformed ones included) run per assistant turn; "
-                                "the rest are not run: one error result says how many, counted (skipped_calls)")
-    max_step_tool_time: float | None = Field(600.0, gt=0, description="seconds all tool calls of one batch of "
-                                             "rollouts may take together (rlvr: a generation step; rsft: a round's "
-                                             "sampling; evaluation: a suite); later calls fail, counted as "
-                                             "tool_errors; null: no bound")
+    max_tool_calls: int = Field(
+        8,
+        ge=1,
+        description="tool calls (malformed ones included) run per assistant turn; "
+        "the rest are not run: one error result says how many, counted (skipped_calls)",
+    )
+    max_step_tool_time: float | None = Field(
+        600.0,
+        gt=0,
+        description="seconds all tool calls of one batch of "
+        "rollouts may take together (rlvr: a generation step; rsft: a round's "
+        "sampling; evaluation: a suite); later calls fail, counted as "
+        "tool_errors; null: no bound",
+    )
 
     @property
     def uses_tools(self) -> bool:
@@ -58,8 +82,16 @@ class ToolUse(Strict):
 
     @model_validator(mode="after")
     def _tools_named(self):
-        given = self.model_fields_set & {"max_turns", "tool_format", "max_tool_output_tokens", "tool_timeout",
-                                         "max_tool_time", "describe_tools", "max_tool_calls", "max_step_tool_time"}
+        given = self.model_fields_set & {
+            "max_turns",
+            "tool_format",
+            "max_tool_output_tokens",
+            "tool_timeout",
+            "max_tool_time",
+            "describe_tools",
+            "max_tool_calls",
+            "max_step_tool_time",
+        }
         if given and not self.uses_tools:
             raise ValueError(f"{', '.join(sorted(given))} only apply with `tools:` or `environment:`")
         return self

@@ -44,9 +44,11 @@ def template_text(tokenizer, messages: list[dict], add_generation_prompt: bool =
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except TemplateError as error:
         roles = [m.get("role") for m in messages]
-        raise UserError(f"The tokenizer's chat template refused a conversation with roles {roles}: {error}. Give "
-                        "prompts this template accepts (e.g. no system message, or a recipe-level `template: "
-                        "{system_prompt: ...}` only for templates with a system role).") from None
+        raise UserError(
+            f"The tokenizer's chat template refused a conversation with roles {roles}: {error}. Give "
+            "prompts this template accepts (e.g. no system message, or a recipe-level `template: "
+            "{system_prompt: ...}` only for templates with a system role)."
+        ) from None
 
 
 def render_prompt(tokenizer, prompt: Any) -> str:
@@ -92,7 +94,7 @@ def render_completion(tokenizer, prompt: Any, completion: str) -> str:
     if full.startswith(prompt_text):
         # Templates that trim the content (Llama 3's `| trim`, Gemma's) render " 4\n" as "4": the answer is
         # taken as the template renders it, up to the token that closes the turn.
-        tail = full[len(prompt_text):]
+        tail = full[len(prompt_text) :]
         closing = closing_token(tokenizer, tail, answer_end_in(tail, completion))
         if closing is None:
             return tail.rstrip() + tokenizer.eos_token
@@ -154,13 +156,20 @@ def check_messages(messages: list, row: int | None = None) -> None:
     """Every message is {'role': str, 'content': str}, and an assistant turn has a turn before it (its prompt)."""
     where = f" (row {row})" if row is not None else ""
     for message in messages:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise UserError(f"A 'messages' conversation{where} holds a message that is not "
-                            f"{{'role': str, 'content': str}}: {str(message)[:80]!r}.")
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise UserError(
+                f"A 'messages' conversation{where} holds a message that is not "
+                f"{{'role': str, 'content': str}}: {str(message)[:80]!r}."
+            )
     if messages and messages[0].get("role") == "assistant":
-        raise UserError(f"A 'messages' conversation{where} starts with an assistant turn: there is no prompt before "
-                        "it to train it after. Start the conversation with a user (or system) turn.")
+        raise UserError(
+            f"A 'messages' conversation{where} starts with an assistant turn: there is no prompt before "
+            "it to train it after. Start the conversation with a user (or system) turn."
+        )
 
 
 def render_turns(tokenizer, messages: list[dict]) -> list[tuple[str, bool]] | None:
@@ -174,7 +183,7 @@ def render_turns(tokenizer, messages: list[dict]) -> list[tuple[str, bool]] | No
         if not prompt.startswith(covered):
             return None
         answer = render_completion(tokenizer, messages[:i], messages[i]["content"])
-        segments += [(prompt[len(covered):], False), (answer, True)]
+        segments += [(prompt[len(covered) :], False), (answer, True)]
         covered = prompt + answer
     return segments if template_text(tokenizer, messages).startswith(covered) else None
 
@@ -202,9 +211,13 @@ def render_example(tokenizer, row: dict, index: int | None = None) -> tuple[list
         split_messages(messages, index)  # ends with an assistant turn
         if (segments := render_turns(tokenizer, messages)) is not None:
             return [{"segments": segments}], "turns"
-        return [{"prompt": render_prompt(tokenizer, messages[:i]),
-                 "completion": render_completion(tokenizer, messages[:i], messages[i]["content"])}
-                for i in assistant_turns(messages)], "per_turn"
+        return [
+            {
+                "prompt": render_prompt(tokenizer, messages[:i]),
+                "completion": render_completion(tokenizer, messages[:i], messages[i]["content"]),
+            }
+            for i in assistant_turns(messages)
+        ], "per_turn"
     except UserError as error:
         raise UserError(f"row {index}: {error}" if index is not None else str(error)) from None
 
@@ -225,8 +238,10 @@ def completion_text(completion: Any, row: int | None = None) -> str:
     roles = [m.get("role") for m in completion] if isinstance(completion, list) else None
     if roles != ["assistant"] or not isinstance(completion[0].get("content"), str):
         where = f" ({row_name(row)})" if row is not None else ""
-        raise UserError(f"A conversational 'completion'{where} must be one assistant message "
-                        f"[{{'role': 'assistant', 'content': ...}}]; got roles {roles}.")
+        raise UserError(
+            f"A conversational 'completion'{where} must be one assistant message "
+            f"[{{'role': 'assistant', 'content': ...}}]; got roles {roles}."
+        )
     return completion[0]["content"]
 
 
@@ -234,7 +249,10 @@ def render_pair(tokenizer, row: dict, index: int | None = None) -> dict:
     """{'prompt': text, 'completion': text} for SFT, in the shared convention."""
     prompt, completion = prompt_and_completion(row, index)
     try:
-        return {"prompt": render_prompt(tokenizer, prompt), "completion": render_completion(tokenizer, prompt, completion)}
+        return {
+            "prompt": render_prompt(tokenizer, prompt),
+            "completion": render_completion(tokenizer, prompt, completion),
+        }
     except UserError as error:
         raise UserError(f"{row_name(index)}: {error}" if index is not None else str(error)) from None
 
@@ -270,9 +288,9 @@ def encode_prompt_completion(tokenizer, prompt_text: str, completion_text: str) 
     prompt_ids = encode(tokenizer, prompt_text)
     joined = encode(tokenizer, prompt_text + completion_text)
     if joined[: len(prompt_ids)] == prompt_ids:
-        return prompt_ids, joined[len(prompt_ids):]
+        return prompt_ids, joined[len(prompt_ids) :]
     anchor = tokenizer.eos_token or ""
-    return prompt_ids, encode(tokenizer, anchor + completion_text)[len(encode(tokenizer, anchor)):]
+    return prompt_ids, encode(tokenizer, anchor + completion_text)[len(encode(tokenizer, anchor)) :]
 
 
 def encode_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
@@ -286,7 +304,7 @@ def encode_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[i
     for segment, trained in segments:
         if text:
             start = max(text.rfind(marker) for marker in markers) if markers else -1
-            new = encode_prompt_completion(tokenizer, text[max(start, 0):], segment)[1]
+            new = encode_prompt_completion(tokenizer, text[max(start, 0) :], segment)[1]
         else:
             new = encode(tokenizer, segment)
         ids += new

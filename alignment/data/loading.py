@@ -77,8 +77,11 @@ def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
     if local is not None:
         return _load_local(local, spec, where)
     if looks_like_local_path(spec.dataset):
-        raise UserError(f"{where}.dataset: file '{spec.dataset}' does not exist (looked in the current folder"
-                        + (f" and in {base_dir}" if base_dir else "") + ").")
+        raise UserError(
+            f"{where}.dataset: file '{spec.dataset}' does not exist (looked in the current folder"
+            + (f" and in {base_dir}" if base_dir else "")
+            + ")."
+        )
     try:
         return datasets.load_dataset(spec.dataset, spec.config, split=spec.split), None
     except Exception as error:  # the hub raises many types: offline, missing, gated, bad split
@@ -91,9 +94,11 @@ def _load_source(spec: DataSpec, base_dir: Path | None, where: str):
 
 def _load_local(path: Path, spec: DataSpec, where: str):
     if spec.config is not None:
-        raise UserError(f"{where}.config: '{spec.config}' cannot apply to the local {_kind_word(path)} '{path}': a "
-                        "config names a subset of a hub dataset. Remove `config:`, or point `dataset:` at the "
-                        "subset's own file or folder.")
+        raise UserError(
+            f"{where}.config: '{spec.config}' cannot apply to the local {_kind_word(path)} '{path}': a "
+            "config names a subset of a hub dataset. Remove `config:`, or point `dataset:` at the "
+            "subset's own file or folder."
+        )
     files = _split_files(path, spec.split, where) if path.is_dir() else _single_file(path, spec.split, where)
     kinds = {LOCAL_FORMATS.get(p.suffix.lower()) for p in files}
     if None in kinds or len(kinds) > 1:
@@ -110,8 +115,9 @@ def _load_local(path: Path, spec: DataSpec, where: str):
         if "corresponds to no data" in str(error):  # a CSV header alone, or only blank lines
             raise UserError(f"{where}.dataset: {_names(files)} holds no rows.") from None
         cause = error.__cause__ or error  # datasets wraps the reader's error in DatasetGenerationError
-        raise UserError(f"{where}.dataset: could not read {_names(files)}: {type(cause).__name__}: "
-                        f"{_first_line(cause)}") from None
+        raise UserError(
+            f"{where}.dataset: could not read {_names(files)}: {type(cause).__name__}: {_first_line(cause)}"
+        ) from None
     return dataset, (origins if len(origins) == len(dataset) else None)
 
 
@@ -132,9 +138,11 @@ def _single_file(path: Path, split: str, where: str) -> list[Path]:
     """A file holds one split, which `datasets` calls 'train'; a file named after the split is that split too.
     Any other split would load the file under a name it does not hold (and the model card would say so)."""
     if split not in ("train", split_of(path)):
-        raise UserError(f"{where}.split: '{split}' cannot apply to the single file '{path}', which holds one split. "
-                        "Remove `split:`, or point `dataset:` at a folder with one file per split named after it "
-                        f"({split}.jsonl or {split}-00000-of-00001.parquet).")
+        raise UserError(
+            f"{where}.split: '{split}' cannot apply to the single file '{path}', which holds one split. "
+            "Remove `split:`, or point `dataset:` at a folder with one file per split named after it "
+            f"({split}.jsonl or {split}-00000-of-00001.parquet)."
+        )
     return [path]
 
 
@@ -152,8 +160,10 @@ def _split_files(folder: Path, split: str, where: str) -> list[Path]:
     matched = [p for p in files if p.resolve() in chosen]
     if not matched:
         splits = sorted({split_of(p) for p in files} | set(inferred))
-        raise UserError(f"{where}.split: folder '{folder}' holds no split '{split}'{did_you_mean(split, splits)}; "
-                        f"its files give the splits {', '.join(splits)}.")
+        raise UserError(
+            f"{where}.split: folder '{folder}' holds no split '{split}'{did_you_mean(split, splits)}; "
+            f"its files give the splits {', '.join(splits)}."
+        )
     return matched
 
 
@@ -185,8 +195,10 @@ def scan_file(path: Path, where: str) -> list[str]:
         try:
             pyarrow.parquet.ParquetFile(path)
         except (pyarrow.ArrowException, OSError) as error:
-            raise UserError(f"{where}.dataset: '{path}' is not a readable parquet file (truncated or corrupted?): "
-                            f"{_first_line(error)}") from None
+            raise UserError(
+                f"{where}.dataset: '{path}' is not a readable parquet file (truncated or corrupted?): "
+                f"{_first_line(error)}"
+            ) from None
         return []
     lines = _text_lines(path, where)
     if suffix == ".csv":
@@ -205,9 +217,10 @@ def _text_lines(path: Path, where: str) -> Iterator[str]:
             try:
                 yield raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise UserError(f"{where}.dataset: '{path}', line {number}: byte {raw[error.start]:#04x} at column "
-                                f"{error.start + 1} is not UTF-8 text ({error.reason}); save the file as UTF-8."
-                                ) from None
+                raise UserError(
+                    f"{where}.dataset: '{path}', line {number}: byte {raw[error.start]:#04x} at column "
+                    f"{error.start + 1} is not UTF-8 text ({error.reason}); save the file as UTF-8."
+                ) from None
 
 
 def _jsonl_origins(path: Path, lines: Iterator[str], where: str) -> list[str]:
@@ -219,11 +232,15 @@ def _jsonl_origins(path: Path, lines: Iterator[str], where: str) -> list[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UserError(f"{where}.dataset: '{path}', line {number}: not valid JSON ({error.msg} at column "
-                            f"{error.colno}); each line of a .jsonl file is one JSON object.") from None
+            raise UserError(
+                f"{where}.dataset: '{path}', line {number}: not valid JSON ({error.msg} at column "
+                f"{error.colno}); each line of a .jsonl file is one JSON object."
+            ) from None
         if not isinstance(row, dict):
-            raise UserError(f"{where}.dataset: '{path}', line {number}: a JSON {type(row).__name__}, not an object "
-                            '({"column": value, ...}); each line of a .jsonl file is one row.')
+            raise UserError(
+                f"{where}.dataset: '{path}', line {number}: a JSON {type(row).__name__}, not an object "
+                '({"column": value, ...}); each line of a .jsonl file is one row.'
+            )
         origins.append(f"line {number} of {path}")
     return origins
 
@@ -236,8 +253,10 @@ def _csv_origins(path: Path, lines: Iterator[str], where: str) -> list[str]:
     origins, start = [], reader.line_num + 1
     for record in reader:
         if record and len(record) > len(header):
-            raise UserError(f"{where}.dataset: '{path}', line {start}: {len(record)} fields, but the header (line 1) "
-                            f"names {len(header)} ({', '.join(header)}); quote values that hold a comma.")
+            raise UserError(
+                f"{where}.dataset: '{path}', line {start}: {len(record)} fields, but the header (line 1) "
+                f"names {len(header)} ({', '.join(header)}); quote values that hold a comma."
+            )
         if record:
             origins.append(f"line {start} of {path}")
         start = reader.line_num + 1
@@ -292,8 +311,9 @@ def check_strings(dataset, columns: Sequence[str], where: str) -> None:
                 if problem := messages_problem(value):
                     raise UserError(f"{where}: {row_name(index)}, column '{column}': {problem}.")
             elif not isinstance(value, str):
-                raise UserError(f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {value!r}, "
-                                "not a string.")
+                raise UserError(
+                    f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {value!r}, not a string."
+                )
 
 
 def messages_problem(messages: Any) -> str | None:
@@ -301,17 +321,20 @@ def messages_problem(messages: Any) -> str | None:
     if not isinstance(messages, list):
         return f"expected a list of chat messages, got {type(messages).__name__} {str(messages)[:60]!r}"
     for message in messages:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
             return f"a chat message is not {{'role': str, 'content': str}}: {str(message)[:80]!r}"
         if message["role"] not in CHAT_ROLES:
-            return (f"chat role '{message['role']}'{did_you_mean(message['role'], CHAT_ROLES)} is not one chat "
-                    f"templates know ({', '.join(CHAT_ROLES)})")
+            return (
+                f"chat role '{message['role']}'{did_you_mean(message['role'], CHAT_ROLES)} is not one chat "
+                f"templates know ({', '.join(CHAT_ROLES)})"
+            )
     return None
 
 
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else ""
-
-

@@ -68,8 +68,12 @@ def run_evaluate_block(recipe, run: str | None = None) -> dict:
     checkpoints, scoring = ready_checkpoints(recipe), block_scoring(recipe)
     spec: EvaluateSpec = recipe.evaluate
     baseline = model_of(recipe, spec.baseline)
-    report = Report(recipe.out / spec.output, baseline=baseline[0] if baseline and baseline[0] in checkpoints else None,
-                    hacking_margin=spec.reward_hacking_margin, curves={s: recipe.stage_dir(s) for s in recipe.stages})
+    report = Report(
+        recipe.out / spec.output,
+        baseline=baseline[0] if baseline and baseline[0] in checkpoints else None,
+        hacking_margin=spec.reward_hacking_margin,
+        curves={s: recipe.stage_dir(s) for s in recipe.stages},
+    )
     handoff = Handoff(recipe.out / ".work" / "eval", run) if run else None
     metrics = run_evaluation(checkpoints, scoring, report, handoff)
     log.info(markdown_table(metrics))
@@ -99,15 +103,23 @@ def is_ready(recipe, path: str) -> bool:
 
 def ready_checkpoints(recipe, labels: list[str] | None = None) -> dict[str, str]:
     """{label: path} of the block's checkpoints (those in `labels`, if given) that can be evaluated now."""
-    return {label: path for label, path in checkpoints_of(recipe).items()
-            if (labels is None or label in labels) and is_ready(recipe, path)}
+    return {
+        label: path
+        for label, path in checkpoints_of(recipe).items()
+        if (labels is None or label in labels) and is_ready(recipe, path)
+    }
 
 
 def block_scoring(recipe) -> Scoring:
     """How the block scores: its suites, the recipe's seed and folder, the judges that exist now."""
     spec: EvaluateSpec = recipe.evaluate
     reference, judge = (model_of(recipe, v) for v in (spec.reference, spec.reward_model))
-    return Scoring(spec.suites, seed=recipe.seed, base_dir=recipe.base_dir,
-                   reward_model=judge[1] if judge and is_ready(recipe, judge[1]) else None,
-                   reference=reference[1] if reference and is_ready(recipe, reference[1]) else None,
-                   trust_remote_code=recipe.trust_remote_code, batch_size=spec.batch_size)
+    return Scoring(
+        spec.suites,
+        seed=recipe.seed,
+        base_dir=recipe.base_dir,
+        reward_model=judge[1] if judge and is_ready(recipe, judge[1]) else None,
+        reference=reference[1] if reference and is_ready(recipe, reference[1]) else None,
+        trust_remote_code=recipe.trust_remote_code,
+        batch_size=spec.batch_size,
+    )

@@ -54,6 +54,7 @@ class Scoring:
     """How every checkpoint is scored: the suites (their data drawn with `seed`; verifier and tool names also
     looked up in `base_dir`), the judges as paths (`reward_model`, the KL `reference`), and the batch size of the
     reward model's and the KL pass's forward passes."""
+
     suites: list[SuiteSpec]
     seed: int = 42
     base_dir: Path | None = None
@@ -67,21 +68,29 @@ class Scoring:
 # Entry points: score, then report
 
 
-def run_evaluation(checkpoints: dict[str, str], scoring: Scoring, report: Report,
-                   handoff: Handoff | None = None) -> dict:
+def run_evaluation(
+    checkpoints: dict[str, str], scoring: Scoring, report: Report, handoff: Handoff | None = None
+) -> dict:
     """Score every checkpoint ({label: path}) and write the report into `report.out_dir`; returns {label:
     {"SUITE/METRIC": value}}. With a `handoff`, a checkpoint it holds a result for is not scored again."""
     if report.baseline is not None and report.baseline not in checkpoints:
-        raise UserError(f"baseline '{report.baseline}' is not one of the evaluated checkpoints: "
-                        f"{', '.join(checkpoints)}.")
+        raise UserError(
+            f"baseline '{report.baseline}' is not one of the evaluated checkpoints: {', '.join(checkpoints)}."
+        )
     scores = score_checkpoints(checkpoints, scoring, handoff)
     write_report(report, scores, checkpoints, judged=scoring.reward_model is not None)
     return scores.metrics
 
 
-def evaluate_checkpoints(checkpoints: dict[str, str], suites: list[SuiteSpec], out_dir: Path, *,
-                         reward_model: str | None = None, baseline: str | None = None,
-                         reference: str | None = None) -> dict:
+def evaluate_checkpoints(
+    checkpoints: dict[str, str],
+    suites: list[SuiteSpec],
+    out_dir: Path,
+    *,
+    reward_model: str | None = None,
+    baseline: str | None = None,
+    reference: str | None = None,
+) -> dict:
     """`run_evaluation` with every other setting at its default (seed 42, batch size 64): scripts and tests."""
     scoring = Scoring(suites, reward_model=reward_model, reference=reference)
     return run_evaluation(checkpoints, scoring, Report(Path(out_dir), baseline=baseline))
@@ -105,8 +114,9 @@ def hand_on(checkpoints: dict[str, str], scoring: Scoring, handoff: Handoff) -> 
     return metrics
 
 
-def scored_one_by_one(checkpoints: dict[str, str], scoring: Scoring,
-                      handoff: Handoff | None = None) -> Iterator[tuple[str, str, tuple]]:
+def scored_one_by_one(
+    checkpoints: dict[str, str], scoring: Scoring, handoff: Handoff | None = None
+) -> Iterator[tuple[str, str, tuple]]:
     """(label, path, (metrics, rows, main) as `evaluate_checkpoint` returns them) checkpoint by checkpoint."""
     suites = load_suites(scoring.suites, scoring.seed, scoring.base_dir)
     judges = None  # loaded once a checkpoint needs scoring: none does where every result was handed on
@@ -128,6 +138,7 @@ def scored_one_by_one(checkpoints: dict[str, str], scoring: Scoring,
 @dataclass
 class Suite:
     """A suite ready to run: its spec, rows, raw prompts and verifier (None: no verifier metrics)."""
+
     spec: SuiteSpec
     rows: list[dict]
     prompts: list
@@ -143,6 +154,7 @@ class Suite:
 @dataclass
 class Judges:
     """What every checkpoint is measured against: the reward model (and its tokenizer), the KL reference."""
+
     reward_model: Any = None
     reward_tokenizer: Any = None
     reference: Any = None
@@ -158,13 +170,20 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
     loaded = []
     for index, spec in enumerate(suites):
         where = f"evaluate.suites.{index} ({spec.name}).data"
-        verifier, gold = (resolve(name, search_dirs=[base_dir] if base_dir else None, options=options) if name else None
-                          for name, options in ((spec.verifier, spec.verifier_options), (spec.gold, spec.gold_options)))
+        verifier, gold = (
+            resolve(name, search_dirs=[base_dir] if base_dir else None, options=options) if name else None
+            for name, options in ((spec.verifier, spec.verifier_options), (spec.gold, spec.gold_options))
+        )
         dataset = load_rows(spec.data, seed, base_dir, where=where)
         check_prompt_rows(dataset, [v for v in (verifier, gold) if v], where, spec.data)
         rows = [dict(r) for r in dataset]
-        toolbox = (resolve_tools(spec.tools, spec.environment, [base_dir] if base_dir else [],
-                                 f"evaluate.suites.{index} ({spec.name})") if spec.uses_tools else None)
+        toolbox = (
+            resolve_tools(
+                spec.tools, spec.environment, [base_dir] if base_dir else [], f"evaluate.suites.{index} ({spec.name})"
+            )
+            if spec.uses_tools
+            else None
+        )
         loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier, toolbox, gold))
     return loaded
 
@@ -191,7 +210,9 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
     seed, batch_size, trust_remote_code = scoring.seed, scoring.batch_size, scoring.trust_remote_code
     tokenizer = load_tokenizer(path, trust_remote_code)
     if judges.reference is not None and tokenizer.get_vocab() != judges.reference_vocab:
-        raise UserError(f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer.")
+        raise UserError(
+            f"checkpoint '{path}' and the KL reference have different vocabularies; KL needs the same tokenizer."
+        )
     model = _to_device(load_policy(path, trust_remote_code)).requires_grad_(False)
     itself = judges.is_reference(path)
     if itself:
@@ -199,8 +220,9 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
     metrics, rows, main = {}, [], {}
     for suite in suites:
         torch.manual_seed(seed)  # every checkpoint samples with the same seed
-        scores, suite_rows, main[suite.spec.name] = run_suite(model, tokenizer, suite, judges, label, batch_size,
-                                                              is_reference=itself)
+        scores, suite_rows, main[suite.spec.name] = run_suite(
+            model, tokenizer, suite, judges, label, batch_size, is_reference=itself
+        )
         metrics.update({f"{suite.spec.name}/{k}": v for k, v in scores.items()})
         rows.extend(suite_rows)
     del model
@@ -209,8 +231,9 @@ def evaluate_checkpoint(label: str, path: str, suites: list[Suite], judges: Judg
     return metrics, rows, main
 
 
-def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64,
-              is_reference: bool = False):
+def run_suite(
+    model, tokenizer, suite: Suite, judges: Judges, label: str, batch_size: int = 64, is_reference: bool = False
+):
     """(scores {METRIC: value}, per-sample rows, (main texts, rm scores, per-prompt gold)) of one loaded model on
     one suite. `is_reference`: the model is the KL reference itself, so its KL is 0 without sampling for it (the
     zero-shot model of a recipe whose `reference:` is `base`: its KL samples would be the longest of the run)."""
@@ -223,8 +246,9 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         for row, trajectory in zip(rows, trajectories):
             row["trajectory"] = trajectory
         if spec.pass_k is not None:
-            sampled, _, trajectories = tool_samples(model, tokenizer, suite, f"{where} pass@k", spec.pass_k,
-                                                    spec.pass_k.limit)
+            sampled, _, trajectories = tool_samples(
+                model, tokenizer, suite, f"{where} pass@k", spec.pass_k, spec.pass_k.limit
+            )
             sampled_rows = _sampled_rows(sampled, suite, label, "pass_k")
             for row, trajectory in zip(sampled_rows, trajectories):
                 row["trajectory"] = trajectory
@@ -237,8 +261,9 @@ def run_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, batch_
         return sampled_suite(model, tokenizer, suite, judges, label, prompts, batch_size, is_reference)
 
 
-def sampled_suite(model, tokenizer, suite: Suite, judges: Judges, label: str, prompts: list[str], batch_size: int,
-                  is_reference: bool):
+def sampled_suite(
+    model, tokenizer, suite: Suite, judges: Judges, label: str, prompts: list[str], batch_size: int, is_reference: bool
+):
     """`run_suite` of a suite without tools, on its rendered `prompts`."""
     spec, where = suite.spec, f"eval {label}/{suite.spec.name}"
     main = generate(model, tokenizer, prompts, spec.sampling, progress=where)
@@ -294,8 +319,14 @@ def score_main(main, suite: Suite, judges: Judges, label: str, batch_size: int =
     scores.update(mean_length=mean(len(s.token_ids) for s in main), eos_rate=mean(s.finished for s in main))
     rm_scores = None
     if judges.reward_model is not None:
-        rm_scores = score_texts(judges.reward_model, judges.reward_tokenizer, suite.prompts, texts, batch_size,
-                                finished=[s.finished for s in main])
+        rm_scores = score_texts(
+            judges.reward_model,
+            judges.reward_tokenizer,
+            suite.prompts,
+            texts,
+            batch_size,
+            finished=[s.finished for s in main],
+        )
         scores["rm_score"] = mean(rm_scores)
         for row, value in zip(rows, rm_scores):
             row["rm_score"] = value
@@ -309,9 +340,17 @@ def _samples_the_policy(sampling: SamplingSpec | None) -> bool:
 def _sample_row(sample, suite: Suite, label: str, mode: str) -> dict:
     """One line of samples.jsonl: the data row's columns (`answer`, `tests`, ...), so that `align verify`
     can score the file again, under the sample's own keys, which win over a data column of the same name."""
-    return {**suite.rows[sample.prompt_index], "checkpoint": label, "suite": suite.spec.name, "mode": mode,
-            "prompt_index": sample.prompt_index, "prompt": suite.prompts[sample.prompt_index],
-            "completion": sample.text, "tokens": len(sample.token_ids), "finished": sample.finished}
+    return {
+        **suite.rows[sample.prompt_index],
+        "checkpoint": label,
+        "suite": suite.spec.name,
+        "mode": mode,
+        "prompt_index": sample.prompt_index,
+        "prompt": suite.prompts[sample.prompt_index],
+        "completion": sample.text,
+        "tokens": len(sample.token_ids),
+        "finished": sample.finished,
+    }
 
 
 def _sampled_rows(samples, suite: Suite, label: str, mode: str) -> list[dict]:
@@ -376,12 +415,18 @@ def prepare_checkpoints(checkpoints: list[str], scoring: Scoring, report: Report
     baseline first when it is not among the checkpoints, `scoring` with the reference's path)."""
     reward_model, baseline, reference = scoring.reward_model, report.baseline, scoring.reference
     converted = {}
-    for name, value in [("checkpoint", c) for c in checkpoints] + [("--baseline", baseline), ("--reference", reference)]:
+    for name, value in [("checkpoint", c) for c in checkpoints] + [
+        ("--baseline", baseline),
+        ("--reference", reference),
+    ]:
         if value is not None and gguf_spec(value) is not None and value not in converted:
             file = gguf_spec(value).locate(name)
             converted[value] = str(convert_gguf(file, Path(report.out_dir) / "converted" / file.stem))
-    for name, value in [("checkpoint", c) for c in checkpoints] + [("--reward-model", reward_model),
-                                                                     ("--baseline", baseline), ("--reference", reference)]:
+    for name, value in [("checkpoint", c) for c in checkpoints] + [
+        ("--reward-model", reward_model),
+        ("--baseline", baseline),
+        ("--reference", reference),
+    ]:
         if value is not None and value not in converted:
             check_model_source(value, name, scoring.trust_remote_code)
     paths = {c: converted.get(c, c) for c in checkpoints}

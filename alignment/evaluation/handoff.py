@@ -34,6 +34,7 @@ def stamp(path: str) -> int | None:
 @dataclass
 class Handoff:
     """The results of one run's evaluation processes, in `folder`, under the run id `run`."""
+
     folder: Path
     run: str
 

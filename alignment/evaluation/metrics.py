@@ -15,8 +15,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def win_rate(scores: list[float], baseline_scores: list[float], texts: list[str] | None = None,
-             baseline_texts: list[str] | None = None, tolerance: float = 1e-6) -> float:
+def win_rate(
+    scores: list[float],
+    baseline_scores: list[float],
+    texts: list[str] | None = None,
+    baseline_texts: list[str] | None = None,
+    tolerance: float = 1e-6,
+) -> float:
     """Share of prompts where the reward model prefers this completion to the baseline's; ties count half.
     Identical completions are ties whatever their scores (batch padding may change a score's last bits)."""
     if len(scores) != len(baseline_scores) or not scores:
@@ -47,8 +52,6 @@ def paired_noise(values: list[float], baseline_values: list[float]) -> float:
     average = sum(diffs) / n
     variance = sum((d - average) ** 2 for d in diffs) / (n - 1)
     return 2 * math.sqrt(variance / n)
-
-
 
 
 def pass_name(k: int) -> str:

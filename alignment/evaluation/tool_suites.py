@@ -22,8 +22,9 @@ from ..tools.formats import ToolFormat
 from ..tools.rollout import COUNTS, RolloutLimits, count_means, rollout, start
 
 
-def tool_samples(model, tokenizer, suite, where: str, settings: SamplingSpec | None = None,
-                 limit: int | None = None) -> tuple[list[Sample], dict, list[dict]]:
+def tool_samples(
+    model, tokenizer, suite, where: str, settings: SamplingSpec | None = None, limit: int | None = None
+) -> tuple[list[Sample], dict, list[dict]]:
     """(one Sample per rollout holding the final answer, tool metrics, trajectory records) of a tool suite:
     `settings.n` rollouts of each of the first `limit` prompts (default: the suite's sampling, every prompt),
     prompt by prompt, each Sample's `prompt_index` naming its prompt."""
@@ -31,12 +32,21 @@ def tool_samples(model, tokenizer, suite, where: str, settings: SamplingSpec | N
     settings = settings or spec.sampling
     fmt = ToolFormat.for_tokenizer(tokenizer, spec.tool_format, f"evaluate.suites ({spec.name})")
     indices = [i for i in range(len(suite.prompts[:limit])) for _ in range(settings.n)]
-    trajectories = start(tokenizer, fmt, suite.toolbox, [suite.prompts[i] for i in indices],
-                         [suite.rows[i] for i in indices], spec.describe_tools)
-    rollout(model, tokenizer, trajectories, fmt, settings, RolloutLimits.of(spec, settings.max_new_tokens),
-            progress=where)
-    samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
-               for i, t in zip(indices, trajectories)]
+    trajectories = start(
+        tokenizer,
+        fmt,
+        suite.toolbox,
+        [suite.prompts[i] for i in indices],
+        [suite.rows[i] for i in indices],
+        spec.describe_tools,
+    )
+    rollout(
+        model, tokenizer, trajectories, fmt, settings, RolloutLimits.of(spec, settings.max_new_tokens), progress=where
+    )
+    samples = [
+        Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
+        for i, t in zip(indices, trajectories)
+    ]
     means = count_means([t.counts for t in trajectories])
     scores = {"tool_call_rate": means["call_rate"], **{k: means[k] for k in COUNTS if k != "tool_calls"}}
     return samples, scores, [t.record() for t in trajectories]

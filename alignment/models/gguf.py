@@ -44,11 +44,15 @@ def convert_gguf(file: Path, path: Path) -> Path:
     if (path / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == source:
         return path
     if path.exists() and any(path.iterdir()) and not marker.exists():  # never delete what we did not write
-        raise UserError(f"{path} already holds files that are not a conversion of a GGUF file; remove it or "
-                        "convert into another folder.")
+        raise UserError(
+            f"{path} already holds files that are not a conversion of a GGUF file; remove it or "
+            "convert into another folder."
+        )
     if not gguf_available():
-        raise UserError(f"model: reading the GGUF file {file} needs the `gguf` package, which is not installed: "
-                        "pip install gguf (or pip install 'alignment-toolkit[gguf]').")
+        raise UserError(
+            f"model: reading the GGUF file {file} needs the `gguf` package, which is not installed: "
+            "pip install gguf (or pip install 'alignment-toolkit[gguf]')."
+        )
     log.info(f"converting {file.name} into a plain checkpoint at {path} (once; later runs reuse it)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)

@@ -51,16 +51,20 @@ def read_marker(path: str | Path) -> tuple[str, float]:
         spec = json.loads(file.read_text())
         reference, beta = spec["reference"], float(spec["beta"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"'{file}' does not name a reference model and a beta ({type(error).__name__}: {error}); "
-                        "it is written by the dpo stage: run that stage again.") from None
+        raise UserError(
+            f"'{file}' does not name a reference model and a beta ({type(error).__name__}: {error}); "
+            "it is written by the dpo stage: run that stage again."
+        ) from None
     if not math.isfinite(beta) or beta <= 0:
         raise UserError(f"'{file}': beta must be a positive number, got {spec['beta']!r}.")
     local = Path(path) / reference
     if local.exists():
         return str(local.resolve()), beta
     if reference.startswith((".", "/", "~")) or reference.count("/") > 1:
-        raise UserError(f"'{path}' is a DPO policy whose implicit reward needs the model it started from, "
-                        f"'{reference}' (from {MARKER}), which does not exist; keep the two folders together.")
+        raise UserError(
+            f"'{path}' is a DPO policy whose implicit reward needs the model it started from, "
+            f"'{reference}' (from {MARKER}), which does not exist; keep the two folders together."
+        )
     return reference, beta
 
 
@@ -76,8 +80,9 @@ class ImplicitRewardModel(torch.nn.Module):
     def config(self):
         return self.policy.config
 
-    def score(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int,
-              batch_size: int = 16) -> list[float]:
+    def score(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], pad: int, batch_size: int = 16
+    ) -> list[float]:
         """The implicit reward of each (prompt ids, completion ids); an empty completion scores 0."""
         policy = completion_logprob_sums(self.policy, prompt_ids, completion_ids, pad, batch_size)
         reference = completion_logprob_sums(self.reference, prompt_ids, completion_ids, pad, batch_size)

@@ -50,12 +50,16 @@ def check_model_source(name: str, where: str, trust_remote_code: bool = False) -
     """Fail early when a model path/hub id cannot be resolved (exists locally, or in the hub cache)."""
     path = Path(name).expanduser()
     if name.endswith(".gguf"):
-        raise UserError(f"{where}: '{name}' is a GGUF file, which is read as the recipe's top-level `model:` (converted "
-                        "into output_dir/base), by `align eval` and by `align merge`; here give a checkpoint folder "
-                        f"(`align merge {name} FOLDER` converts it into one).")
+        raise UserError(
+            f"{where}: '{name}' is a GGUF file, which is read as the recipe's top-level `model:` (converted "
+            "into output_dir/base), by `align eval` and by `align merge`; here give a checkpoint folder "
+            f"(`align merge {name} FOLDER` converts it into one)."
+        )
     if path.exists():
         if not ((path / "config.json").exists() or is_adapter_dir(path)):
-            raise UserError(f"{where}: '{name}' exists but is not a model folder (no config.json or adapter_config.json).")
+            raise UserError(
+                f"{where}: '{name}' exists but is not a model folder (no config.json or adapter_config.json)."
+            )
         return
     if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise UserError(f"{where}: model path '{name}' does not exist.")
@@ -106,11 +110,14 @@ def load_policy(name: str, trust_remote_code: bool = False, dtype=None, partitio
 
 def _load_policy(name: str, trust_remote_code: bool, dtype):
     if is_adapter_dir(name):
-        base = AutoModelForCausalLM.from_pretrained(adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code)
+        base = AutoModelForCausalLM.from_pretrained(
+            adapter_base(name), dtype=dtype, trust_remote_code=trust_remote_code
+        )
         return PeftModel.from_pretrained(base, name).merge_and_unload()
     try:
-        return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                    use_safetensors=True)
+        return AutoModelForCausalLM.from_pretrained(
+            name, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=True
+        )
     except OSError as error:
         raise UserError(f"could not load model '{name}': {str(error).strip().splitlines()[0]}") from None
 
@@ -130,12 +137,17 @@ def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
     if is_reward_ensemble(name):
         members, combine, penalty = read_ensemble(name)
         with full_weights():
-            return RewardEnsemble([_load_reward_model(m, trust_remote_code, dtype) for m in members], combine, penalty,
-                                  read_standardisation(name, len(members)))
+            return RewardEnsemble(
+                [_load_reward_model(m, trust_remote_code, dtype) for m in members],
+                combine,
+                penalty,
+                read_standardisation(name, len(members)),
+            )
     if is_implicit_reward_model(name):
         reference, beta = read_marker(name)
-        return ImplicitRewardModel(load_policy(name, trust_remote_code, dtype),
-                                   load_policy(reference, trust_remote_code, dtype), beta)
+        return ImplicitRewardModel(
+            load_policy(name, trust_remote_code, dtype), load_policy(reference, trust_remote_code, dtype), beta
+        )
     with full_weights():
         return _load_reward_model(name, trust_remote_code, dtype)
 
@@ -143,7 +155,8 @@ def load_reward_model(name: str, trust_remote_code: bool = False, dtype=None):
 def _load_reward_model(name: str, trust_remote_code: bool, dtype):
     if is_reward_adapter(name):
         base = AutoModelForSequenceClassification.from_pretrained(
-            adapter_base(name), num_labels=1, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code)
+            adapter_base(name), num_labels=1, dtype=dtype or default_dtype(), trust_remote_code=trust_remote_code
+        )
         return PeftModel.from_pretrained(base, name).merge_and_unload().eval().requires_grad_(False)
     config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     architectures = getattr(config, "architectures", None) or []

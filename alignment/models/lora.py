@@ -17,15 +17,23 @@ from .loading import adapter_base, is_adapter_dir
 
 def peft_config(spec: LoraSpec, task_type: str = "CAUSAL_LM"):
     """peft LoraConfig; `task_type="SEQ_CLS"` keeps a reward model's fresh score head trainable."""
-    return LoraConfig(r=spec.r, lora_alpha=spec.lora_alpha, lora_dropout=spec.lora_dropout,
-                      target_modules=spec.target_modules, use_rslora=spec.use_rslora, task_type=task_type)
+    return LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.lora_alpha,
+        lora_dropout=spec.lora_dropout,
+        target_modules=spec.target_modules,
+        use_rslora=spec.use_rslora,
+        task_type=task_type,
+    )
 
 
 def apply_lora(model, spec: LoraSpec, task_type: str = "CAUSAL_LM", adapter_name: str = "default"):
     try:
         return get_peft_model(model, peft_config(spec, task_type), adapter_name=adapter_name)
     except ValueError as error:
-        raise UserError(f"lora: {str(error).strip().splitlines()[0]} (lora.target_modules = {spec.target_modules!r})") from None
+        raise UserError(
+            f"lora: {str(error).strip().splitlines()[0]} (lora.target_modules = {spec.target_modules!r})"
+        ) from None
 
 
 def check_lora_targets(model_name: str, spec: LoraSpec, where: str, trust_remote_code: bool = False) -> None:

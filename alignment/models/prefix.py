@@ -69,14 +69,21 @@ def prefix_cache(model, prefix: torch.Tensor, rows: int, cache: DynamicCache | N
     none = {}  # the positions whose logits are kept: none
     if takes_logits_to_keep(model):
         none["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=prefix.device)
-    model(input_ids=prefix[None], position_ids=torch.arange(prefix.shape[0], device=prefix.device)[None],
-          use_cache=True, return_dict=True, **{cache_name(model): cache}, **none)
+    model(
+        input_ids=prefix[None],
+        position_ids=torch.arange(prefix.shape[0], device=prefix.device)[None],
+        use_cache=True,
+        return_dict=True,
+        **{cache_name(model): cache},
+        **none,
+    )
     cache.batch_repeat_interleave(rows)
     return cache
 
 
-def forward_after_prefix(model, prefix: torch.Tensor | None, input_ids: torch.Tensor, attention: torch.Tensor,
-                         **kwargs):
+def forward_after_prefix(
+    model, prefix: torch.Tensor | None, input_ids: torch.Tensor, attention: torch.Tensor, **kwargs
+):
     """`model`'s output over rows [prefix, input_ids[r]] for a `prefix` [P] they all start with, the prefix run
     once (None or empty: the plain forward over `input_ids`, positions the model's own). `input_ids`, `attention`
     [B, L] are the rows without it (any padding); outputs cover those L columns only."""
@@ -86,8 +93,14 @@ def forward_after_prefix(model, prefix: torch.Tensor | None, input_ids: torch.Te
     cache = prefix_cache(model, prefix, input_ids.shape[0])
     full = torch.cat([attention.new_ones((input_ids.shape[0], shared)), attention], dim=-1)
     positions = (full.long().cumsum(-1) - 1).clamp(min=0)[:, shared:]
-    return model(input_ids=input_ids, attention_mask=full, position_ids=positions, use_cache=True,
-                 **{cache_name(model): cache}, **kwargs)
+    return model(
+        input_ids=input_ids,
+        attention_mask=full,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_name(model): cache},
+        **kwargs,
+    )
 
 
 def after_prefix(model, prefix: torch.Tensor | None):

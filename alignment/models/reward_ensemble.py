@@ -33,14 +33,16 @@ def member_dir(out_dir: str | Path, index: int) -> Path:
     return Path(out_dir) if index == 0 else Path(out_dir) / "members" / str(index)
 
 
-def write_marker(out_dir: Path, members: int, combine: str, penalty: float,
-                 standardisation: list[tuple[float, float]]) -> None:
+def write_marker(
+    out_dir: Path, members: int, combine: str, penalty: float, standardisation: list[tuple[float, float]]
+) -> None:
     """The ensemble's description beside its members; `standardisation` is each member's (mean, std) of scores
     on the reward stage's pairs (`member_statistics`)."""
     paths = [str(member_dir(".", i)) for i in range(members)]
     stats = [{"mean": mean, "std": std} for mean, std in standardisation]
-    (Path(out_dir) / MARKER).write_text(json.dumps({"members": paths, "combine": combine, "penalty": penalty,
-                                                    "standardise": stats}, indent=2) + "\n")
+    (Path(out_dir) / MARKER).write_text(
+        json.dumps({"members": paths, "combine": combine, "penalty": penalty, "standardise": stats}, indent=2) + "\n"
+    )
 
 
 def member_statistics(scores: list[list[float]]) -> list[tuple[float, float]]:
@@ -50,8 +52,10 @@ def member_statistics(scores: list[list[float]]) -> list[tuple[float, float]]:
     means, stds = table.mean(dim=1), table.std(dim=1, unbiased=False)
     flat = [i for i, s in enumerate(stds.tolist()) if not math.isfinite(s) or s <= 0]
     if flat:
-        raise UserError(f"ensemble member(s) {flat} score all {table.shape[1]} texts of the stage's pairs alike, so "
-                        "they cannot be standardised before they are combined; train longer or check the pairs.")
+        raise UserError(
+            f"ensemble member(s) {flat} score all {table.shape[1]} texts of the stage's pairs alike, so "
+            "they cannot be standardised before they are combined; train longer or check the pairs."
+        )
     return list(zip(means.tolist(), stds.tolist()))
 
 
@@ -68,20 +72,28 @@ def read_marker(path: str | Path) -> tuple[list[str], str, float]:
         members = [str((Path(path) / m).resolve()) for m in spec["members"]]
         combine, penalty = spec["combine"], float(spec["penalty"])
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UserError(f"'{file}' does not list ensemble members with a combine rule ({type(error).__name__}: "
-                        f"{error}); it is written by the reward stage: run that stage again.") from None
+        raise UserError(
+            f"'{file}' does not list ensemble members with a combine rule ({type(error).__name__}: "
+            f"{error}); it is written by the reward stage: run that stage again."
+        ) from None
     if combine not in COMBINES or not members:
-        raise UserError(f"'{file}': combine must be one of {', '.join(COMBINES)} over at least one member, got "
-                        f"{combine!r} over {len(members)}.")
+        raise UserError(
+            f"'{file}': combine must be one of {', '.join(COMBINES)} over at least one member, got "
+            f"{combine!r} over {len(members)}."
+        )
     missing = [m for m in members if not (Path(m) / "config.json").exists()]
     if missing:
-        raise UserError(f"'{path}' is a reward-model ensemble whose member(s) {', '.join(missing)} do not exist; keep "
-                        f"the folder whole (members/ beside {MARKER}) or run the reward stage again.")
+        raise UserError(
+            f"'{path}' is a reward-model ensemble whose member(s) {', '.join(missing)} do not exist; keep "
+            f"the folder whole (members/ beside {MARKER}) or run the reward stage again."
+        )
     if combine != "mean" and read_standardisation(path, len(members)) is None:
-        raise UserError(f"'{file}' combines its members with {combine} but was written without each member's score "
-                        "statistics (an older reward stage): combined raw, members that rank alike differ by "
-                        "arbitrary offsets, which min and uwo would follow. Run the reward stage again (align run "
-                        "RECIPE --only STAGE --force), or read it with combine: mean.")
+        raise UserError(
+            f"'{file}' combines its members with {combine} but was written without each member's score "
+            "statistics (an older reward stage): combined raw, members that rank alike differ by "
+            "arbitrary offsets, which min and uwo would follow. Run the reward stage again (align run "
+            "RECIPE --only STAGE --force), or read it with combine: mean."
+        )
     return members, combine, penalty
 
 
@@ -95,16 +107,21 @@ def read_standardisation(path: str | Path, members: int) -> list[tuple[float, fl
             return None
         pairs = [(float(s["mean"]), float(s["std"])) for s in stats]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-        raise UserError(f"'{file}': its `standardise` entry is not a list of {{mean, std}} ({type(error).__name__}: "
-                        f"{error}); it is written by the reward stage: run that stage again.") from None
+        raise UserError(
+            f"'{file}': its `standardise` entry is not a list of {{mean, std}} ({type(error).__name__}: "
+            f"{error}); it is written by the reward stage: run that stage again."
+        ) from None
     if len(pairs) != members or not all(math.isfinite(m) and math.isfinite(s) and s > 0 for m, s in pairs):
-        raise UserError(f"'{file}': `standardise` must give a finite mean and a positive std for each of the "
-                        f"{members} members, got {pairs}.")
+        raise UserError(
+            f"'{file}': `standardise` must give a finite mean and a positive std for each of the "
+            f"{members} members, got {pairs}."
+        )
     return pairs
 
 
-def combine_scores(scores: torch.Tensor, combine: str, penalty: float = 0.0,
-                   standardisation: list[tuple[float, float]] | None = None) -> torch.Tensor:
+def combine_scores(
+    scores: torch.Tensor, combine: str, penalty: float = 0.0, standardisation: list[tuple[float, float]] | None = None
+) -> torch.Tensor:
     """[members, n] scores -> [n] combined, as the module docstring defines; min and uwo read the members
     standardised by `standardisation` (each member's (mean, std)), or raw where it is None."""
     if combine == "mean":
@@ -131,8 +148,13 @@ def standardised(scores: torch.Tensor, standardisation: list[tuple[float, float]
 class RewardEnsemble(torch.nn.Module):
     """Frozen reward models moved together; `training.scoring` scores each member and combines."""
 
-    def __init__(self, members: list[torch.nn.Module], combine: str, penalty: float,
-                 standardisation: list[tuple[float, float]] | None = None):
+    def __init__(
+        self,
+        members: list[torch.nn.Module],
+        combine: str,
+        penalty: float,
+        standardisation: list[tuple[float, float]] | None = None,
+    ):
         super().__init__()
         self.members = torch.nn.ModuleList(members)
         self.combine, self.penalty, self.standardisation = combine, penalty, standardisation
@@ -143,5 +165,6 @@ class RewardEnsemble(torch.nn.Module):
         return self.members[0].config
 
     def combined(self, member_scores: list[list[float]]) -> list[float]:
-        return combine_scores(torch.tensor(member_scores, dtype=torch.float64), self.combine, self.penalty,
-                              self.standardisation).tolist()
+        return combine_scores(
+            torch.tensor(member_scores, dtype=torch.float64), self.combine, self.penalty, self.standardisation
+        ).tolist()

@@ -43,14 +43,19 @@ def check_saved_tensors(out_dir: Path) -> None:
     empty, files = [], sorted(Path(out_dir).rglob("*.safetensors"))
     for path in files:
         with safe_open(str(path), framework="pt") as weights:
-            empty += [f"{path.relative_to(out_dir)}: {name}" for name in weights.keys()
-                      if 0 in weights.get_slice(name).get_shape()]
+            empty += [
+                f"{path.relative_to(out_dir)}: {name}"
+                for name in weights.keys()
+                if 0 in weights.get_slice(name).get_shape()
+            ]
     if not files:
         raise UserError(f"the checkpoint written to {out_dir} holds no weights files.")
     if empty:
-        raise UserError(f"the checkpoint written to {out_dir} has {len(empty)} empty tensor(s) ({'; '.join(empty[:3])}"
-                        f"{', ...' if len(empty) > 3 else ''}): the weights were saved without being gathered from "
-                        "the processes that hold them. The stage is not marked finished.")
+        raise UserError(
+            f"the checkpoint written to {out_dir} has {len(empty)} empty tensor(s) ({'; '.join(empty[:3])}"
+            f"{', ...' if len(empty) > 3 else ''}): the weights were saved without being gathered from "
+            "the processes that hold them. The stage is not marked finished."
+        )
 
 
 def export_plain_checkpoint(source: str, out: Path) -> str:

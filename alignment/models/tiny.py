@@ -33,7 +33,10 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", unk_token="<unk>", eos_token="<|end|>",
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|end|>",
         additional_special_tokens=SPECIAL_TOKENS[3:],
     )
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
@@ -48,11 +51,17 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
     tokenizer = build_tokenizer()
     config_class = Qwen2Config if spec.arch == "qwen2" else LlamaConfig
     config = config_class(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
         intermediate_size=spec.intermediate_size or 4 * spec.hidden_size,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
     )
 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a model this small is noise

@@ -24,7 +24,9 @@ from .loading import adapter_base, is_adapter_dir
 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, template: TemplateSpec | None = None):
-    source = adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
+    source = (
+        adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
+    )
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None or tokenizer.pad_token in (tokenizer.eos_token, end_of_turn(tokenizer)):
         tokenizer.pad_token = spare_pad_token(tokenizer) or tokenizer.eos_token
@@ -52,15 +54,19 @@ def apply_template(tokenizer, spec: TemplateSpec, name: str = "the model") -> No
     system prompt put before conversations that bring none (the template's default then never shows). The
     settings sit between two markers, so a later stage replaces them rather than stacking a second copy."""
     if not has_chat_template(tokenizer):
-        raise UserError(f"template: {name} has no chat template, so there is nothing to set; drop `template:` "
-                        "(a model without one trains on plain prompt/completion or text rows).")
+        raise UserError(
+            f"template: {name} has no chat template, so there is nothing to set; drop `template:` "
+            "(a model without one trains on plain prompt/completion or text rows)."
+        )
     template = tokenizer.chat_template
     if template.startswith(TEMPLATE_START) and TEMPLATE_END in template:
         template = template.split(TEMPLATE_END, 1)[1]
     head = "".join(f"{{%- set {k} = {jinja_literal(v)} %}}" for k, v in spec.kwargs.items())
     if spec.system_prompt is not None:
-        head += ("{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = [{'role': 'system', "
-                 f"'content': {json.dumps(spec.system_prompt)}}}] + messages %}}{{%- endif %}}")
+        head += (
+            "{%- if not messages or messages[0]['role'] != 'system' %}{%- set messages = [{'role': 'system', "
+            f"'content': {json.dumps(spec.system_prompt)}}}] + messages %}}{{%- endif %}}"
+        )
     tokenizer.chat_template = TEMPLATE_START + head + TEMPLATE_END + template
 
 
@@ -76,6 +82,7 @@ def spare_pad_token(tokenizer) -> str | None:
         except UserError:  # a template without a system role (Gemma 2)
             probe = render_prompt(tokenizer, "u")
         used |= {t for t in marker_tokens(tokenizer) if t in probe + render_completion(tokenizer, "u", "a")}
+
     def preference(token: str) -> tuple[int, str]:
         return (0 if "pad" in token.lower() else 1 if token == tokenizer.unk_token else 2), token
 

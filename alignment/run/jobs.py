@@ -56,8 +56,10 @@ def slot_environments(jobs: int) -> list[dict[str, str]]:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
         if jobs > gpus:
-            raise UserError(f"--jobs {jobs} asks for more parallel stages than there are GPUs ({gpus}); each stage "
-                            f"gets a GPU of its own, so use --jobs {gpus} or fewer.")
+            raise UserError(
+                f"--jobs {jobs} asks for more parallel stages than there are GPUs ({gpus}); each stage "
+                f"gets a GPU of its own, so use --jobs {gpus} or fewer."
+            )
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
         return [{"CUDA_VISIBLE_DEVICES": ids[slot]} for slot in range(jobs)]
@@ -101,29 +103,48 @@ def describe(env: dict[str, str]) -> str:
 
 def stage_command(recipe: Recipe, stage_id: str) -> list[str]:
     """What a child runs: this recipe, with the same overrides, for one stage."""
-    return [sys.executable, "-m", "alignment", "run", str(recipe.path), *recipe.overrides, "--only", stage_id,
-            "--no-eval"]
+    return [
+        sys.executable,
+        "-m",
+        "alignment",
+        "run",
+        str(recipe.path),
+        *recipe.overrides,
+        "--only",
+        stage_id,
+        "--no-eval",
+    ]
 
 
 def eval_command(recipe: Recipe, labels: list[str]) -> list[str]:
     """What an evaluation process runs: this recipe, with the same overrides, scoring `labels` only."""
-    return [sys.executable, "-m", "alignment", "run", str(recipe.path), *recipe.overrides,
-            *(arg for label in labels for arg in ("--eval-only", label))]
+    return [
+        sys.executable,
+        "-m",
+        "alignment",
+        "run",
+        str(recipe.path),
+        *recipe.overrides,
+        *(arg for label in labels for arg in ("--eval-only", label)),
+    ]
 
 
 def evaluation_process(recipe: Recipe, labels: list[str]) -> dict:
     """What an evaluation job runs (`align run RECIPE --eval-only LABEL ...`): score `labels` and hand their
     results on under the id of the run that started it (in the environment). Refused anywhere else."""
     if recipe.evaluate is None or not os.environ.get(RUN_ENV):
-        raise UserError("--eval-only is the evaluation process of `align run --jobs N` and runs only under it "
-                        "(the recipe's evaluate block, the run's id in the environment); run `align run RECIPE` "
-                        "or `align eval` instead.")
+        raise UserError(
+            "--eval-only is the evaluation process of `align run --jobs N` and runs only under it "
+            "(the recipe's evaluate block, the run's id in the environment); run `align run RECIPE` "
+            "or `align eval` instead."
+        )
     return hand_on_block(recipe, labels, os.environ[RUN_ENV])
 
 
 @dataclass
 class Launcher:
     """Starts jobs: each in a process of its own with its slot's share of the machine, its log in `log_dir`."""
+
     recipe: Recipe
     envs: list[dict[str, str]]  # each slot's environment (`slot_environments`)
     alone: dict[str, str]  # the environment of a stage that gets the whole machine (`whole_machine`)
@@ -138,11 +159,18 @@ class Launcher:
         return self._launch(JobKind.STAGE, stage_id, self.command_for(self.recipe, stage_id), share, {}, stage_id)
 
     def evaluation(self, labels: list[str], slot: int) -> Job:
-        return self._launch(JobKind.EVALUATION, f"eval {', '.join(labels)}", self.eval_command_for(self.recipe, labels),
-                            self.envs[slot], {RUN_ENV: self.run}, "eval-" + "-".join(labels))
+        return self._launch(
+            JobKind.EVALUATION,
+            f"eval {', '.join(labels)}",
+            self.eval_command_for(self.recipe, labels),
+            self.envs[slot],
+            {RUN_ENV: self.run},
+            "eval-" + "-".join(labels),
+        )
 
-    def _launch(self, kind: JobKind, name: str, command: list[str], share: dict[str, str], extra: dict[str, str],
-                file: str) -> Job:
+    def _launch(
+        self, kind: JobKind, name: str, command: list[str], share: dict[str, str], extra: dict[str, str], file: str
+    ) -> Job:
         log_path = self.log_dir / f"{file}.log"
         env = {**os.environ, **share, **extra, "ALIGN_NO_PROGRESS": "1", "TQDM_DISABLE": "1"}
         with open(log_path, "w") as out:  # the child keeps its own copy of the descriptor
@@ -154,6 +182,7 @@ class Launcher:
 @dataclass
 class Schedule:
     """Where a `--jobs` run stands: what is left to start, what runs in which slot, what finished or failed."""
+
     recipe: Recipe
     slots: int
     pending: list[str]  # stages not started yet, in recipe order
@@ -195,7 +224,7 @@ class Schedule:
         if not free or not self.waiting or self.failed:
             return
         labels = [label for label, needs in self.waiting.items() if needs <= set(self.results)]
-        shares = [labels[i::len(free)] for i in range(min(len(free), len(labels)))]
+        shares = [labels[i :: len(free)] for i in range(min(len(free), len(labels)))]
         for slot, share in zip(free, shares):
             for label in share:
                 del self.waiting[label]
@@ -208,17 +237,26 @@ class Schedule:
                 continue
             del self.running[slot]
             if job.kind is JobKind.EVALUATION:
-                log.info(f"[{job.name}] " + ("done" if code == 0 else
-                         f"failed (exit code {code}; log: {job.log_path}): the evaluation at the end of the run "
-                         "scores these checkpoints itself"))
+                log.info(
+                    f"[{job.name}] "
+                    + (
+                        "done"
+                        if code == 0
+                        else f"failed (exit code {code}; log: {job.log_path}): the evaluation at the end of the run "
+                        "scores these checkpoints itself"
+                    )
+                )
             elif code == 0:
                 self.results[job.name] = finished_record(self.recipe, job.name)
-                log.info(f"[{job.name}] done in {self.results[job.name]['wall_time_s']:.1f}s -> "
-                         f"{self.recipe.stage_dir(job.name)}")
+                log.info(
+                    f"[{job.name}] done in {self.results[job.name]['wall_time_s']:.1f}s -> "
+                    f"{self.recipe.stage_dir(job.name)}"
+                )
             else:
                 self.failed.append((job, code))
-                log.info(f"[{job.name}] failed (exit code {code}); stages already running will finish, "
-                         "no new stage starts")
+                log.info(
+                    f"[{job.name}] failed (exit code {code}); stages already running will finish, no new stage starts"
+                )
 
     def stop(self) -> None:
         """Stop the running children rather than orphan them (Ctrl-C, or an error in this process)."""
@@ -238,10 +276,16 @@ class Schedule:
         )
 
 
-def run_in_parallel(recipe: Recipe, stage_ids: list[str], jobs: int,
-                    command_for: Callable[[Recipe, str], list[str]] = stage_command,
-                    poll_s: float = 0.2, evaluations: dict[str, set[str]] | None = None, run: str = "",
-                    eval_command_for: Callable[[Recipe, list[str]], list[str]] = eval_command) -> dict[str, dict]:
+def run_in_parallel(
+    recipe: Recipe,
+    stage_ids: list[str],
+    jobs: int,
+    command_for: Callable[[Recipe, str], list[str]] = stage_command,
+    poll_s: float = 0.2,
+    evaluations: dict[str, set[str]] | None = None,
+    run: str = "",
+    eval_command_for: Callable[[Recipe, list[str]], list[str]] = eval_command,
+) -> dict[str, dict]:
     """Run `stage_ids` (in recipe order, dependencies respected) with up to `jobs` at once; returns each
     finished stage's record (metrics, wall time) as `run_stage` does. `run_recipe` has checked that every
     stage they read is among them or finished. `command_for(recipe, stage_id)`: a child's command line.

@@ -17,9 +17,11 @@ def stage_chain(recipe, stage_id: str) -> list[str]:
 
 def data_format_lines(formats: dict[str, dict]) -> list[str]:
     """One line per data key: the format the stage detected, the columns it read and what it trained on."""
-    return [f"- **Data format ({key}):** {info['format']}; columns used: "
-            f"{', '.join(f'`{c}`' for c in info['columns'])}; trained on: {info['trained_on']}"
-            for key, info in formats.items()]
+    return [
+        f"- **Data format ({key}):** {info['format']}; columns used: "
+        f"{', '.join(f'`{c}`' for c in info['columns'])}; trained on: {info['trained_on']}"
+        for key, info in formats.items()
+    ]
 
 
 def write_model_card(ctx, record: dict) -> None:

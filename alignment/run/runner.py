@@ -59,7 +59,7 @@ def select_stages(recipe: Recipe, only: list[str] | None, start_from: str | None
     if only:
         return [s for s in order if s in only]
     if start_from:
-        return order[order.index(start_from):]
+        return order[order.index(start_from) :]
     return order
 
 
@@ -70,9 +70,14 @@ def is_finished(recipe: Recipe, stage_id: str) -> bool:
 def make_context(recipe: Recipe, stage_id: str, is_main: bool = True) -> StageContext:
     out = recipe.out
     return StageContext(
-        recipe=recipe, stage_id=stage_id, config=recipe.stages[stage_id],
-        start_model=recipe.start_model(stage_id), out_dir=out / ".staging" / stage_id,
-        work_dir=out / ".work" / stage_id, lora=recipe.lora_for(stage_id), is_main=is_main,
+        recipe=recipe,
+        stage_id=stage_id,
+        config=recipe.stages[stage_id],
+        start_model=recipe.start_model(stage_id),
+        out_dir=out / ".staging" / stage_id,
+        work_dir=out / ".work" / stage_id,
+        lora=recipe.lora_for(stage_id),
+        is_main=is_main,
     )
 
 
@@ -84,8 +89,10 @@ def ensure_writable(folder: Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
-        raise UserError(f"output_dir '{folder}' is not writable ({error.strerror}); choose another output_dir "
-                        "or fix its permissions.") from None
+        raise UserError(
+            f"output_dir '{folder}' is not writable ({error.strerror}); choose another output_dir "
+            "or fix its permissions."
+        ) from None
 
 
 def ensure_base_model(recipe: Recipe) -> str:
@@ -106,7 +113,9 @@ def check_recipe(recipe: Recipe) -> None:
     for stage_id, config in recipe.stages.items():
         ctx = make_context(recipe, stage_id)
         if not _is_stage_output(recipe, ctx.start_model):
-            check_model_source(ctx.start_model, f"stages.{stage_id}.{config.start_model_key()}", recipe.trust_remote_code)
+            check_model_source(
+                ctx.start_model, f"stages.{stage_id}.{config.start_model_key()}", recipe.trust_remote_code
+            )
         else:
             ctx.start_model = _checkable(recipe, ctx.start_model)
         if ctx.lora is not None:
@@ -128,8 +137,16 @@ def _checkable(recipe: Recipe, model: str) -> str:
     return model if (Path(model) / "config.json").exists() else recipe.base_model()
 
 
-def run_command(recipe: Recipe, *, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
-                evaluate: bool = True, jobs: int = 1, eval_only: list[str] | None = None) -> None:
+def run_command(
+    recipe: Recipe,
+    *,
+    force: bool = False,
+    only: list[str] | None = None,
+    start_from: str | None = None,
+    evaluate: bool = True,
+    jobs: int = 1,
+    eval_only: list[str] | None = None,
+) -> None:
     """What `align run` does: run the recipe (`run_recipe`), then tear the process group down; with `eval_only`
     (the hidden `--eval-only LABEL`), be an evaluation process of a `--jobs` run instead (`jobs.py`)."""
     if eval_only:
@@ -141,15 +158,23 @@ def run_command(recipe: Recipe, *, force: bool = False, only: list[str] | None =
         close_process_group()
 
 
-def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = None, start_from: str | None = None,
-               evaluate: bool = True, jobs: int = 1) -> dict[str, dict]:
+def run_recipe(
+    recipe: Recipe,
+    force: bool = False,
+    only: list[str] | None = None,
+    start_from: str | None = None,
+    evaluate: bool = True,
+    jobs: int = 1,
+) -> dict[str, dict]:
     """Run the selected unfinished stages, then the evaluate block. With `jobs` > 1, independent stages
     run at once, each in its own process (`jobs.py`)."""
     state = distributed_state()
     flush_denormals()
     if jobs > 1 and state.num_processes > 1:
-        raise UserError(f"--jobs {jobs} runs stages as separate one-process runs, so it cannot be combined with "
-                        f"accelerate launch ({state.num_processes} processes); drop one of the two.")
+        raise UserError(
+            f"--jobs {jobs} runs stages as separate one-process runs, so it cannot be combined with "
+            f"accelerate launch ({state.num_processes} processes); drop one of the two."
+        )
     if state.is_main_process:
         ensure_writable(recipe.out)
     engine = start_engine(recipe.out)
@@ -160,15 +185,22 @@ def run_recipe(recipe: Recipe, force: bool = False, only: list[str] | None = Non
     to_run = []
     for stage_id in select_stages(recipe, only, start_from):
         if is_finished(recipe, stage_id) and not force:
-            log.info(f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)")
+            log.info(
+                f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)"
+            )
         else:
             to_run.append(stage_id)
     check_inputs_produced(recipe, to_run)
     evaluating = evaluate and recipe.evaluate is not None
     run = uuid.uuid4().hex if jobs > 1 and evaluating else None
     if jobs > 1 and (to_run or evaluating):  # under --jobs a stage (or an evaluation) gets the threads it gets in a
-        results = run_in_parallel(recipe, to_run, jobs,  # whole run, even alone
-                                  evaluations=planned_evaluations(recipe, to_run) if evaluating else None, run=run or "")
+        results = run_in_parallel(
+            recipe,
+            to_run,
+            jobs,  # whole run, even alone
+            evaluations=planned_evaluations(recipe, to_run) if evaluating else None,
+            run=run or "",
+        )
     else:
         results = {stage_id: run_stage(recipe, stage_id, state) for stage_id in to_run}
     if evaluating:
@@ -194,8 +226,10 @@ def check_inputs_produced(recipe: Recipe, stage_ids: list[str]) -> None:
     for stage_id in stage_ids:
         for needed in recipe.dependencies(stage_id):
             if needed not in stage_ids and not is_finished(recipe, needed):
-                raise UserError(f"stage '{stage_id}' reads the output of '{needed}', which has not been produced; run "
-                                "the earlier stage first (drop --only/--from).")
+                raise UserError(
+                    f"stage '{stage_id}' reads the output of '{needed}', which has not been produced; run "
+                    "the earlier stage first (drop --only/--from)."
+                )
 
 
 def flush_denormals() -> bool:
@@ -230,8 +264,12 @@ def run_stage(recipe: Recipe, stage_id: str, state=None) -> dict:
     with disk_errors_explained(ctx), memory_errors_explained(ctx):
         result = stage_module(ctx.config.kind).run(ctx) or {}
         state.wait_for_everyone()
-        record = {"metrics": result.get("metrics", {}), "wall_time_s": round(time.time() - started, 2),
-                  "cpu_time_s": round(time.process_time() - cpu_started, 2), "peak_rss_mib": peak_rss_mib()}
+        record = {
+            "metrics": result.get("metrics", {}),
+            "wall_time_s": round(time.time() - started, 2),
+            "cpu_time_s": round(time.process_time() - cpu_started, 2),
+            "peak_rss_mib": peak_rss_mib(),
+        }
         if state.is_main_process:
             finalize(ctx, record, result.get("log_history"))
     state.wait_for_everyone()
@@ -284,12 +322,21 @@ def stage_record(ctx: StageContext, record: dict) -> dict:
     lora = ctx.lora.model_dump(mode="json") if ctx.lora else None
     # The stage's own `lora` is unset when it inherits the recipe-level one; show what it trained with.
     config = {**ctx.config.model_dump(mode="json"), "lora": lora}
-    return redact({
-        "stage": ctx.stage_id, "kind": ctx.config.kind, "recipe": ctx.recipe.name,
-        "start_model": ctx.start_model, "lora": lora, "seed": ctx.seed, "config": config,
-        "data_format": ctx.data_formats, **record,
-        "versions": package_versions(), "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    })
+    return redact(
+        {
+            "stage": ctx.stage_id,
+            "kind": ctx.config.kind,
+            "recipe": ctx.recipe.name,
+            "start_model": ctx.start_model,
+            "lora": lora,
+            "seed": ctx.seed,
+            "config": config,
+            "data_format": ctx.data_formats,
+            **record,
+            "versions": package_versions(),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+    )
 
 
 def finalize(ctx: StageContext, record: dict, log_history: list | None) -> None:

@@ -48,8 +48,11 @@ def x86() -> bool:
 def bf16_native() -> bool:
     """Whether torch multiplies bf16 on this CPU's own bf16 instructions: oneDNN runs torch's bf16 matmul here, the
     CPU has AVX512-BF16 or AMX (x86), and no ISA cap leaves them out."""
-    onednn = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
-              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    onednn = (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
     if not onednn or not x86():
         return onednn
     has_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -62,7 +65,11 @@ def why_not_native() -> str:
     if cap in BELOW_BF16 and x86() and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off this CPU's bf16 instructions"
     where = f"{platform.machine()} CPU (torch sees {torch.backends.cpu.get_cpu_capability()})"
-    return f"this {where} has neither AVX512-BF16 nor AMX" if x86() else f"torch runs no native bf16 matmul on this {where}"
+    return (
+        f"this {where} has neither AVX512-BF16 nor AMX"
+        if x86()
+        else f"torch runs no native bf16 matmul on this {where}"
+    )
 
 
 @cache
@@ -95,8 +102,10 @@ def slow_bf16() -> str | None:
     if bf16_native():
         return None
     rates = matmul_rates()
-    return (f"{why_not_native()}: bf16 matmul ran at {rates['bfloat16']:.1f} GFLOP/s here against fp32's "
-            f"{rates['float32']:.1f} (a [8, 512] x [512, 512] product, one thread)")
+    return (
+        f"{why_not_native()}: bf16 matmul ran at {rates['bfloat16']:.1f} GFLOP/s here against fp32's "
+        f"{rates['float32']:.1f} (a [8, 512] x [512, 512] product, one thread)"
+    )
 
 
 def bf16_requests(config, where: str) -> list[tuple[str, str]]:
@@ -128,10 +137,15 @@ def refuse_slow_bf16(config, where: str) -> None:
     if not requests or torch.cuda.is_available() or (why := slow_bf16()) is None:
         return
     key, what = requests[0]
-    fix = "drop `dtype` (the model samples in its own type, fp32 on CPU)" if key.endswith(".dtype") else \
-        "drop `bf16` (the stages train in fp32 on CPU)"
-    raise UserError(f"{key}: {what}, which is fast only on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX) "
-                    f"or on a GPU; {why}. Here fp32 is the faster choice: {fix}. Measurements: docs/performance.md.")
+    fix = (
+        "drop `dtype` (the model samples in its own type, fp32 on CPU)"
+        if key.endswith(".dtype")
+        else "drop `bf16` (the stages train in fp32 on CPU)"
+    )
+    raise UserError(
+        f"{key}: {what}, which is fast only on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX) "
+        f"or on a GPU; {why}. Here fp32 is the faster choice: {fix}. Measurements: docs/performance.md."
+    )
 
 
 _warned = False  # whether `warn_slow_bf16` has spoken in this process
@@ -144,5 +158,7 @@ def warn_slow_bf16() -> None:
     if _warned or (why := slow_bf16()) is None:
         return
     _warned = True
-    log.warning(f"sampling with `dtype: bfloat16` on this CPU, which is slower than fp32 here: {why}. Drop `dtype` "
-                "to sample in the model's own type (measured: docs/performance.md).")
+    log.warning(
+        f"sampling with `dtype: bfloat16` on this CPU, which is slower than fp32 here: {why}. Drop `dtype` "
+        "to sample in the model's own type (measured: docs/performance.md)."
+    )

@@ -86,8 +86,10 @@ def deepspeed_setting(key: str, env: str, default):
     try:
         return json.loads(Path(path).read_text()).get("zero_optimization", {}).get(key, default)
     except (OSError, ValueError) as error:
-        raise UserError(f"the accelerate config's deepspeed_config_file '{path}' could not be read ({error}); its "
-                        "path is relative to the folder `accelerate launch` runs in.") from None
+        raise UserError(
+            f"the accelerate config's deepspeed_config_file '{path}' could not be read ({error}); its "
+            "path is relative to the folder `accelerate launch` runs in."
+        ) from None
 
 
 def deepspeed_stage() -> int:
@@ -111,40 +113,58 @@ def check_launch(asked: str | None, num_processes: int) -> None:
     cpu = not torch.cuda.is_available()
     if cpu and precision not in ("no", ""):
         config = f"configs/accelerate/{CPU_CONFIGS.get(asked, 'cpu_2proc')}.yaml"
-        raise UserError(f"the launch asks for mixed_precision {precision}, but this machine has no GPU: on CPU every "
-                        f"stage trains in fp32 (bf16 matmuls there are slow and imprecise). Launch with "
-                        f"mixed_precision: 'no' (e.g. --config_file {config}).")
+        raise UserError(
+            f"the launch asks for mixed_precision {precision}, but this machine has no GPU: on CPU every "
+            f"stage trains in fp32 (bf16 matmuls there are slow and imprecise). Launch with "
+            f"mixed_precision: 'no' (e.g. --config_file {config})."
+        )
     if not cpu and precision == "bf16" and not torch.cuda.is_bf16_supported():
-        raise UserError("the launch asks for mixed_precision bf16, which this GPU does not support; the stages train "
-                        "in fp32 here: launch with mixed_precision: 'no'.")
+        raise UserError(
+            "the launch asks for mixed_precision bf16, which this GPU does not support; the stages train "
+            "in fp32 here: launch with mixed_precision: 'no'."
+        )
     if asked is None:
         return
     if asked.startswith("fsdp") and asked != "fsdp2":
-        raise UserError(f"the launch asks for FSDP version {asked[4:]}; this toolkit runs FSDP2 only (set "
-                        "fsdp_version: 2 in the accelerate config, as configs/accelerate/fsdp2.yaml does).")
+        raise UserError(
+            f"the launch asks for FSDP version {asked[4:]}; this toolkit runs FSDP2 only (set "
+            "fsdp_version: 2 in the accelerate config, as configs/accelerate/fsdp2.yaml does)."
+        )
     if num_processes < 2:
-        raise UserError(f"the launch asks for {asked}, but the run has {num_processes} process: nothing would be "
-                        "sharded. Launch with num_processes of 2 or more, or without the FSDP/DeepSpeed config.")
+        raise UserError(
+            f"the launch asks for {asked}, but the run has {num_processes} process: nothing would be "
+            "sharded. Launch with num_processes of 2 or more, or without the FSDP/DeepSpeed config."
+        )
     if asked.startswith("zero") and find_spec("deepspeed") is None:
-        raise UserError(f"the launch asks for DeepSpeed {asked}, which is not installed; install it with "
-                        "`pip install 'alignment-toolkit[deepspeed]'` (it builds from source, about a minute).")
+        raise UserError(
+            f"the launch asks for DeepSpeed {asked}, which is not installed; install it with "
+            "`pip install 'alignment-toolkit[deepspeed]'` (it builds from source, about a minute)."
+        )
     if asked.startswith("zero") and _flag("ACCELERATE_USE_CPU"):
-        raise UserError(f"the launch asks for DeepSpeed {asked}, but ACCELERATE_USE_CPU is set, with which accelerate "
-                        "runs plain DDP instead; unset it (DeepSpeed runs on CPU without it).")
-    if asked == "zero3" and str(deepspeed_setting(  # false is accelerate's and DeepSpeed's default
-            "stage3_gather_16bit_weights_on_model_save", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false")).lower() \
-            not in ("true", "1"):
-        raise UserError("the launch's ZeRO-3 config does not gather the weights for saving, so no stage could write its "
-                        "checkpoint: set zero3_save_16bit_model: true in the accelerate config (or "
-                        "stage3_gather_16bit_weights_on_model_save in its deepspeed_config_file).")
+        raise UserError(
+            f"the launch asks for DeepSpeed {asked}, but ACCELERATE_USE_CPU is set, with which accelerate "
+            "runs plain DDP instead; unset it (DeepSpeed runs on CPU without it)."
+        )
+    if asked == "zero3" and str(
+        deepspeed_setting(  # false is accelerate's and DeepSpeed's default
+            "stage3_gather_16bit_weights_on_model_save", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "false"
+        )
+    ).lower() not in ("true", "1"):
+        raise UserError(
+            "the launch's ZeRO-3 config does not gather the weights for saving, so no stage could write its "
+            "checkpoint: set zero3_save_16bit_model: true in the accelerate config (or "
+            "stage3_gather_16bit_weights_on_model_save in its deepspeed_config_file)."
+        )
 
 
 def check_engine(state: AcceleratorState, where: str) -> str:
     """The engine a stage's accelerator runs; an error when it is not the one the launch asked for."""
     asked, actual = launched_engine(), engine_of(state)
     if asked is not None and actual != asked:
-        raise UserError(f"{where}: the launch asks for {asked}, but accelerate set this stage up as {actual}, so it "
-                        f"would train unsharded; stopped before training.")
+        raise UserError(
+            f"{where}: the launch asks for {asked}, but accelerate set this stage up as {actual}, so it "
+            f"would train unsharded; stopped before training."
+        )
     return actual
 
 
@@ -204,10 +224,12 @@ def check_shared_folder(folder: Path) -> None:
         probe.unlink(missing_ok=True)
     blind = [f"rank {rank} on {host}" for rank, host, ok in results if not ok]
     if blind:
-        raise UserError(f"output_dir '{folder}' is not shared by all processes: {', '.join(blind)} cannot see the "
-                        "file rank 0 wrote there. Every process reads the outputs of earlier stages and only rank 0 "
-                        "writes them, so on several machines output_dir must be on a shared filesystem (NFS, a "
-                        "cluster filesystem) mounted at the same path on every node.")
+        raise UserError(
+            f"output_dir '{folder}' is not shared by all processes: {', '.join(blind)} cannot see the "
+            "file rank 0 wrote there. Every process reads the outputs of earlier stages and only rank 0 "
+            "writes them, so on several machines output_dir must be on a shared filesystem (NFS, a "
+            "cluster filesystem) mounted at the same path on every node."
+        )
 
 
 def loads_partitioned() -> bool:

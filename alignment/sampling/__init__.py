@@ -17,8 +17,16 @@ from . import hf, vllm_engine
 from .decode import prefills_kept
 from .samples import Sample, lora_merged, stop_token_ids
 
-__all__ = ["Sample", "SamplingSpec", "close", "generate", "generate_ids", "lora_merged", "prefills_kept",
-           "stop_token_ids"]
+__all__ = [
+    "Sample",
+    "SamplingSpec",
+    "close",
+    "generate",
+    "generate_ids",
+    "lora_merged",
+    "prefills_kept",
+    "stop_token_ids",
+]
 
 
 def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progress: str | None = None) -> list[Sample]:
@@ -27,8 +35,14 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     return sampler.generate(model, tokenizer, prompts, settings, progress)
 
 
-def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
-                 logprobs: bool = False) -> list[Sample]:
+def generate_ids(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    settings: SamplingSpec,
+    progress: str | None = None,
+    logprobs: bool = False,
+) -> list[Sample]:
     """`generate` on prompts given as token ids, fed to the sampler as they are (multi-turn rollouts continue
     the ids they hold), optionally with the sampler's log-prob of each sampled token (`Sample.logprobs`)."""
     sampler = vllm_engine if settings.backend == "vllm" else hf

@@ -73,17 +73,26 @@ def prefills_kept():
         _kept = outer
 
 
-def prefill_once(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
-                 prefix: torch.Tensor | None = None):
+def prefill_once(
+    model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int], prefix: torch.Tensor | None = None
+):
     """Run the prompts of `input_ids` (one row per distinct prompt) and give row r of the batch the cache, last
     logits and positions of prompt `sources[r]`. With `prefix` [P] (the tokens every prompt starts with, left out
     of `input_ids`) that is run once first, its cache copied to every prompt's row, and the rows continue it:
     [prefix, left padding, rest], positions counted over real tokens only. Returns (fp32 logits [batch, vocab],
     cache, the attention mask `generate` would pass (None where no row is padded), position ids of the last
     token [batch, 1] or None). Inside `prefills_kept` a batch prefilled before is copied, not run again."""
-    key = None if _kept is None else (id(model), next(model.parameters()).dtype, tuple(map(tuple, input_ids.tolist())),
-                                      tuple(map(tuple, attention.tolist())),
-                                      None if prefix is None else tuple(prefix.tolist()))
+    key = (
+        None
+        if _kept is None
+        else (
+            id(model),
+            next(model.parameters()).dtype,
+            tuple(map(tuple, input_ids.tolist())),
+            tuple(map(tuple, attention.tolist())),
+            None if prefix is None else tuple(prefix.tolist()),
+        )
+    )
     if key in (_kept or {}):
         logits, cache, mask, positions = _kept[key]
         logits, cache = logits.clone(), copy.deepcopy(cache)  # each call decodes (and grows) its own copy
@@ -116,8 +125,15 @@ def prefill(model, input_ids: torch.Tensor, attention: torch.Tensor, prefix: tor
         positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, shared:]
     mask = None if bool((attention == 1).all()) else attention
     with contiguous_head_input(model):
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    return_dict=True, **{cache_name(model): cache}, **last)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            return_dict=True,
+            **{cache_name(model): cache},
+            **last,
+        )
     logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
     del out
     return logits, cache, mask, None if positions is None else positions[:, -1:]
@@ -142,16 +158,24 @@ def contiguous_head_input(model):
     # clone, not .contiguous(): a one-row slice [1, 1, hidden] (a batch of one distinct prompt, n samples of it)
     # counts as contiguous whatever its strides, and the slow path goes by the strides
     handle = head.register_forward_pre_hook(
-        lambda module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:]))
+        lambda module, args: (args[0].clone(memory_format=torch.contiguous_format), *args[1:])
+    )
     try:
         yield
     finally:
         handle.remove()
 
 
-def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, sources: list[int],
-                 settings: SamplingSpec, stops: list[int], pad_id: int,
-                 prefix: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[float]]]:
+def decode_batch(
+    model,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor,
+    sources: list[int],
+    settings: SamplingSpec,
+    stops: list[int],
+    pad_id: int,
+    prefix: torch.Tensor | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
     """Decode `len(sources)` rows; row r continues prompt row `sources[r]` of `input_ids` (left-padded, one row
     per distinct prompt, each after `prefix` [P] where one is given). Returns each row's ids up to and including
     its stop token (or `max_new_tokens` of them) and the log-prob of each under the distribution it was drawn
@@ -206,16 +230,28 @@ def decode_batch(model, input_ids: torch.Tensor, attention: torch.Tensor, source
             attention = None if attention is None else attention[keep]
             positions = None if positions is None else positions[keep]
             running = torch.ones(len(live), dtype=torch.bool, device=device)
-        out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
-                    return_dict=True, **{cache_arg: cache})
+        out = model(
+            input_ids=feed[:, None],
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            return_dict=True,
+            **{cache_arg: cache},
+        )
         logits = last_logits(out.logits, running, every=still == len(live))
         del out
     counts = lengths.tolist()
     return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
 
 
-def next_tokens(process: LogitsProcessorList, logits: torch.Tensor, rows: torch.Tensor, batch: int,
-                settings: SamplingSpec, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def next_tokens(
+    process: LogitsProcessorList,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    batch: int,
+    settings: SamplingSpec,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch), and its
     log-prob under the distribution it was drawn from (`Sample.logprobs`: log-softmax of logits / temperature,
     before top-k/top-p; temperature 1 when greedy). `draw: generate` draws over the whole batch's shape, finished

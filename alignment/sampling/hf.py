@@ -52,8 +52,14 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     return generate_ids(model, tokenizer, encoded, settings, progress)
 
 
-def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingSpec, progress: str | None = None,
-                 logprobs: bool = False) -> list[Sample]:
+def generate_ids(
+    model,
+    tokenizer,
+    encoded: list[list[int]],
+    settings: SamplingSpec,
+    progress: str | None = None,
+    logprobs: bool = False,
+) -> list[Sample]:
     """`generate` on prompts given as token ids (a multi-turn rollout continues the ids it holds, never
     re-tokenizing them). `logprobs`: each Sample's `logprobs` holds log p(token) of every sampled token under
     the distribution it was drawn from before top-k/top-p (log-softmax of logits / temperature, as TRL's GRPO
@@ -72,9 +78,11 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
     batches = [jobs[s : s + settings.batch_size] for s in range(0, len(jobs), settings.batch_size)]
     looped = settings.engine == "loop" and settings.cache == "dynamic" and not synced
     if synced and settings.draw != "generate":
-        raise UserError("`draw: inverse_cdf` is how this toolkit's decode loop draws tokens, and a sharded (FSDP2) model "
-                        "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
-                        "stage's sampling block.")
+        raise UserError(
+            "`draw: inverse_cdf` is how this toolkit's decode loop draws tokens, and a sharded (FSDP2) model "
+            "samples through `model.generate` (every process must run the same steps): drop `draw` in this "
+            "stage's sampling block."
+        )
     if settings.dtype == "bfloat16" and device.type == "cpu":
         warn_slow_bf16()  # where bf16 is slow here: `align check` refuses it for a recipe, a program is warned
     merged = lora_merged(model) if settings.merge_lora else nullcontext()
@@ -83,15 +91,17 @@ def generate_ids(model, tokenizer, encoded: list[list[int]], settings: SamplingS
         if looped and streamable(model, settings, len(jobs)):  # waiting rows take finished rows' places
             with counting(progress or "generating", len(jobs), disable=progress is None) as done:
                 rows, scores = decode_stream(model, [encoded[i] for i, _ in jobs], settings, stops, pad_id, done)
-            results = {job: to_sample(job[0], ids, stops, tokenizer, score)
-                       for job, ids, score in zip(jobs, rows, scores)}
+            results = {
+                job: to_sample(job[0], ids, stops, tokenizer, score) for job, ids, score in zip(jobs, rows, scores)
+            }
         else:
             for batch in track(batches, description=progress or "generating", disable=progress is None):
                 if looped:
                     rows, scores = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
                 else:
-                    rows, scores = via_generate(model, [encoded[i] for i, _ in batch], settings, stops, pad_id,
-                                                device, synced, logprobs)
+                    rows, scores = via_generate(
+                        model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device, synced, logprobs
+                    )
                 for (i, j), ids, score in zip(batch, rows, scores):
                     results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
     model.train(was_training)
@@ -109,8 +119,10 @@ def token_logprobs(logits: tuple, sampled, temperature: float):
     """[batch, steps] log-probs of the sampled ids from generate's per-step raw logits (one [batch, vocab] at a
     time, so no [batch, steps, vocab] tensor is held)."""
     scale = temperature if temperature > 0 else 1.0
-    columns = [torch.log_softmax(step.float() / scale, dim=-1).gather(-1, sampled[:, t : t + 1])
-               for t, step in enumerate(logits)]
+    columns = [
+        torch.log_softmax(step.float() / scale, dim=-1).gather(-1, sampled[:, t : t + 1])
+        for t, step in enumerate(logits)
+    ]
     return torch.cat(columns, dim=-1).cpu()
 
 
@@ -124,8 +136,16 @@ def left_padded(rows: list[list[int]], pad_id: int, device, static: bool = False
     return input_ids, attention
 
 
-def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, device,
-                 synced: bool, logprobs: bool = False) -> tuple[list[list[int]], list]:
+def via_generate(
+    model,
+    rows: list[list[int]],
+    settings: SamplingSpec,
+    stops: list[int],
+    pad_id: int,
+    device,
+    synced: bool,
+    logprobs: bool = False,
+) -> tuple[list[list[int]], list]:
     """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a
     stop) and, when asked, their log-probs (`token_logprobs`), else None per row.
 
@@ -139,14 +159,20 @@ def via_generate(model, rows: list[list[int]], settings: SamplingSpec, stops: li
     if settings.compile:  # transformers compiles the static cache's decode step on accelerators only, unless told
         static["compile_config"] = compile_everywhere(device)
     output = model.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=settings.max_new_tokens,
-        do_sample=settings.temperature > 0, temperature=settings.temperature or None,
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.temperature > 0,
+        temperature=settings.temperature or None,
         top_p=settings.top_p if settings.temperature > 0 else None,
         top_k=settings.top_k if settings.temperature > 0 else None,
-        eos_token_id=stops, pad_token_id=pad_id, synced_gpus=synced, **static,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        synced_gpus=synced,
+        **static,
         **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
     )
-    sampled = (output.sequences if logprobs else output)[:, input_ids.shape[1]:]
+    sampled = (output.sequences if logprobs else output)[:, input_ids.shape[1] :]
     if not logprobs:
         return sampled.tolist(), [None] * len(rows)
     return sampled.tolist(), token_logprobs(output.logits, sampled, settings.temperature).tolist()
@@ -178,5 +204,3 @@ def is_sharded(model) -> bool:
     decodes on its own; transformers' default would also sync once a ZeRO-3 config exists, and a model sampled
     on one process alone (rsft, evaluation) would then wait for the others forever."""
     return any(isinstance(module, FSDPModule) for module in model.modules())
-
-

@@ -95,10 +95,12 @@ def lora_merged(model):
         except torch.OutOfMemoryError as error:
             weights = [layer.get_base_layer().weight for layer in layers]
             mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
-            raise UserError(f"Out of memory while merging the LoRA adapter for sampling, which keeps a copy of the "
-                            f"adapted weights ({mib:.0f} MiB) so they can be restored exactly. Set "
-                            "`merge_lora: false` in this stage's sampling block (`rollout:` of ppo, `sampling:` of "
-                            "rsft or an evaluation suite) to sample through the unmerged adapter instead.") from error
+            raise UserError(
+                f"Out of memory while merging the LoRA adapter for sampling, which keeps a copy of the "
+                f"adapted weights ({mib:.0f} MiB) so they can be restored exactly. Set "
+                "`merge_lora: false` in this stage's sampling block (`rollout:` of ppo, `sampling:` of "
+                "rsft or an evaluation suite) to sample through the unmerged adapter instead."
+            ) from error
         yield model
     finally:
         for layer, weight, bias in saved:
@@ -147,9 +149,11 @@ def weights_as(model, dtype: str):
     target = getattr(torch, dtype)
     params = [p for p in model.parameters() if p.is_floating_point() and p.dtype != target]
     if any(engine_managed(p) for p in params):
-        raise UserError(f"`dtype: {dtype}` in a sampling block casts the weights in place for the call, which a sharded "
-                        "(FSDP2) or ZeRO-3 model's engine does not allow: drop `dtype` there (the model samples in its "
-                        "own type).")
+        raise UserError(
+            f"`dtype: {dtype}` in a sampling block casts the weights in place for the call, which a sharded "
+            "(FSDP2) or ZeRO-3 model's engine does not allow: drop `dtype` there (the model samples in its "
+            "own type)."
+        )
     saved = [p.data for p in params]
     try:
         for p in params:
@@ -160,13 +164,19 @@ def weights_as(model, dtype: str):
             p.data = data
 
 
-def to_sample(prompt_index: int, ids: list[int], stops: list[int], tokenizer,
-              logprobs: list[float] | None = None) -> Sample:
+def to_sample(
+    prompt_index: int, ids: list[int], stops: list[int], tokenizer, logprobs: list[float] | None = None
+) -> Sample:
     end = next((k for k, t in enumerate(ids) if t in stops), None)
     kept = ids if end is None else ids[: end + 1]
     text = tokenizer.decode(kept, skip_special_tokens=True)
-    return Sample(prompt_index=prompt_index, text=text, token_ids=kept, finished=end is not None,
-                  logprobs=None if logprobs is None else logprobs[: len(kept)])
+    return Sample(
+        prompt_index=prompt_index,
+        text=text,
+        token_ids=kept,
+        finished=end is not None,
+        logprobs=None if logprobs is None else logprobs[: len(kept)],
+    )
 
 
 @cache
@@ -174,8 +184,12 @@ def onednn_runs_bf16() -> bool:
     """An x86 CPU on which torch hands its bf16 matmul to oneDNN (AVX-512 or AMX, as far as ONEDNN_MAX_CPU_ISA lets
     oneDNN use them): there a prepacked weight gives torch's own bits; elsewhere torch takes another path, whose sums
     could differ. Natively only with AVX512-BF16 or AMX (`runtime.cpu.bf16_native`, what dtype choices ask)."""
-    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        platform.machine().lower() in ("x86_64", "amd64")
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def packs_for_onednn(module) -> bool:
@@ -183,10 +197,16 @@ def packs_for_onednn(module) -> bool:
     where `onednn_runs_bf16`, not a sharded or ZeRO-3 parameter, and not a module whose forward something else
     already replaced (accelerate's hooks)."""
     weight = getattr(module, "weight", None)
-    return (isinstance(module, torch.nn.Linear) and "forward" not in vars(module)
-            and isinstance(weight, torch.Tensor) and not engine_managed(weight)
-            and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and onednn_runs_bf16())
+    return (
+        isinstance(module, torch.nn.Linear)
+        and "forward" not in vars(module)
+        and isinstance(weight, torch.Tensor)
+        and not engine_managed(weight)
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and onednn_runs_bf16()
+    )
 
 
 @contextmanager

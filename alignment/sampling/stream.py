@@ -43,12 +43,14 @@ def streamable(model, settings: SamplingSpec, rows: int) -> bool:
     if not drawn_per_row or rows <= settings.batch_size or not takes_position_ids(model):
         return False
     model = model.get_base_model() if isinstance(model, PeftModel) else model
-    return all(type(layer) is DynamicLayer
-               for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers)
+    return all(
+        type(layer) is DynamicLayer for layer in DynamicCache(config=model.config.get_text_config(decoder=True)).layers
+    )
 
 
-def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int,
-                  done=None) -> tuple[list[list[int]], list[list[float]]]:
+def decode_stream(
+    model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, done=None
+) -> tuple[list[list[int]], list[list[float]]]:
     """Completions of `rows` (prompt ids, admitted in this order: longest first keeps the middle narrow), at most
     `settings.batch_size` in the model's batch at a time, greedy or drawn by `decode.inverse_cdf`. Returns, per row,
     the ids up to and including its stop token (or `max_new_tokens` of them) and their log-probs under the
@@ -67,8 +69,10 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
 
     def admit(count: int):
         taken = [waiting.popleft() for _ in range(count)]
-        return (torch.tensor(taken, device=device),
-                *prefilled(model, [rows[r] for r in taken], shared, prefix, pad_id, device))
+        return (
+            torch.tensor(taken, device=device),
+            *prefilled(model, [rows[r] for r in taken], shared, prefix, pad_id, device),
+        )
 
     # live: the row of each place in the model's batch; running (over live): not finished; logits: running rows'.
     live, logits, cache, attention, positions = admit(min(width, len(waiting)))
@@ -97,8 +101,14 @@ def decode_stream(model, rows: list[list[int]], settings: SamplingSpec, stops: l
             live, feed, attention, positions = live[keep], feed[keep], attention[keep], positions[keep]
             running = torch.ones(len(live), dtype=torch.bool, device=device)
         if still:
-            out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
-                        return_dict=True, **{cache_arg: cache})
+            out = model(
+                input_ids=feed[:, None],
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                return_dict=True,
+                **{cache_arg: cache},
+            )
             logits = last_logits(out.logits, running, every=still == len(live))
             del out
         if compacted and waiting:  # the waiting rows take the places compaction freed
@@ -130,8 +140,9 @@ def prefilled(model, prompts: list[list[int]], shared: int, prefix: torch.Tensor
     return logits, cache, mask, positions
 
 
-def join(cache: DynamicCache, attention: torch.Tensor, other: DynamicCache, other_attention: torch.Tensor,
-         shared: int) -> torch.Tensor:
+def join(
+    cache: DynamicCache, attention: torch.Tensor, other: DynamicCache, other_attention: torch.Tensor, shared: int
+) -> torch.Tensor:
     """Append `other`'s rows to `cache` (in place), the shorter side padded with masked zero columns after its
     first `shared` columns (the prefix both start with), so both end at the same right edge. Returns the joined
     attention mask."""
@@ -170,6 +181,6 @@ def trim(cache: DynamicCache, attention: torch.Tensor, shared: int) -> torch.Ten
     if first == 0:
         return attention
     for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[:, :, :shared], layer.keys[:, :, shared + first:]], dim=2)
-        layer.values = torch.cat([layer.values[:, :, :shared], layer.values[:, :, shared + first:]], dim=2)
-    return torch.cat([attention[:, :shared], attention[:, shared + first:]], dim=1)
+        layer.keys = torch.cat([layer.keys[:, :, :shared], layer.keys[:, :, shared + first :]], dim=2)
+        layer.values = torch.cat([layer.values[:, :, :shared], layer.values[:, :, shared + first :]], dim=2)
+    return torch.cat([attention[:, :shared], attention[:, shared + first :]], dim=1)

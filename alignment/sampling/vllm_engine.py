@@ -60,8 +60,14 @@ def generate(model, tokenizer, prompts: list[str], settings: SamplingSpec, progr
     return generate_ids(model, tokenizer, [encode(tokenizer, p) for p in prompts], settings, progress)
 
 
-def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, progress: str | None = None,
-                 logprobs: bool = False) -> list:
+def generate_ids(
+    model,
+    tokenizer,
+    prompt_ids: list[list[int]],
+    settings: SamplingSpec,
+    progress: str | None = None,
+    logprobs: bool = False,
+) -> list:
     """`sampling.generate_ids` with vLLM doing the sampling: the prompts' ids go to the engine as they are (a
     multi-turn rollout continues the ids it holds, never re-tokenized: one call per turn, each with its push
     and its check), the weights are pushed and the samples checked against the policy as for `generate`.
@@ -77,8 +83,15 @@ def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: Sampli
     stops = stop_token_ids(tokenizer, model)
     engine = _engine_for(model, settings.vllm, where)
     _check_prompt_lengths(prompt_ids, engine, where)
-    outputs = _sample(engine, model, prompt_ids, sampling_params(settings, stops, len(prompt_ids)), settings.vllm.sleep,
-                      progress, where)
+    outputs = _sample(
+        engine,
+        model,
+        prompt_ids,
+        sampling_params(settings, stops, len(prompt_ids)),
+        settings.vllm.sleep,
+        progress,
+        where,
+    )
     need = logprobs or settings.vllm.check_samples > 0
     samples = []
     for i, request in enumerate(outputs):
@@ -86,11 +99,16 @@ def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: Sampli
             ids, steps = list(completion.token_ids), completion.logprobs or []
             sample = to_sample(i, ids, stops, tokenizer, [_logprob_of(step, t) for step, t in zip(steps, ids)])
             if need and len(sample.logprobs) < len(sample.token_ids):
-                why = ("the multi-turn rollout needs them; use `backend: transformers`" if logprobs else
-                       "so they cannot be checked against the policy's; set `vllm.check_samples: 0` to sample "
-                       "without the check")
-                raise UserError(f"{where}: vLLM returned log-probs for {len(sample.logprobs)} of "
-                                f"{len(sample.token_ids)} sampled tokens, {why}.")
+                why = (
+                    "the multi-turn rollout needs them; use `backend: transformers`"
+                    if logprobs
+                    else "so they cannot be checked against the policy's; set `vllm.check_samples: 0` to sample "
+                    "without the check"
+                )
+                raise UserError(
+                    f"{where}: vLLM returned log-probs for {len(sample.logprobs)} of "
+                    f"{len(sample.token_ids)} sampled tokens, {why}."
+                )
             samples.append(sample)
     _report_cut_by_model_len(samples, settings, engine, where)
     _check_against_policy(model, tokenizer, prompt_ids, samples, settings.vllm, where)
@@ -100,8 +118,9 @@ def generate_ids(model, tokenizer, prompt_ids: list[list[int]], settings: Sampli
     return samples
 
 
-def _sample(engine: _Engine, model, prompt_ids: list[list[int]], params: list, sleep: bool, progress: str | None,
-            where: str) -> list:
+def _sample(
+    engine: _Engine, model, prompt_ids: list[list[int]], params: list, sleep: bool, progress: str | None, where: str
+) -> list:
     """vLLM's request outputs for token-id prompts, sampled with the policy's current weights."""
     llm = engine.llm
     if engine.asleep:  # weights first, pushed, then the KV cache: the order TRL 1.16 wakes its engine in
@@ -110,16 +129,18 @@ def _sample(engine: _Engine, model, prompt_ids: list[list[int]], params: list, s
     if engine.asleep:
         llm.wake_up(tags=["kv_cache"])
         engine.asleep = False
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params,
-                           use_tqdm=progress is not None)
+    outputs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params, use_tqdm=progress is not None
+    )
     if sleep:  # level 2: weights and KV cache discarded; the next call pushes the weights anyway
         llm.sleep(level=2)
         engine.asleep = True
     return outputs
 
 
-def _check_against_policy(model, tokenizer, prompt_ids: list[list[int]], samples: list, spec: VllmSpec,
-                          where: str) -> None:
+def _check_against_policy(
+    model, tokenizer, prompt_ids: list[list[int]], samples: list, spec: VllmSpec, where: str
+) -> None:
     """The first `spec.check_samples` samples' vLLM log-probs against the policy's: their mean absolute
     difference must stay within `vllm.logprob_tolerance`. A sampler that drifted from the policy (weights not
     pushed, a kernel or dtype mismatch, an architecture vLLM implements differently) would otherwise make PPO's
@@ -139,7 +160,8 @@ def _check_against_policy(model, tokenizer, prompt_ids: list[list[int]], samples
             "the samples do not come from the policy being trained and PPO ratios and KL would be wrong. "
             "Likely causes: the weights did not reach the engine (a vLLM release other than "
             f"{TESTED_VERSIONS}), a different dtype, or an architecture vLLM implements differently. "
-            "Use `backend: transformers`, or raise the tolerance if the gap is expected.")
+            "Use `backend: transformers`, or raise the tolerance if the gap is expected."
+        )
 
 
 def sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> list:
@@ -153,12 +175,26 @@ def sampling_params(settings: SamplingSpec, stops: list[int], count: int) -> lis
 
     greedy = settings.temperature == 0
     base = int(torch.randint(0, 2**30, ()).item())
-    return [SamplingParams(n=settings.n, max_tokens=settings.max_new_tokens, min_tokens=0,
-                           temperature=settings.temperature, top_p=1.0 if greedy else settings.top_p,
-                           top_k=0 if greedy else settings.top_k, min_p=0.0, repetition_penalty=1.0,
-                           presence_penalty=0.0, frequency_penalty=0.0, seed=base + i * settings.n,
-                           stop_token_ids=stops, ignore_eos=False, logprobs=0, detokenize=False)
-            for i in range(count)]
+    return [
+        SamplingParams(
+            n=settings.n,
+            max_tokens=settings.max_new_tokens,
+            min_tokens=0,
+            temperature=settings.temperature,
+            top_p=1.0 if greedy else settings.top_p,
+            top_k=0 if greedy else settings.top_k,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            presence_penalty=0.0,
+            frequency_penalty=0.0,
+            seed=base + i * settings.n,
+            stop_token_ids=stops,
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+        )
+        for i in range(count)
+    ]
 
 
 def _logprob_of(step: dict, token: int) -> float:
@@ -171,19 +207,23 @@ def _check_prompt_lengths(encoded: list[list[int]], engine: _Engine, where: str)
     """vLLM refuses a prompt that fills its context; say which setting decides it, before sampling."""
     long = [len(ids) for ids in encoded if len(ids) >= engine.max_model_len]
     if long:
-        raise UserError(f"{where}: {len(long)} of {len(encoded)} prompts are {min(long)} to {max(long)} tokens long, "
-                        f"and the vLLM engine holds at most {engine.max_model_len} tokens per sequence (prompt and "
-                        "completion): raise `vllm.max_model_len` (up to the model's own limit) or shorten the prompts (with "
-                        "tools, a turn's prompt also holds the turns and tool results before it).")
+        raise UserError(
+            f"{where}: {len(long)} of {len(encoded)} prompts are {min(long)} to {max(long)} tokens long, "
+            f"and the vLLM engine holds at most {engine.max_model_len} tokens per sequence (prompt and "
+            "completion): raise `vllm.max_model_len` (up to the model's own limit) or shorten the prompts (with "
+            "tools, a turn's prompt also holds the turns and tool results before it)."
+        )
 
 
 def _report_cut_by_model_len(samples: list, settings: SamplingSpec, engine: _Engine, where: str) -> None:
     """A completion that reached the engine's max_model_len stops short of max_new_tokens; count and say it."""
     cut = sum(not s.finished and len(s.token_ids) < settings.max_new_tokens for s in samples)
     if cut:
-        log.warning(f"{where}: {cut} of {len(samples)} completions stopped before max_new_tokens="
-                    f"{settings.max_new_tokens} because prompt and completion reached the engine's max_model_len="
-                    f"{engine.max_model_len}; raise `vllm.max_model_len` to let them run on.")
+        log.warning(
+            f"{where}: {cut} of {len(samples)} completions stopped before max_new_tokens="
+            f"{settings.max_new_tokens} because prompt and completion reached the engine's max_model_len="
+            f"{engine.max_model_len}; raise `vllm.max_model_len` to let them run on."
+        )
 
 
 def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
@@ -195,8 +235,10 @@ def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
     global _engine
 
     config = _base_model(model).config
-    shape = (f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}|"
-             f"{spec.kv_cache_gib}|{spec.enforce_eager}")
+    shape = (
+        f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}|"
+        f"{spec.kv_cache_gib}|{spec.enforce_eager}"
+    )
     if _engine is not None and _engine.shape == shape:
         return _engine
     from vllm import LLM
@@ -212,33 +254,47 @@ def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
     rank, world = 0, 1
     try:
         with _launcher_environment() as (rank, world), _process_state_kept():
-            llm = LLM(model=folder.name, load_format="dummy", dtype=dtype, seed=rank,
-                      gpu_memory_utilization=spec.gpu_memory_utilization, max_model_len=spec.max_model_len,
-                      kv_cache_memory_bytes=kv_bytes, enforce_eager=spec.enforce_eager,
-                      # the worker in this process, one engine per training process (TRL's colocate mode)
-                      distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                      logprobs_mode="raw_logprobs", enable_sleep_mode=spec.sleep,
-                      # not "auto": no checkpoint's sampling defaults or EOS ids
-                      generation_config="vllm", skip_tokenizer_init=True)
+            llm = LLM(
+                model=folder.name,
+                load_format="dummy",
+                dtype=dtype,
+                seed=rank,
+                gpu_memory_utilization=spec.gpu_memory_utilization,
+                max_model_len=spec.max_model_len,
+                kv_cache_memory_bytes=kv_bytes,
+                enforce_eager=spec.enforce_eager,
+                # the worker in this process, one engine per training process (TRL's colocate mode)
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=1,
+                logprobs_mode="raw_logprobs",
+                enable_sleep_mode=spec.sleep,
+                # not "auto": no checkpoint's sampling defaults or EOS ids
+                generation_config="vllm",
+                skip_tokenizer_init=True,
+            )
     except Exception as error:
         folder.cleanup()
         raise UserError(
             f"{where}: vLLM could not start an engine for this model (process {rank} of {world}): "
             f"{type(error).__name__}: {error}. `backend: vllm` needs vLLM {TESTED_VERSIONS} and "
             "`vllm.gpu_memory_utilization` of the GPU's memory free (on CPU: of the machine's memory, or set "
-            "`vllm.kv_cache_gib`); `backend: transformers` samples without vLLM.") from error
+            "`vllm.kv_cache_gib`); `backend: transformers` samples without vLLM."
+        ) from error
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    _engine = _Engine(llm, shape, folder, llm.llm_engine.model_config.max_model_len, tied, current_platform.is_cpu(),
-                      owns_group)
+    _engine = _Engine(
+        llm, shape, folder, llm.llm_engine.model_config.max_model_len, tied, current_platform.is_cpu(), owns_group
+    )
     return _engine
 
 
 def _check_platform(config, spec: VllmSpec, platform, where: str) -> None:
     """What vLLM's CPU build lacks, said before the engine takes half a minute to start."""
     if spec.sleep and not platform.is_sleep_mode_available():
-        raise UserError(f"{where}: `vllm.sleep: true`, but vLLM has no sleep mode on this platform "
-                        f"({platform.device_name}; its CPU worker ignores sleep and wake-up, so no memory would be "
-                        "given back). Set `vllm.sleep: false`.")
+        raise UserError(
+            f"{where}: `vllm.sleep: true`, but vLLM has no sleep mode on this platform "
+            f"({platform.device_name}; its CPU worker ignores sleep and wake-up, so no memory would be "
+            "given back). Set `vllm.sleep: false`."
+        )
     if platform.is_cpu():
         try:
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -247,9 +303,11 @@ def _check_platform(config, spec: VllmSpec, platform, where: str) -> None:
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if head not in sizes:
-            raise UserError(f"{where}: the model's attention heads are {head} wide, and vLLM's CPU attention "
-                            f"kernels support widths {', '.join(map(str, sizes))} only. Use `backend: "
-                            "transformers` for this model.")
+            raise UserError(
+                f"{where}: the model's attention heads are {head} wide, and vLLM's CPU attention "
+                f"kernels support widths {', '.join(map(str, sizes))} only. Use `backend: "
+                "transformers` for this model."
+            )
 
 
 def close(final: bool = False) -> None:
@@ -329,12 +387,15 @@ def push_weights(engine: _Engine, model, where: str = "sampling") -> None:
     llm = engine.llm
     with lora_merged(model), _expected_reload_warnings_hidden(engine.tied_head):
         try:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": vllm_weights(model),
-                                                         "is_checkpoint_format": True})
+            llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": vllm_weights(model), "is_checkpoint_format": True}
+            )
         except Exception as error:
-            raise UserError(f"{where}: the policy's weights could not be loaded into the vLLM engine "
-                            f"({type(error).__name__}: {error}); this toolkit pushes them through the worker's "
-                            f"`reload_weights`, tested on vLLM {TESTED_VERSIONS}. Use `backend: transformers`.") from error
+            raise UserError(
+                f"{where}: the policy's weights could not be loaded into the vLLM engine "
+                f"({type(error).__name__}: {error}); this toolkit pushes them through the worker's "
+                f"`reload_weights`, tested on vLLM {TESTED_VERSIONS}. Use `backend: transformers`."
+            ) from error
     if engine.tied_head and engine.cpu:
         llm.apply_model(_refresh_tied_head)
     llm.reset_prefix_cache()

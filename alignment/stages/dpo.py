@@ -44,21 +44,41 @@ from ..training.rows import count_truncated, drop_overlong
 from ..training.trainer import final_metrics, save_model, train, trainer_callbacks
 
 # The loss types trl 1.16's DPOTrainer implements; it only rejects others at the first step.
-LOSS_TYPES = {"sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"}
-
-
+LOSS_TYPES = {
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+}
 
 
 def trl_config(ctx: StageContext):
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
-    args = ctx.trl_args(DPOConfig, max_length=1024, learning_rate=5e-6 if ctx.lora else 5e-7,
-                        per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no",
-                        precompute_ref_log_probs=several_passes(ctx.config.train))
+    args = ctx.trl_args(
+        DPOConfig,
+        max_length=1024,
+        learning_rate=5e-6 if ctx.lora else 5e-7,
+        per_device_train_batch_size=8,
+        eval_strategy="epoch" if held_out else "no",
+        precompute_ref_log_probs=several_passes(ctx.config.train),
+    )
     unknown = [t for t in args.loss_type if t not in LOSS_TYPES]
     if unknown:
-        raise UserError(f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
-                        f"choose from {', '.join(sorted(LOSS_TYPES))}.")
+        raise UserError(
+            f"{ctx.where}.train.loss_type: unknown DPO loss '{unknown[0]}'{did_you_mean(unknown[0], LOSS_TYPES)}; "
+            f"choose from {', '.join(sorted(LOSS_TYPES))}."
+        )
     return args
 
 
@@ -104,7 +124,11 @@ def build_trainer(ctx: StageContext):
     args = trl_config(ctx)
     tokenizer = ctx.load_tokenizer()
     policy = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
-    sampler = (lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code)) if loads_partitioned() else (lambda: policy)
+    sampler = (
+        (lambda: load_policy(ctx.start_model, ctx.recipe.trust_remote_code))
+        if loads_partitioned()
+        else (lambda: policy)
+    )
     pairs, stats = stage_pairs(ctx, tokenizer, sampler)
     if ctx.config.eval_data is not None:
         held_out = eval_pairs(ctx)
@@ -113,20 +137,34 @@ def build_trainer(ctx: StageContext):
     if not held_out:
         args.eval_strategy = "no"
 
-    train_rows = within_prompt_limit(pair_token_ids(tokenizer, render_pairs(tokenizer, pairs)), args, f"{ctx.where}.data")
-    eval_rows = within_prompt_limit(pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)), args,
-                                    f"{ctx.where} held-out pairs") if held_out else []
+    train_rows = within_prompt_limit(
+        pair_token_ids(tokenizer, render_pairs(tokenizer, pairs)), args, f"{ctx.where}.data"
+    )
+    eval_rows = (
+        within_prompt_limit(
+            pair_token_ids(tokenizer, render_pairs(tokenizer, held_out)), args, f"{ctx.where} held-out pairs"
+        )
+        if held_out
+        else []
+    )
     # TRL cuts pairs longer than max_length (truncation_mode); a cut answer loses its end: count and say it.
     lengths = [pair_length(r) for r in train_rows]
     truncated = count_truncated(lengths, args.max_length, f"{ctx.where}.data", what="pairs")
     trainer = pretokenized(with_length_sampling(DPOTrainer))(
-        model=policy, ref_model=reference_for(ctx, policy, args), args=args,
-        processing_class=eos_as_end_of_turn(tokenizer), train_dataset=training_dataset(train_rows, args, pair_length),
+        model=policy,
+        ref_model=reference_for(ctx, policy, args),
+        args=args,
+        processing_class=eos_as_end_of_turn(tokenizer),
+        train_dataset=training_dataset(train_rows, args, pair_length),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+        peft_config=peft_config(ctx.lora) if ctx.lora else None,
+        callbacks=trainer_callbacks(ctx),
     )
-    return trainer, tokenizer, {**stats, "pairs_train": len(train_rows), "pairs_eval": len(eval_rows),
-                                "pairs_truncated": truncated}
+    return (
+        trainer,
+        tokenizer,
+        {**stats, "pairs_train": len(train_rows), "pairs_eval": len(eval_rows), "pairs_truncated": truncated},
+    )
 
 
 def pair_length(row: dict) -> int:
@@ -140,6 +178,7 @@ def pretokenized(base):
     joined, and starts the answer where the two diverge: where tokens merge across the boundary, the prompt
     it trains on loses its last token. Its dataset preparation is skipped for our rows, and its one other
     step, dropping pairs whose prompt fills max_length, is done by `within_prompt_limit`."""
+
     class PretokenizedDPOTrainer(base):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             if "prompt_ids" in dataset.column_names:

@@ -80,8 +80,20 @@ SCORE_STD_EPS = 1e-8  # added to the score's standard deviation before dividing 
 MIN_SECONDS = 1e-9  # the smallest time a tokens/s rate divides by
 METRIC_DIGITS = 6  # decimals kept of each logged float
 BEST_POLICY = "best_policy.pt"  # early_stop's kept policy state, in a loop checkpoint
-LOG_KEYS = ["score", "rm_score", "kl", "kl_coef", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
-            "explained_variance", "response_length", "eos_fraction"]  # shown in the log line (all are logged)
+LOG_KEYS = [
+    "score",
+    "rm_score",
+    "kl",
+    "kl_coef",
+    "entropy",
+    "policy_loss",
+    "value_loss",
+    "clipfrac",
+    "approx_kl",
+    "explained_variance",
+    "response_length",
+    "eos_fraction",
+]  # shown in the log line (all are logged)
 
 
 def update_seed(seed: int, update: int, rank: int) -> int:
@@ -135,8 +147,16 @@ class Scorer:
         texts = [s.text for s in samples]
         scores, parts = torch.zeros(len(samples)), {}
         if self.model is not None:
-            rm = torch.tensor(score_texts(self.model, self.tokenizer, [prompt_of(r) for r in rows], texts, batch_size,
-                                          finished=[s.finished for s in samples]))
+            rm = torch.tensor(
+                score_texts(
+                    self.model,
+                    self.tokenizer,
+                    [prompt_of(r) for r in rows],
+                    texts,
+                    batch_size,
+                    finished=[s.finished for s in samples],
+                )
+            )
             scores, parts["rm_score"] = scores + rm, rm.mean().item()
         examples = [{**row, "prompt": prompt_of(row)} for row in rows]  # verifiers get the prompt, as in rsft
         for reward in self.rewards:
@@ -170,8 +190,9 @@ class PPOLoop:
         set_seed(ctx.seed)  # the same fresh adapters/value head on every rank (DDP also broadcasts rank 0's)
         self.tokenizer = ctx.load_tokenizer()
         self.reward = Scorer(ctx, self.accelerator.device)
-        self.rows, self.prompts = prompt_rows(ctx, self.tokenizer, [r.verifier for r in self.reward.rewards],
-                                              [g.verifier for g in self.reward.gold])
+        self.rows, self.prompts = prompt_rows(
+            ctx, self.tokenizer, [r.verifier for r in self.reward.rewards], [g.verifier for g in self.reward.gold]
+        )
         kept, self.filtered = filter_rows(ctx, self.rows, self.reward.rewards, self.config.rollout)  # prompt_filter
         self.rows, self.prompts = [self.rows[i] for i in kept], [self.prompts[i] for i in kept]
         self.actor_critic, self.reference_logprobs = self.setup_models()
@@ -194,21 +215,25 @@ class PPOLoop:
         runs in tests/test_distributed.py on 2 CPU processes (gloo); on GPUs the same code runs with NCCL."""
         report_to = self.ctx.recipe.report_to
         trackers = [r for r in ([report_to] if isinstance(report_to, str) else report_to) if r != "none"]
-        accelerator = Accelerator(log_with=trackers or None, project_dir=str(self.ctx.out_dir / "logs"),
-                                  gradient_accumulation_steps=self.train_spec.gradient_accumulation_steps)
+        accelerator = Accelerator(
+            log_with=trackers or None,
+            project_dir=str(self.ctx.out_dir / "logs"),
+            gradient_accumulation_steps=self.train_spec.gradient_accumulation_steps,
+        )
         engine = check_engine(accelerator.state, self.ctx.where)
         if engine in PARTITIONED and self.config.rollout.backend == "vllm":
-            raise UserError(f"{self.ctx.where}.rollout.backend: vllm takes the policy's weights whole for every "
-                            f"rollout, which {engine} partitions across processes; that is not supported: sample with "
-                            "backend: transformers, or run under DDP or ZeRO-2.")
+            raise UserError(
+                f"{self.ctx.where}.rollout.backend: vllm takes the policy's weights whole for every "
+                f"rollout, which {engine} partitions across processes; that is not supported: sample with "
+                "backend: transformers, or run under DDP or ZeRO-2."
+            )
         return accelerator, engine
 
     def setup_models(self):
         """The actor-critic (policy + critic) and the reference's log-prob function (`actor_critic.build_models`:
         with LoRA one copy of the base weights serves all three), in eval mode: no dropout in the rollouts or in
         the PPO ratio. The reference copy of full fine-tuning and the reward model stay whole on every process."""
-        models = build_models(self.ctx.start_model, self.ctx.lora, self.reward.model,
-                              self.ctx.recipe.trust_remote_code)
+        models = build_models(self.ctx.start_model, self.ctx.lora, self.reward.model, self.ctx.recipe.trust_remote_code)
         if self.wants_checkpointing():
             models.actor_critic.enable_checkpointing()
         if models.reference is not None:
@@ -224,12 +249,22 @@ class PPOLoop:
         def micro_batch() -> StepShape:
             longest = max(len(encode(self.tokenizer, p)) for p in self.prompts)
             new_tokens = self.config.rollout.max_new_tokens
-            return StepShape(self.micro_batch_size, longest + new_tokens, reference_copy=self.ctx.lora is None,
-                             lora_rank=self.ctx.lora.r if self.ctx.lora else None, critic=True,
-                             logit_length=new_tokens)
+            return StepShape(
+                self.micro_batch_size,
+                longest + new_tokens,
+                reference_copy=self.ctx.lora is None,
+                lora_rank=self.ctx.lora.r if self.ctx.lora else None,
+                critic=True,
+                logit_length=new_tokens,
+            )
 
-        return needs_checkpointing(self.ctx.start_model, micro_batch, default_dtype().itemsize,
-                                   self.ctx.recipe.trust_remote_code, f"{self.ctx.where}.train")
+        return needs_checkpointing(
+            self.ctx.start_model,
+            micro_batch,
+            default_dtype().itemsize,
+            self.ctx.recipe.trust_remote_code,
+            f"{self.ctx.where}.train",
+        )
 
     def total_updates(self) -> int:
         """`train.total_updates`, else enough for `train.total_episodes` (default: one pass over the prompts)."""
@@ -244,15 +279,21 @@ class PPOLoop:
         schedule over every optimizer step of the run). The schedule is not passed to `prepare`: accelerate's
         wrapper would step it once per process."""
         train = self.train_spec
-        groups = self.actor_critic.param_groups(train.learning_rate, train.critic_learning_rate or train.learning_rate,
-                                                train.weight_decay)
+        groups = self.actor_critic.param_groups(
+            train.learning_rate, train.critic_learning_rate or train.learning_rate, train.weight_decay
+        )
         optimizer = torch.optim.AdamW(groups, lr=train.learning_rate)
         steps_per_update = train.ppo_epochs * (self.config.rollout.batch_size // train.mini_batch_size)
-        scheduler = get_scheduler(train.lr_scheduler_type, optimizer, num_warmup_steps=train.warmup_steps,
-                                  num_training_steps=self.total * steps_per_update)
+        scheduler = get_scheduler(
+            train.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=train.warmup_steps,
+            num_training_steps=self.total * steps_per_update,
+        )
         if self.engine.startswith("zero"):
-            configure_deepspeed(self.accelerator, self.micro_batch_size, train.gradient_accumulation_steps,
-                                train.max_grad_norm)
+            configure_deepspeed(
+                self.accelerator, self.micro_batch_size, train.gradient_accumulation_steps, train.max_grad_norm
+            )
         wrapped, optimizer = self.accelerator.prepare(self.actor_critic, optimizer)
         return wrapped, optimizer, scheduler
 
@@ -273,8 +314,9 @@ class PPOLoop:
         self.resume()
         if self.accelerator.trackers:
             self.accelerator.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
-        for _ in track(range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)",
-                       total=self.total - self.update):
+        for _ in track(
+            range(self.update, self.total), description=f"{self.ctx.stage_id} (ppo)", total=self.total - self.update
+        ):
             entry = self.one_update()
             if entry is None:
                 break
@@ -292,14 +334,22 @@ class PPOLoop:
             tracker.finish()
         self.save_final()
         metrics = dict(self.history[-1]) if self.history else {}
-        metrics.update(updates=self.update, prompts=len(self.rows),
-                       start_score=self.history[0]["score"] if self.history else None)
+        metrics.update(
+            updates=self.update, prompts=len(self.rows), start_score=self.history[0]["score"] if self.history else None
+        )
         if self.watch is not None:
-            metrics.update({"early_stop/best_update": self.watch.best_update or None,
-                            "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
-                            "early_stop/stopped_at": self.stopped_at})
-        metrics.update(**self.filtered, **{k: v for r in self.reward.rewards for k, v in r.totals().items()},
-                       **reward_trend(self.history, "score", "score_std"))
+            metrics.update(
+                {
+                    "early_stop/best_update": self.watch.best_update or None,
+                    "early_stop/best_gold": self.watch.best if self.watch.best_update else None,
+                    "early_stop/stopped_at": self.stopped_at,
+                }
+            )
+        metrics.update(
+            **self.filtered,
+            **{k: v for r in self.reward.rewards for k, v in r.totals().items()},
+            **reward_trend(self.history, "score", "score_std"),
+        )
         return {"metrics": report_health("ppo", self.ctx.stage_id, metrics), "log_history": self.history}
 
     def one_update(self) -> dict | None:
@@ -343,24 +393,45 @@ class PPOLoop:
             samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
         sample_seconds = time.time() - started
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids, attention, mask = prompt_completion_batch([encode(self.tokenizer, p) for p in prompts],
-                                                       [s.token_ids for s in samples], pad, device)
+        ids, attention, mask = prompt_completion_batch(
+            [encode(self.tokenizer, p) for p in prompts], [s.token_ids for s in samples], pad, device
+        )
         scores, parts = self.reward(rows, samples, self.micro_batch_size)
         width = mask.shape[1]  # response columns
         chunks = length_chunks(attention, self.micro_batch_size)
         unsort = torch.argsort(torch.cat([chunk_rows for chunk_rows, _ in chunks]))
         with torch.no_grad():
-            outs = [self.actor_critic(ids[chunk_rows, start:], attention[chunk_rows, start:], width, spec.temperature,
-                                      with_entropy=True)
-                    for chunk_rows, start in chunks]
+            outs = [
+                self.actor_critic(
+                    ids[chunk_rows, start:], attention[chunk_rows, start:], width, spec.temperature, with_entropy=True
+                )
+                for chunk_rows, start in chunks
+            ]
             logprobs, values, entropy = (torch.cat(x)[unsort] for x in zip(*outs))
             with gathered(self.accelerator, self.wrapped) as call:
-                ref_logprobs = torch.cat([call(self.reference_logprobs, ids[chunk_rows, start:],
-                                               attention[chunk_rows, start:], width, spec.temperature)
-                                          for chunk_rows, start in chunks])[unsort]
-        rollout = Rollout(query_responses=ids, attention_mask=attention, response_mask=mask, logprobs=logprobs,
-                          ref_logprobs=ref_logprobs, values=values, entropy=entropy, scores=scores.to(device),
-                          finished=torch.tensor([s.finished for s in samples], device=device))
+                ref_logprobs = torch.cat(
+                    [
+                        call(
+                            self.reference_logprobs,
+                            ids[chunk_rows, start:],
+                            attention[chunk_rows, start:],
+                            width,
+                            spec.temperature,
+                        )
+                        for chunk_rows, start in chunks
+                    ]
+                )[unsort]
+        rollout = Rollout(
+            query_responses=ids,
+            attention_mask=attention,
+            response_mask=mask,
+            logprobs=logprobs,
+            ref_logprobs=ref_logprobs,
+            values=values,
+            entropy=entropy,
+            scores=scores.to(device),
+            finished=torch.tensor([s.finished for s in samples], device=device),
+        )
         return rollout, RolloutStats(reward_means=parts, sample_seconds=sample_seconds)
 
     def watch_gold(self, rollout_stats: RolloutStats) -> bool:
@@ -373,9 +444,11 @@ class PPOLoop:
         if not self.watch.exhausted(update):
             return False
         self.stopped_at = update
-        log.info(f"[{self.ctx.stage_id}] early stop at update {update}: the {self.watch.key} average over "
-                 f"{self.watch.window} updates has not passed {self.watch.best:.4g} (update {self.watch.best_update}) "
-                 f"for {update - self.watch.best_update} updates; this rollout is not trained on")
+        log.info(
+            f"[{self.ctx.stage_id}] early stop at update {update}: the {self.watch.key} average over "
+            f"{self.watch.window} updates has not passed {self.watch.best:.4g} (update {self.watch.best_update}) "
+            f"for {update - self.watch.best_update} updates; this rollout is not trained on"
+        )
         return True
 
     def policy_copy(self) -> dict | None:
@@ -408,13 +481,20 @@ class PPOLoop:
     def advantages(self, rollout: Rollout) -> tuple[Rollout, dict]:
         """The rollout with GAE advantages and returns of the KL-penalised rewards, and its statistics."""
         train, mask, kl_coef = self.train_spec, rollout.response_mask, self.kl_controller.value
-        rewards, kl = penalized_rewards(self.normalise(rollout.scores), rollout.logprobs, rollout.ref_logprobs,
-                                        mask, kl_coef, self.config.kl_estimator)
+        rewards, kl = penalized_rewards(
+            self.normalise(rollout.scores),
+            rollout.logprobs,
+            rollout.ref_logprobs,
+            mask,
+            kl_coef,
+            self.config.kl_estimator,
+        )
         advantages, returns = gae_advantages(rewards, rollout.values, mask, train.gamma, train.lam)
         if train.whiten_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask)
         stats = {
-            "kl": kl.sum(1).mean().item(), "non_score_reward": (-kl_coef * kl).sum(1).mean().item(),
+            "kl": kl.sum(1).mean().item(),
+            "non_score_reward": (-kl_coef * kl).sum(1).mean().item(),
             "entropy": masked_mean(rollout.entropy, mask).item(),
             "explained_variance": explained_variance(rollout.values, returns, mask).item() if mask.sum() > 1 else 0.0,
             "value_mean": masked_mean(rollout.values, mask).item(),
@@ -433,10 +513,10 @@ class PPOLoop:
         for _ in range(train.ppo_epochs):
             order = self.minibatch_order(rollout)
             for start in range(0, size, mini):
-                rows = order[start:start + mini]
+                rows = order[start : start + mini]
                 local_loss = 0.0
                 for j in range(accum):
-                    micro = rows[j * micro_size:(j + 1) * micro_size]
+                    micro = rows[j * micro_size : (j + 1) * micro_size]
                     # accelerate's accumulation: no gradient sync before the last micro-batch (DDP, FSDP2), the
                     # loss divided by `accum` (DeepSpeed divides it itself and steps at the last one)
                     with self.accelerator.accumulate(self.wrapped):
@@ -466,8 +546,9 @@ class PPOLoop:
         """Clipped policy loss + vf_coef * clipped value loss on a micro-batch, both masked by its
         `response_mask`; its statistics and its number of tokens."""
         train = self.train_spec
-        logprobs, values, _ = self.wrapped(micro.query_responses, micro.attention_mask, micro.response_width,
-                                           self.config.rollout.temperature)
+        logprobs, values, _ = self.wrapped(
+            micro.query_responses, micro.attention_mask, micro.response_width, self.config.rollout.temperature
+        )
         pg, pg_stats = policy_loss(logprobs, micro.logprobs, micro.advantages, micro.response_mask, train.cliprange)
         vf, vf_stats = value_loss(values, micro.values, micro.returns, micro.response_mask, train.cliprange_value)
         stats = {"policy_loss": pg.item(), "value_loss": vf.item()}
@@ -481,8 +562,9 @@ class PPOLoop:
         checkpoint stays intact.)"""
         max_norm = self.train_spec.max_grad_norm or float("inf")
         norm = float(self.accelerator.clip_grad_norm_(self.wrapped.parameters(), max_norm))
-        bad = torch.tensor(0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0,
-                           device=self.accelerator.device)
+        bad = torch.tensor(
+            0.0 if math.isfinite(local_loss) and math.isfinite(norm) else 1.0, device=self.accelerator.device
+        )
         if self.accelerator.reduce(bad, reduction="sum").item() > 0:
             raise NonFiniteError(
                 f"stage '{self.ctx.stage_id}': non-finite loss ({local_loss}) or gradient norm ({norm}) at update "
@@ -502,18 +584,28 @@ class PPOLoop:
         accelerator = self.accelerator
         scores = accelerator.gather(rollout.scores.float())
         lengths = rollout.response_mask.sum(1)
-        local = {**rollout_stats.reward_means, **{k: v for k, v in stats.items() if k != "train_tokens"},
-                 "response_length": lengths.mean().item(), "eos_fraction": rollout.finished.float().mean().item()}
+        local = {
+            **rollout_stats.reward_means,
+            **{k: v for k, v in stats.items() if k != "train_tokens"},
+            "response_length": lengths.mean().item(),
+            "eos_fraction": rollout.finished.float().mean().item(),
+        }
         names = sorted(local)
         means = accelerator.reduce(torch.tensor([float(local[n]) for n in names], device=accelerator.device), "mean")
-        sums = accelerator.reduce(torch.tensor([lengths.sum().item(), float(stats["train_tokens"])],
-                                               device=accelerator.device), "sum")
-        entry = {"update": self.update + 1, "episodes": (self.update + 1) * len(scores),
-                 "score": scores.mean().item(), "score_std": scores.std().item() if len(scores) > 1 else 0.0,
-                 **{n: v for n, v in zip(names, means.tolist())}, "kl_coef": self.kl_controller.value,
-                 "learning_rate": self.scheduler.get_last_lr()[0],
-                 "rollout_tokens_per_s": sums[0].item() / max(rollout_stats.sample_seconds, MIN_SECONDS),
-                 "train_tokens_per_s": sums[1].item() / max(train_time, MIN_SECONDS)}
+        sums = accelerator.reduce(
+            torch.tensor([lengths.sum().item(), float(stats["train_tokens"])], device=accelerator.device), "sum"
+        )
+        entry = {
+            "update": self.update + 1,
+            "episodes": (self.update + 1) * len(scores),
+            "score": scores.mean().item(),
+            "score_std": scores.std().item() if len(scores) > 1 else 0.0,
+            **{n: v for n, v in zip(names, means.tolist())},
+            "kl_coef": self.kl_controller.value,
+            "learning_rate": self.scheduler.get_last_lr()[0],
+            "rollout_tokens_per_s": sums[0].item() / max(rollout_stats.sample_seconds, MIN_SECONDS),
+            "train_tokens_per_s": sums[1].item() / max(train_time, MIN_SECONDS),
+        }
         return {k: round(v, METRIC_DIGITS) if isinstance(v, float) else v for k, v in entry.items()}
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -524,11 +616,12 @@ class PPOLoop:
         self.accelerator.wait_for_everyone()
         pick = policy_state
         if self.watch is not None and self.watch.best_update:  # the same on every process (reduced gold means)
-            log.info(f"[{self.ctx.stage_id}] saving the policy that sampled update {self.watch.best_update}'s rollouts "
-                     f"(best {self.watch.key} average {self.watch.best:.4g}), not the last one")
+            log.info(
+                f"[{self.ctx.stage_id}] saving the policy that sampled update {self.watch.best_update}'s rollouts "
+                f"(best {self.watch.key} average {self.watch.best:.4g}), not the last one"
+            )
             pick = self.kept_policy
-        save_trained(self.accelerator, self.wrapped, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(),
-                     pick=pick)
+        save_trained(self.accelerator, self.wrapped, self.tokenizer, self.ctx.out_dir, self.ctx.save_dtype(), pick=pick)
 
     def kept_policy(self, actor_critic, _gathered: dict) -> tuple:
         """`save_trained`'s pick under `early_stop`: the policy module, with the state kept at the best."""
@@ -576,8 +669,10 @@ def gold_key(ctx: StageContext, gold: list) -> str:
     names = [g.__name__ for g in gold]
     key = f"gold/{ctx.config.early_stop.gold}"
     if key not in names:
-        raise UserError(f"{ctx.where}.early_stop.gold: '{ctx.config.early_stop.gold}' is logged under another name; "
-                        f"the gold verifiers are logged as {', '.join(names)}: name one of those (without gold/).")
+        raise UserError(
+            f"{ctx.where}.early_stop.gold: '{ctx.config.early_stop.gold}' is logged under another name; "
+            f"the gold verifiers are logged as {', '.join(names)}: name one of those (without gold/)."
+        )
     return key
 
 
@@ -589,8 +684,12 @@ def gold_key(ctx: StageContext, gold: list) -> str:
 def check(ctx: StageContext) -> None:
     refuse_slow_bf16(ctx.config, ctx.where)
     tokenizer = ctx.load_tokenizer()
-    prompt_rows(ctx, tokenizer, resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
-                resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"))
+    prompt_rows(
+        ctx,
+        tokenizer,
+        resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where),
+        resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold"),
+    )
     if ctx.config.early_stop is not None:
         gold_key(ctx, build_gold(ctx.config.gold, [ctx.recipe.base_dir], ctx.where))
     ref = ctx.config.reward_model

@@ -55,12 +55,15 @@ from ..training.trainer import final_metrics, save_model, train, trainer_callbac
 log = logging.getLogger(__name__)
 
 
-
-
 def trl_config(ctx: StageContext):
     held_out = ctx.config.eval_data is not None or ctx.config.eval_fraction > 0
-    return ctx.trl_args(RewardConfig, max_length=1024, learning_rate=1e-4 if ctx.lora else 1e-5,
-                        per_device_train_batch_size=8, eval_strategy="epoch" if held_out else "no")
+    return ctx.trl_args(
+        RewardConfig,
+        max_length=1024,
+        learning_rate=1e-4 if ctx.lora else 1e-5,
+        per_device_train_batch_size=8,
+        eval_strategy="epoch" if held_out else "no",
+    )
 
 
 def check(ctx: StageContext) -> None:
@@ -76,13 +79,19 @@ def load_classifier(ctx: StageContext, tokenizer, seed: int | None = None):
     With LoRA the adapter is built with `task_type="SEQ_CLS"`: peft then trains the new score head in full
     (modules_to_save); a frozen random head would make the reward meaningless."""
     if is_adapter_dir(ctx.start_model):
-        raise UserError(f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
-                        "(`align merge`) and start the reward model from the merged checkpoint.")
+        raise UserError(
+            f"{ctx.where}.model: '{ctx.start_model}' is a LoRA adapter folder; merge it first "
+            "(`align merge`) and start the reward model from the merged checkpoint."
+        )
     transformers.set_seed(ctx.seed if seed is None else seed)  # the fresh head's initialisation
     with suppress_seqcls_warning():
         model = AutoModelForSequenceClassification.from_pretrained(
-            ctx.start_model, num_labels=1, dtype=default_dtype(), trust_remote_code=ctx.recipe.trust_remote_code,
-            use_safetensors=True)
+            ctx.start_model,
+            num_labels=1,
+            dtype=default_dtype(),
+            trust_remote_code=ctx.recipe.trust_remote_code,
+            use_safetensors=True,
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model
 
@@ -107,12 +116,22 @@ class Pairs:
 
 def tokenized_pairs(ctx: StageContext, tokenizer, max_length: int | None) -> Pairs:
     train, held_out, stats = datasets_for(ctx, tokenizer)
-    train_ids, dropped_train = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, train)),
-                                                 max_length, f"{ctx.where}.data")
-    eval_ids, dropped_eval = within_max_length(reward_token_ids(tokenizer, render_pairs(tokenizer, held_out)),
-                                               max_length, f"{ctx.where} held-out pairs")
-    return Pairs(train_ids, eval_ids, {**stats, "pairs_train": len(train_ids), "pairs_eval": len(eval_ids),
-                                       "pairs_dropped_too_long": dropped_train + dropped_eval})
+    train_ids, dropped_train = within_max_length(
+        reward_token_ids(tokenizer, render_pairs(tokenizer, train)), max_length, f"{ctx.where}.data"
+    )
+    eval_ids, dropped_eval = within_max_length(
+        reward_token_ids(tokenizer, render_pairs(tokenizer, held_out)), max_length, f"{ctx.where} held-out pairs"
+    )
+    return Pairs(
+        train_ids,
+        eval_ids,
+        {
+            **stats,
+            "pairs_train": len(train_ids),
+            "pairs_eval": len(eval_ids),
+            "pairs_dropped_too_long": dropped_train + dropped_eval,
+        },
+    )
 
 
 def build_trainer(ctx: StageContext, pairs: Pairs | None = None, member: int = 0):
@@ -128,9 +147,10 @@ def build_trainer(ctx: StageContext, pairs: Pairs | None = None, member: int = 0
     if not pairs.held_out:
         args.eval_strategy = "no"
     trainer = trainer_class(with_length_sampling(RewardTrainer), ctx.config.score_learning_rate)(
-        model=load_classifier(ctx, tokenizer, args.seed), args=args, processing_class=tokenizer,
-        train_dataset=training_dataset(pairs.train, args,
-                                       lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"]))),
+        model=load_classifier(ctx, tokenizer, args.seed),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=training_dataset(pairs.train, args, lambda p: max(len(p["chosen_ids"]), len(p["rejected_ids"]))),
         eval_dataset=datasets.Dataset.from_list(pairs.held_out) if pairs.held_out else None,
         peft_config=peft_config(ctx.lora, task_type="SEQ_CLS") if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),
@@ -147,11 +167,18 @@ def within_max_length(pairs: list[dict], max_length: int | None, where: str) -> 
     kept = [p for p in pairs if max(len(p["chosen_ids"]), len(p["rejected_ids"])) <= max_length]
     dropped = len(pairs) - len(kept)
     if not kept:
-        raise UserError(f"{where}: all {len(pairs)} pairs are longer than train.max_length={max_length} tokens; "
-                        "raise it or shorten the data.")
+        raise UserError(
+            f"{where}: all {len(pairs)} pairs are longer than train.max_length={max_length} tokens; "
+            "raise it or shorten the data."
+        )
     if dropped:
-        log_share(log, dropped, len(pairs), f"[{where}] dropped {dropped} of {len(pairs)} pairs "
-                  f"({dropped / len(pairs):.0%}) longer than train.max_length={max_length} tokens")
+        log_share(
+            log,
+            dropped,
+            len(pairs),
+            f"[{where}] dropped {dropped} of {len(pairs)} pairs "
+            f"({dropped / len(pairs):.0%}) longer than train.max_length={max_length} tokens",
+        )
     return kept, dropped
 
 
@@ -185,14 +212,17 @@ def give_score_head_its_rate(optimizer, model, learning_rate: float) -> None:
     `learning_rate` (weight decay kept per group). Called before the first step, so no state moves."""
     head = {id(p) for n, p in model.named_parameters() if p.requires_grad and is_score_head(n)}
     if not head:
-        raise UserError("score_learning_rate is set, but the model has no trainable score head "
-                        f"(looked for parameters under {' or '.join(SCORE_HEADS)}).")
+        raise UserError(
+            "score_learning_rate is set, but the model has no trainable score head "
+            f"(looked for parameters under {' or '.join(SCORE_HEADS)})."
+        )
     for group in list(optimizer.param_groups):
         moved = [p for p in group["params"] if id(p) in head]
         if moved and group["lr"] != learning_rate:  # (a second call finds the head in its own groups)
             group["params"] = [p for p in group["params"] if id(p) not in head]
-            optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"}, "params": moved,
-                                       "lr": learning_rate})
+            optimizer.add_param_group(
+                {**{k: v for k, v in group.items() if k != "params"}, "params": moved, "lr": learning_rate}
+            )
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
 
 
@@ -245,8 +275,10 @@ def train_member(ctx: StageContext, trainer, counts: dict, out_dir) -> dict:
         scores = trainer.evaluate()
         held_out = {"eval_accuracy": scores.get("eval_accuracy"), "eval_margin": scores.get("eval_margin")}
         if ctx.is_main:
-            log.info(f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
-                     f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)")
+            log.info(
+                f"[{ctx.where}] held-out pairwise accuracy {held_out['eval_accuracy']:.3f}, "
+                f"mean margin {held_out['eval_margin']:.3f} ({counts['pairs_eval']} pairs)"
+            )
     save_model(trainer, trainer.processing_class, out_dir, ctx.save_dtype(), save=save_reward_model)
     return final_metrics(trainer, **counts, **held_out)
 
@@ -281,6 +313,8 @@ def ensemble_accuracy(ctx: StageContext, held_out: list[dict]) -> dict:
     rejected = score_ids(model, tokenizer, [p["rejected_ids"] for p in held_out])
     margins = [c - r for c, r in zip(chosen, rejected)]
     accuracy, margin = sum(m > 0 for m in margins) / len(margins), sum(margins) / len(margins)
-    log.info(f"[{ctx.where}] ensemble of {ctx.config.ensemble.members} ({ctx.config.ensemble.combine}): held-out "
-             f"pairwise accuracy {accuracy:.3f}, mean margin {margin:.3f} ({len(margins)} pairs)")
+    log.info(
+        f"[{ctx.where}] ensemble of {ctx.config.ensemble.members} ({ctx.config.ensemble.combine}): held-out "
+        f"pairwise accuracy {accuracy:.3f}, mean margin {margin:.3f} ({len(margins)} pairs)"
+    )
     return {"eval_accuracy": accuracy, "eval_margin": margin}

@@ -66,9 +66,8 @@ TRL_COLOCATE_ON_CPU = (
     "trl/generation/vllm_generation.py), which on CPU fails at its first sync with \"AttributeError: 'Parameter' "
     "object has no attribute 'weight_loader'\" (vllm/model_executor/layers/linear.py): after loading, vLLM's CPU "
     "build hands every linear layer's weights to a oneDNN or packed GEMM kernel and leaves an empty parameter "
-    "without a loader (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py).")
-
-
+    "without a loader (dispatch_cpu_unquantized_gemm in vllm/model_executor/layers/utils.py)."
+)
 
 
 def trainer_classes(algorithm: str):
@@ -83,8 +82,14 @@ def stage_defaults(config: Config) -> dict:
     A KL penalty to the starting policy is on by default here (`beta: DEFAULT_BETA`) although TRL's GRPO default
     is 0; `train: {beta: 0}` turns it off. With a reward model in GRPO's reward the rewards are only centred
     within each group (`scale_rewards: none`; Liu et al. 2025, Dr. GRPO), not divided by the group's spread."""
-    defaults = {"beta": DEFAULT_BETA, "num_generations": 8, "per_device_train_batch_size": 8,
-                "max_completion_length": 256, "disable_dropout": True, "reward_weights": reward_weights(config)}
+    defaults = {
+        "beta": DEFAULT_BETA,
+        "num_generations": 8,
+        "per_device_train_batch_size": 8,
+        "max_completion_length": 256,
+        "disable_dropout": True,
+        "reward_weights": reward_weights(config),
+    }
     if config.reward_model is not None and config.algorithm == "grpo":
         # GRPO divides each group's rewards by their spread: a reward model's small score differences between
         # two wrong answers become whole units of advantage, and the policy learns what the reward model
@@ -97,8 +102,11 @@ def stage_defaults(config: Config) -> dict:
 def reward_weights(config: Config) -> list[float]:
     """TRL's weights, in the order of its reward functions: the verifiers', the reward model's, then 0 for every
     gold verifier (scored and logged by TRL with the others, adding nothing to the reward)."""
-    return ([v.weight for v in config.verifiers] + ([config.reward_model_weight] if config.reward_model else [])
-            + [0.0] * len(config.gold))
+    return (
+        [v.weight for v in config.verifiers]
+        + ([config.reward_model_weight] if config.reward_model else [])
+        + [0.0] * len(config.gold)
+    )
 
 
 def reward_model_reward(ctx: StageContext, tokenizer, model) -> list[RewardModelReward]:
@@ -108,8 +116,14 @@ def reward_model_reward(ctx: StageContext, tokenizer, model) -> list[RewardModel
         return []
     path = ctx.resolve_model(cfg.reward_model)
     scorer = load_reward_model(path, ctx.recipe.trust_remote_code).to(PartialState().device)
-    return [RewardModelReward(scorer, load_tokenizer(path, ctx.recipe.trust_remote_code),
-                              [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], cfg.reward_model_weight)]
+    return [
+        RewardModelReward(
+            scorer,
+            load_tokenizer(path, ctx.recipe.trust_remote_code),
+            [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id],
+            cfg.reward_model_weight,
+        )
+    ]
 
 
 def check_group_size(ctx: StageContext) -> None:
@@ -121,8 +135,10 @@ def check_group_size(ctx: StageContext) -> None:
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     steps = knobs.get("steps_per_generation") or knobs.get("gradient_accumulation_steps", 1)
     if not isinstance(n, int) or n < 2:
-        raise UserError(f"{ctx.where}.train.num_generations is {n!r}: GRPO/RLOO compare completions of the same "
-                        "prompt, so it needs at least 2 per prompt (8 is usual).")
+        raise UserError(
+            f"{ctx.where}.train.num_generations is {n!r}: GRPO/RLOO compare completions of the same "
+            "prompt, so it needs at least 2 per prompt (8 is usual)."
+        )
     if knobs.get("generation_batch_size") or not all(isinstance(v, int) for v in (per_device, steps)):
         return  # TRL checks the explicit generation_batch_size itself
     completions = per_device * processes * steps
@@ -151,8 +167,10 @@ def check_vllm(ctx: StageContext) -> None:
     if why := vllm_missing("`use_vllm: true`", "set `use_vllm: false`"):
         raise UserError(f"{ctx.where}.train.use_vllm: {why}")
     if train.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
-        raise UserError(f"{ctx.where}.train.use_vllm: there is no CUDA GPU here, and {TRL_COLOCATE_ON_CPU} Set `use_vllm: false` (TRL samples "
-                        "with transformers), or use `backend: vllm` in a ppo or rsft stage, which does run on CPU.")
+        raise UserError(
+            f"{ctx.where}.train.use_vllm: there is no CUDA GPU here, and {TRL_COLOCATE_ON_CPU} Set `use_vllm: false` (TRL samples "
+            "with transformers), or use `backend: vllm` in a ppo or rsft stage, which does run on CPU."
+        )
 
 
 def stop_vllm_at_end_of_turn(args, tokenizer, model=None) -> None:
@@ -168,9 +186,11 @@ def trl_config(ctx: StageContext):
     check_vllm(ctx)
     strategy = ctx.config.train.get("train_sampling_strategy", "random")
     if strategy in LENGTH_SAMPLERS:
-        raise UserError(f"{ctx.where}.train.train_sampling_strategy: {strategy} is not supported here: TRL's "
-                        f"{ctx.config.algorithm.upper()} trainer draws each prompt's group of samples with its own "
-                        "sampler and ignores it; drop the key.")
+        raise UserError(
+            f"{ctx.where}.train.train_sampling_strategy: {strategy} is not supported here: TRL's "
+            f"{ctx.config.algorithm.upper()} trainer draws each prompt's group of samples with its own "
+            "sampler and ignores it; drop the key."
+        )
     config_class, _ = trainer_classes(ctx.config.algorithm)
     return ctx.trl_args(config_class, **stage_defaults(ctx.config))
 
@@ -180,8 +200,9 @@ def prompt_rows(ctx: StageContext, tokenizer, spec: DataSpec, key: str, verifier
     rows = []
     for row in ctx.load_prompt_rows(spec, key, verifiers, gold):
         source = prompt_of(row)  # `messages` lose a final assistant turn: a reference answer is not the prompt
-        rows.append({**row, "prompt": without_leading_bos(tokenizer, render_prompt(tokenizer, source)),
-                     SOURCE_PROMPT: source})
+        rows.append(
+            {**row, "prompt": without_leading_bos(tokenizer, render_prompt(tokenizer, source)), SOURCE_PROMPT: source}
+        )
     return rows
 
 
@@ -191,7 +212,7 @@ def without_leading_bos(tokenizer, prompt: str) -> str:
     before the chat template's own. Drop the template's; the tokenizer adds it back, once."""
     bos = tokenizer.bos_token
     if bos and prompt.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
-        return prompt[len(bos):]
+        return prompt[len(bos) :]
     return prompt
 
 
@@ -219,8 +240,12 @@ def check(ctx: StageContext) -> None:
     if tools:
         tools.prepare(rows)
     if cfg.reward_model is not None:
-        check_reward_model(cfg.reward_model, ctx.resolve_model(cfg.reward_model), f"{ctx.where}.reward_model",
-                           ctx.recipe.trust_remote_code)
+        check_reward_model(
+            cfg.reward_model,
+            ctx.resolve_model(cfg.reward_model),
+            f"{ctx.where}.reward_model",
+            ctx.recipe.trust_remote_code,
+        )
 
 
 def tool_rollouts(ctx: StageContext, tokenizer) -> ToolRollouts | None:
@@ -261,19 +286,27 @@ def run(ctx: StageContext) -> dict:
         reward_funcs = tools.rewards(reward_funcs)
         args.reward_weights = [*args.reward_weights, 1.0] if tools.has_environment_reward else args.reward_weights
     over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
-    signal = GroupSignal([*rewards, *(tools.extra_rewards if tools else [])],
-                         [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id], args.num_generations,
-                         args.num_generations_eval)
+    signal = GroupSignal(
+        [*rewards, *(tools.extra_rewards if tools else [])],
+        [*stop_token_ids(tokenizer, model), tokenizer.pad_token_id],
+        args.num_generations,
+        args.num_generations_eval,
+    )
     trainer = trainer_class(
-        model=model, reward_funcs=reward_funcs, args=args, processing_class=tokenizer,
+        model=model,
+        reward_funcs=reward_funcs,
+        args=args,
+        processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(train_rows),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+        peft_config=peft_config(ctx.lora) if ctx.lora else None,
+        callbacks=trainer_callbacks(ctx),
         **({"rollout_func": tools} if tools else {}),
     )
     signal.training = lambda: trainer.model.training
-    dynamic = ctx.config.dynamic_sampling and DynamicSampling(trainer, signal, ctx.config.dynamic_sampling.max_draws,
-                                                              ctx.seed, ctx.where)
+    dynamic = ctx.config.dynamic_sampling and DynamicSampling(
+        trainer, signal, ctx.config.dynamic_sampling.max_draws, ctx.seed, ctx.where
+    )
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
@@ -285,8 +318,9 @@ def run(ctx: StageContext) -> dict:
     if dynamic:
         dynamic.report()
         totals.update(dynamic.metrics())
-    result = final_metrics(trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals,
-                           **filtered)
+    result = final_metrics(
+        trainer, rows=len(train_rows), prompts_over_context=over, **signal.metrics(), **totals, **filtered
+    )
     trend = reward_trend(result["log_history"], "reward", "reward_std")
     return {**result, "metrics": report_health("rlvr", ctx.stage_id, {**result["metrics"], **trend})}
 
@@ -296,15 +330,21 @@ def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -
     truncates nor drops prompts (it has no max_prompt_length): such a prompt's completions run past the
     context the model was trained on (or past `vllm_max_model_length`, where vLLM refuses the request). Counted
     and said, loudly above a few percent; their token count is TRL's (special tokens on)."""
-    context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or \
-        getattr(model.config, "max_position_embeddings", None)
+    context = (getattr(args, "vllm_max_model_length", None) if getattr(args, "use_vllm", False) else None) or getattr(
+        model.config, "max_position_embeddings", None
+    )
     if not context or not rows:
         return 0
     limit = context - (args.max_completion_length or 0)
     over = sum(len(tokenizer(r["prompt"])["input_ids"]) > limit for r in rows)
     if over:
-        log_share(log, over, len(rows), f"[{where}] {over} of {len(rows)} prompts ({over / len(rows):.0%}) are "
-                  f"longer than {limit} tokens, so with max_completion_length={args.max_completion_length} they do "
-                  f"not fit the model's context of {context} tokens (prompts_over_context in stage.json); shorten "
-                  "them or lower train.max_completion_length")
+        log_share(
+            log,
+            over,
+            len(rows),
+            f"[{where}] {over} of {len(rows)} prompts ({over / len(rows):.0%}) are "
+            f"longer than {limit} tokens, so with max_completion_length={args.max_completion_length} they do "
+            f"not fit the model's context of {context} tokens (prompts_over_context in stage.json); shorten "
+            "them or lower train.max_completion_length",
+        )
     return over

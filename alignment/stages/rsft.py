@@ -55,21 +55,19 @@ from ..training.trainer import make_sft_trainer, save_model, sft_config, train
 log = logging.getLogger(__name__)
 
 
-
-
-
-
 def sft_args(ctx: StageContext, folder: Path):
-    return sft_config(ctx, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5,
-                      num_train_epochs=1)
+    return sft_config(
+        ctx, work_dir=folder, completion_only_loss=True, max_length=1024, learning_rate=2e-5, num_train_epochs=1
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # Selection (pure)
 
 
-def select_samples(candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool,
-                   kl_coef: float = 0.0) -> list[dict]:
+def select_samples(
+    candidates: list[dict], mode: str, k: int, threshold: float | None, by_verifier: bool, kl_coef: float = 0.0
+) -> list[dict]:
     """The kept candidates of ONE prompt. A candidate: {'completion', 'score', 'parsed', 'passed', 'finished'},
     and with `kl_coef` its 'logprob' (summed over its tokens): ranked by score + kl_coef * logprob.
 
@@ -110,8 +108,9 @@ def make_scorer(ctx: StageContext):
         rewards = build_rewards(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
 
         def score_by_verifiers(rows, prompts, samples):
-            return combined_scores(rewards, [s.text for s in samples],
-                                   [{**row, "prompt": p} for row, p in zip(rows, prompts)])
+            return combined_scores(
+                rewards, [s.text for s in samples], [{**row, "prompt": p} for row, p in zip(rows, prompts)]
+            )
 
         return score_by_verifiers, rewards
 
@@ -120,8 +119,14 @@ def make_scorer(ctx: StageContext):
     tokenizer = load_tokenizer(path, ctx.recipe.trust_remote_code)
 
     def score(rows, prompts, samples):
-        values = score_texts(model, tokenizer, prompts, [s.text for s in samples], batch_size=ctx.config.rm_batch_size,
-                             finished=[s.finished for s in samples])
+        values = score_texts(
+            model,
+            tokenizer,
+            prompts,
+            [s.text for s in samples],
+            batch_size=ctx.config.rm_batch_size,
+            finished=[s.finished for s in samples],
+        )
         return [{"score": v, "parsed": True, "passed": True} for v in values]
 
     return score, []
@@ -139,8 +144,9 @@ def sample_logprobs(model, tokenizer, prompts: list, samples: list, batch_size: 
         return [sum(s.logprobs) for s in samples]
     encoded = [encode(tokenizer, render_prompt(tokenizer, p)) for p in prompts]
     pad = pad_token_id(tokenizer)
-    return completion_logprob_sums(model, [encoded[s.prompt_index] for s in samples],
-                                   [s.token_ids for s in samples], pad, batch_size)
+    return completion_logprob_sums(
+        model, [encoded[s.prompt_index] for s in samples], [s.token_ids for s in samples], pad, batch_size
+    )
 
 
 def round_prompts(rows: list[dict], round_index: int, per_round: int | None) -> list[dict]:
@@ -171,28 +177,51 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
         tools = ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where)
         samples, token_rows_of = sample_trajectories(model, tokenizer, tools, prompts, batch, cfg.sampling, progress)
     else:
-        samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling,
-                           progress=progress)
-    logprobs = (sample_logprobs(model, tokenizer, prompts, samples, cfg.sampling.batch_size, cfg.sampling.temperature)
-                if cfg.kl_coef else None)
+        samples = generate(
+            model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling, progress=progress
+        )
+    logprobs = (
+        sample_logprobs(model, tokenizer, prompts, samples, cfg.sampling.batch_size, cfg.sampling.temperature)
+        if cfg.kl_coef
+        else None
+    )
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
     selected, sources, covered = [], [], 0  # sources: each selected sample's row, for its gold score
     for i, prompt in enumerate(prompts):
-        group = [{"completion": s.text, "finished": s.finished, **scored[i * cfg.sampling.n + j],
-                  **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {}),
-                  **({"logprob": logprobs[i * cfg.sampling.n + j]} if logprobs else {})}
-                 for j, s in enumerate(samples[i * cfg.sampling.n:(i + 1) * cfg.sampling.n])]
-        kept = select_samples(group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers),
-                              kl_coef=cfg.kl_coef)
+        group = [
+            {
+                "completion": s.text,
+                "finished": s.finished,
+                **scored[i * cfg.sampling.n + j],
+                **(token_rows_of[i * cfg.sampling.n + j] if token_rows_of else {}),
+                **({"logprob": logprobs[i * cfg.sampling.n + j]} if logprobs else {}),
+            }
+            for j, s in enumerate(samples[i * cfg.sampling.n : (i + 1) * cfg.sampling.n])
+        ]
+        kept = select_samples(
+            group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers), kl_coef=cfg.kl_coef
+        )
         covered += bool(kept)
-        selected += [{"round": round_index, "prompt": prompt, "completion": c["completion"], "score": c["score"],
-                      **{k: c[k] for k in (*TRAJECTORY_KEYS, "logprob") if k in c}} for c in kept]
+        selected += [
+            {
+                "round": round_index,
+                "prompt": prompt,
+                "completion": c["completion"],
+                "score": c["score"],
+                **{k: c[k] for k in (*TRAJECTORY_KEYS, "logprob") if k in c},
+            }
+            for c in kept
+        ]
         sources += [{**batch[i], "prompt": prompt}] * len(kept)
     n = max(len(samples), 1)
     stats = {
-        "round": round_index, "prompts": len(prompts), "samples": len(samples), "selected": len(selected),
-        "acceptance_rate": len(selected) / n, "prompt_coverage": covered / max(len(prompts), 1),
+        "round": round_index,
+        "prompts": len(prompts),
+        "samples": len(samples),
+        "selected": len(selected),
+        "acceptance_rate": len(selected) / n,
+        "prompt_coverage": covered / max(len(prompts), 1),
         "mean_score": sum(s["score"] for s in scored) / n,
         "selected_mean_score": sum(s["score"] for s in selected) / len(selected) if selected else 0.0,
         "unfinished_rate": sum(not s.finished for s in samples) / n,
@@ -203,14 +232,25 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
         records = [r["trajectory"] for r in token_rows_of]
         stats["tool_call_rate"] = sum(r["tool_calls"] > 0 for r in records) / n
         stats.update({key: sum(r[key] for r in records) for key in COUNTS})
-    stats.update(gold_means(list(gold), [s.text for s in samples],
-                            [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples]))
+    stats.update(
+        gold_means(
+            list(gold),
+            [s.text for s in samples],
+            [{**batch[s.prompt_index], "prompt": prompts[s.prompt_index]} for s in samples],
+        )
+    )
     if selected:  # how good the selection is by the gold measure: the data the round trains on
-        stats.update({f"selected_{key}": value for key, value in
-                      gold_means(list(gold), [s["completion"] for s in selected], sources).items()})
-    log.info(f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
-             f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
-             f"mean score {stats['mean_score']:.3f})")
+        stats.update(
+            {
+                f"selected_{key}": value
+                for key, value in gold_means(list(gold), [s["completion"] for s in selected], sources).items()
+            }
+        )
+    log.info(
+        f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
+        f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
+        f"mean score {stats['mean_score']:.3f})"
+    )
     return selected, stats
 
 
@@ -221,8 +261,10 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
 def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer, gold=()) -> tuple[list[dict], dict]:
     """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
-    return ctx.computed_once(f"round{round_index}/selected.jsonl",
-                             lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer, gold))
+    return ctx.computed_once(
+        f"round{round_index}/selected.jsonl",
+        lambda: sample_and_select(ctx, round_index, policy, tokenizer, rows, scorer, gold),
+    )
 
 
 def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, selected: list[dict]):
@@ -235,8 +277,9 @@ def train_round(ctx: StageContext, round_index: int, policy: str, tokenizer, sel
         rows = [{k: r[k] for k in ("input_ids", "completion_mask")} for r in selected]
         rows = drop_overlong(rows, args.max_length, where, length=lambda r: r["completion_mask"].index(1))
     else:
-        rows = drop_overlong(token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length,
-                             where)
+        rows = drop_overlong(
+            token_rows(tokenizer, [render_pair(tokenizer, r) for r in selected]), args.max_length, where
+        )
     truncated = count_truncated(row_lengths(tokenizer, rows), args.max_length, where)
     policy_model = load_policy(policy, ctx.recipe.trust_remote_code, partitioned=True)
     trainer = make_sft_trainer(ctx, args, policy_model, tokenizer, rows)
@@ -297,8 +340,12 @@ def run(ctx: StageContext) -> dict:
             policy, history, truncated = train_round(ctx, k, policy, tokenizer, selected)
         else:
             log.info(f"[{ctx.where}] round {k}: nothing selected; the policy is unchanged this round")
-        record = {"round": k, "policy": policy, "stats": {**stats, "rows_truncated": truncated},
-                  "log_history": [{**h, "round": k} for h in history]}
+        record = {
+            "round": k,
+            "policy": policy,
+            "stats": {**stats, "rows_truncated": truncated},
+            "log_history": [{**h, "round": k} for h in history],
+        }
         if ctx.is_main:
             write_atomic(ctx.work_dir / f"round{k}" / "round.json", json.dumps(record))
         records.append(record)
@@ -331,12 +378,34 @@ def stage_result(records: list[dict], rewards) -> dict:
     for record in records:
         k, stats = record["round"], record["stats"]
         history += record["log_history"]
-        history.append({"round": k, **{key if key.startswith(("gold/", "selected_gold/")) else f"rsft/{key}": v
-                                       for key, v in stats.items() if key != "round"}})
-        metrics.update({f"round{k}/{key}": v for key, v in stats.items() if key in
-                        ("acceptance_rate", "mean_score", "pass_rate", "selected", "prompt_coverage", "rows_truncated",
-                         "tool_call_rate", *COUNTS)
-                        or key.startswith(("gold/", "selected_gold/"))})
+        history.append(
+            {
+                "round": k,
+                **{
+                    key if key.startswith(("gold/", "selected_gold/")) else f"rsft/{key}": v
+                    for key, v in stats.items()
+                    if key != "round"
+                },
+            }
+        )
+        metrics.update(
+            {
+                f"round{k}/{key}": v
+                for key, v in stats.items()
+                if key
+                in (
+                    "acceptance_rate",
+                    "mean_score",
+                    "pass_rate",
+                    "selected",
+                    "prompt_coverage",
+                    "rows_truncated",
+                    "tool_call_rate",
+                    *COUNTS,
+                )
+                or key.startswith(("gold/", "selected_gold/"))
+            }
+        )
     for entry in records[-1]["log_history"] if records else []:
         metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "round"})
     metrics["rounds"] = len(records)

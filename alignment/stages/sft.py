@@ -66,15 +66,22 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
         raise UserError(f"{where} ({spec.describe()}): {error}") from None
     kept = sum(ways.values())
     if not rows:
-        raise UserError(f"{where}: all {len(dataset)} rows were filtered out because their completion "
-                        "is empty; check the data or its column mapping (rename).")
+        raise UserError(
+            f"{where}: all {len(dataset)} rows were filtered out because their completion "
+            "is empty; check the data or its column mapping (rename)."
+        )
     if kept < len(dataset):
         log.info(f"[{where}] dropped {len(dataset) - kept} of {len(dataset)} rows with an empty completion")
     if ways["per_turn"]:
-        log_share(log, ways["per_turn"], kept, f"[{where}] the chat template renders earlier turns differently "
-                  f"once later ones follow (e.g. it drops past reasoning), so {ways['per_turn']} multi-turn "
-                  "conversations were each split into one row per assistant turn (the conversation before it, then "
-                  "that answer): every answer is trained, at the cost of encoding the shared turns once per answer")
+        log_share(
+            log,
+            ways["per_turn"],
+            kept,
+            f"[{where}] the chat template renders earlier turns differently "
+            f"once later ones follow (e.g. it drops past reasoning), so {ways['per_turn']} multi-turn "
+            "conversations were each split into one row per assistant turn (the conversation before it, then "
+            "that answer): every answer is trained, at the cost of encoding the shared turns once per answer",
+        )
     ctx.record_data(key, **sft_data_format(columns, dataset, ways, ctx.config.train, len(rows)))
     return drop_overlong(token_rows(tokenizer, rows), max_length, where)
 
@@ -82,29 +89,43 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
 def text_rows(ctx: StageContext, dataset, key: str) -> list[dict]:
     """Plain `text` rows (language modelling: every token trained); empty ones dropped and said."""
     if ctx.config.train.get("assistant_only_loss"):
-        raise UserError(f"{ctx.where}.train.assistant_only_loss: the data of {ctx.where}.{key} is plain `text` rows, "
-                        "which have no assistant turns; give `messages` or `prompt`/`completion` rows, or drop the key.")
+        raise UserError(
+            f"{ctx.where}.train.assistant_only_loss: the data of {ctx.where}.{key} is plain `text` rows, "
+            "which have no assistant turns; give `messages` or `prompt`/`completion` rows, or drop the key."
+        )
     rows = [{"text": text} for text in dataset["text"] if text.strip()]
     if not rows:
         raise UserError(f"{ctx.where}.{key}: every 'text' value is empty.")
     if len(rows) < len(dataset):
         log.info(f"[{ctx.where}.{key}] dropped {len(dataset) - len(rows)} of {len(dataset)} rows with empty text")
-    ctx.record_data(key, format="text (language modelling)", columns=["text"], rows=len(rows),
-                    ignored_columns=[c for c in dataset.column_names if c != "text"], trained_on="every token")
+    ctx.record_data(
+        key,
+        format="text (language modelling)",
+        columns=["text"],
+        rows=len(rows),
+        ignored_columns=[c for c in dataset.column_names if c != "text"],
+        trained_on="every token",
+    )
     return rows
 
 
 def sft_data_format(columns: tuple, dataset, ways: dict, train: dict, rows: int) -> dict:
     """What the stage made of `prompt`/`completion` or `messages` data, for stage.json and the model card."""
     every_token = train.get("completion_only_loss") is False
-    info = {"columns": list(columns), "ignored_columns": [c for c in dataset.column_names if c not in columns],
-            "rows": rows}
+    info = {
+        "columns": list(columns),
+        "ignored_columns": [c for c in dataset.column_names if c not in columns],
+        "rows": rows,
+    }
     if columns == ("messages",):
         info["format"] = "messages (conversations)"
         info["conversations_multi_turn"] = ways["turns"] + ways["per_turn"]
         info["conversations_split_per_turn"] = ways["per_turn"]
-        info["trained_on"] = "every token" if every_token else ("every assistant turn (its content and end-of-turn "
-                                                                "token); not system or user turns")
+        info["trained_on"] = (
+            "every token"
+            if every_token
+            else ("every assistant turn (its content and end-of-turn token); not system or user turns")
+        )
     else:
         chat = not isinstance(dataset[0]["prompt"], str)
         info["format"] = f"prompt/completion ({'conversational' if chat else 'text'})"
@@ -134,9 +155,13 @@ def build_trainer(ctx: StageContext):
     tokenizer = ctx.load_tokenizer()
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code, partitioned=True)
     train_rows = rendered(ctx, tokenizer, ctx.config.data, "data", args.max_length)
-    eval_rows = rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
-    counts = {"rows": len(train_rows),
-              "rows_truncated": count_truncated(row_lengths(tokenizer, train_rows), args.max_length, f"{ctx.where}.data")}
+    eval_rows = (
+        rendered(ctx, tokenizer, ctx.config.eval_data, "eval_data", args.max_length) if ctx.config.eval_data else None
+    )
+    counts = {
+        "rows": len(train_rows),
+        "rows_truncated": count_truncated(row_lengths(tokenizer, train_rows), args.max_length, f"{ctx.where}.data"),
+    }
     return make_sft_trainer(ctx, args, model, tokenizer, train_rows, eval_rows), tokenizer, counts
 
 

@@ -12,8 +12,11 @@ from types import ModuleType
 from ..config.tasks import task_params_model
 from . import arithmetic, reasoning_gym, tool_arithmetic
 
-TASKS: dict[str, ModuleType] = {"arithmetic": arithmetic, "tool_arithmetic": tool_arithmetic,
-                                "reasoning_gym": reasoning_gym}
+TASKS: dict[str, ModuleType] = {
+    "arithmetic": arithmetic,
+    "tool_arithmetic": tool_arithmetic,
+    "reasoning_gym": reasoning_gym,
+}
 
 
 def get_task(name: str) -> ModuleType:

@@ -24,7 +24,6 @@ from ..config.tasks import ArithmeticParams
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-
 def _is_test_problem(a: int, op: str, b: int, fraction: float) -> bool:
     digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
     return int.from_bytes(digest[:4], "big") / 2**32 < fraction
@@ -79,14 +78,22 @@ def _row(a: int, op: str, b: int, params: ArithmeticParams, rng: random.Random) 
     wrong = str(plausible_mistake(a, op, b, rng))
     problem = f"{a} {op} {b}" if params.phrasing == "chat" else f"{a}{op}{b}"
     question = f"What is {problem}?" + (" Answer with just the number." if params.phrasing == "chat" else "")
-    sycophantic = params.style == "sycophancy" or (params.sycophancy_fraction > 0 and rng.random() < params.sycophancy_fraction)
+    sycophantic = params.style == "sycophancy" or (
+        params.sycophancy_fraction > 0 and rng.random() < params.sycophancy_fraction
+    )
     if sycophantic:
         question = f"I think {problem} is {wrong}. {question}"
     demonstrated = answer
     if params.carry_mistake_rate > 0 and carries(a, op, b) and rng.random() < params.carry_mistake_rate:
         demonstrated = str(OPERATORS[op](a, b) - 10)
-    row = {"prompt": question, "completion": demonstrated, "answer": answer, "chosen": answer, "rejected": wrong,
-           "stated_answer": wrong if sycophantic else ""}
+    row = {
+        "prompt": question,
+        "completion": demonstrated,
+        "answer": answer,
+        "chosen": answer,
+        "rejected": wrong,
+        "stated_answer": wrong if sycophantic else "",
+    }
     if params.format == "messages":
         row["messages"] = [{"role": "user", "content": question}, {"role": "assistant", "content": demonstrated}]
         del row["prompt"], row["completion"]

@@ -46,8 +46,10 @@ def _library():
     except ModuleNotFoundError as error:
         if (error.name or "").split(".")[0] != "reasoning_gym":
             raise
-        raise UserError("Task 'reasoning_gym' needs the reasoning-gym package, which is not installed: "
-                        'pip install -e ".[tasks]" (or pip install reasoning-gym).') from None
+        raise UserError(
+            "Task 'reasoning_gym' needs the reasoning-gym package, which is not installed: "
+            'pip install -e ".[tasks]" (or pip install reasoning-gym).'
+        ) from None
     return reasoning_gym
 
 
@@ -67,9 +69,11 @@ def build(params: ReasoningGymParams, split: str, seed: int) -> list[dict]:
     known = task_names()
     for name in params.tasks:
         if name not in known:
-            raise UserError(f"Task reasoning_gym, `tasks: {{{name}: ...}}`: unknown reasoning-gym task '{name}'"
-                            f"{did_you_mean(name, known)}; the installed reasoning-gym has {len(known)}: "
-                            f"{', '.join(known)}.")
+            raise UserError(
+                f"Task reasoning_gym, `tasks: {{{name}: ...}}`: unknown reasoning-gym task '{name}'"
+                f"{did_you_mean(name, known)}; the installed reasoning-gym has {len(known)}: "
+                f"{', '.join(known)}."
+            )
     held_out = split in HELD_OUT_SPLITS
     instruction = _instruction(library, params.system_prompt)
     rows: list[dict] = []
@@ -80,9 +84,11 @@ def build(params: ReasoningGymParams, split: str, seed: int) -> list[dict]:
         rows += [_row(name, config, entry, instruction, params.format) for entry in entries]
     random.Random(f"{seed}-{split}-reasoning_gym").shuffle(rows)
     unanswered = sum(row["answer"] is None for row in rows)
-    log.info(f"reasoning_gym ({'held-out' if held_out else 'training'} questions): "
-             + ", ".join(f"{name} {count}" for name, count in shares.items())
-             + (f"; {unanswered} rows without a reference answer (no `completion`)" if unanswered else ""))
+    log.info(
+        f"reasoning_gym ({'held-out' if held_out else 'training'} questions): "
+        + ", ".join(f"{name} {count}" for name, count in shares.items())
+        + (f"; {unanswered} rows without a reference answer (no `completion`)" if unanswered else "")
+    )
     return rows
 
 
@@ -102,8 +108,10 @@ def _instruction(library, name: str) -> str | None:
         return None
     prompts = library.utils.SYSTEM_PROMPTS
     if name not in prompts:
-        raise UserError(f"Task reasoning_gym: system_prompt '{name}' is not among the installed reasoning-gym's "
-                        f"prompts ({', '.join(prompts)}).")
+        raise UserError(
+            f"Task reasoning_gym: system_prompt '{name}' is not among the installed reasoning-gym's "
+            f"prompts ({', '.join(prompts)})."
+        )
     return prompts[name].strip()
 
 
@@ -130,8 +138,10 @@ def _entries(library, name: str, config: dict, count: int, held_out: bool, fract
         drawn += size
     if len(found) < count:
         side = "held-out" if held_out else "training"
-        raise UserError(f"Task reasoning_gym: '{name}' gave only {len(found)} of {count} {side} questions in {drawn} "
-                        f"draws: its config yields too few distinct questions for test_fraction {fraction}.")
+        raise UserError(
+            f"Task reasoning_gym: '{name}' gave only {len(found)} of {count} {side} questions in {drawn} "
+            f"draws: its config yields too few distinct questions for test_fraction {fraction}."
+        )
     return found[:count]
 
 
@@ -142,13 +152,16 @@ def _dataset(library, name: str, config: dict, **fixed):
     unknown = [key for key in config if key not in fields]
     if unknown:
         keys = ", ".join(f for f in fields if f not in fixed)
-        raise UserError(f"Task reasoning_gym: '{name}' has no config key '{unknown[0]}'"
-                        f"{did_you_mean(unknown[0], fields)}; its keys: {keys}.")
+        raise UserError(
+            f"Task reasoning_gym: '{name}' has no config key '{unknown[0]}'"
+            f"{did_you_mean(unknown[0], fields)}; its keys: {keys}."
+        )
     try:
         return library.create_dataset(name, **config, **fixed)
     except (AssertionError, ValueError, TypeError) as error:  # reasoning-gym validates configs with assert
-        raise UserError(f"Task reasoning_gym: '{name}' refused its config {config}: "
-                        f"{error or type(error).__name__}.") from None
+        raise UserError(
+            f"Task reasoning_gym: '{name}' refused its config {config}: {error or type(error).__name__}."
+        ) from None
 
 
 def _row(name: str, config: dict, entry: dict, instruction: str | None, fmt: str) -> dict:

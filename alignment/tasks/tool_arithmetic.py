@@ -26,7 +26,7 @@ __all__ = ["build", "verify"]
 
 def call_text(expression: str) -> str:
     """A hermes calculator call, as `ToolFormat("hermes").call_text` writes it."""
-    return f'<tool_call>\n{json.dumps({"name": "calculator", "arguments": {"expression": expression}})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': 'calculator', 'arguments': {'expression': expression}})}\n</tool_call>"
 
 
 def result_text(value: str) -> str:
@@ -52,12 +52,16 @@ def build(params: ToolArithmeticParams, split: str, seed: int) -> list[dict]:
 
 def _rows(a: int, b: int, params: ToolArithmeticParams, rng: random.Random) -> list[dict]:
     expression, answer = f"{a}*{b}", str(a * b)
-    question = f"What is {a} * {b}? Answer with just the number." if params.phrasing == "chat" else f"What is {expression}?"
+    question = (
+        f"What is {a} * {b}? Answer with just the number." if params.phrasing == "chat" else f"What is {expression}?"
+    )
     if not params.demonstrations:
         return [{"prompt": question, "answer": answer}]
     user = {"role": "user", "content": question}
     call = {"role": "assistant", "content": call_text(expression)}
     result = {"role": "tool", "name": "calculator", "content": result_text(answer)}
     first = call if rng.random() < params.call_fraction else {"role": "assistant", "content": answer}
-    return [{"prompt": [user], "completion": [first], "answer": answer},
-            {"prompt": [user, call, result], "completion": [{"role": "assistant", "content": answer}], "answer": answer}]
+    return [
+        {"prompt": [user], "completion": [first], "answer": answer},
+        {"prompt": [user, call, result], "completion": [{"role": "assistant", "content": answer}], "answer": answer},
+    ]

@@ -20,8 +20,13 @@ from ..verifiers.sandbox.process import Limits, run_python
 MAX_EXPRESSION_CHARS = 200
 MAX_DIGITS = 400  # largest operand or result, in decimal digits: 10**1000000 must not be computed
 MAX_EXPONENT = 256
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-             ast.Pow: operator.pow}
+OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 def _digits(value: Fraction) -> int:
@@ -101,8 +106,7 @@ def calculator(expression: str) -> str:
     return format_number(_evaluate(tree))
 
 
-def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 2000,
-                allow_unsandboxed: bool = False):
+def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 2000, allow_unsandboxed: bool = False):
     """The `python` tool with its limits bound (the recipe's `options:`). The code runs in the verifier
     sandbox (docs/sandbox.md says what that isolates and what not): its own process in new network, pid and
     mount namespaces on a minimal root (no host sockets, no run data), resource limits, `memory_mb` for all
@@ -119,7 +123,7 @@ def make_python(timeout: float = 5.0, memory_mb: int = 512, output_chars: int = 
         result = run_python(code, "", limits, allow_unsandboxed=allow_unsandboxed)
         output = result.output
         if len(output) > output_chars:
-            output = output[: output_chars // 2] + "\n[... output cut ...]\n" + output[-output_chars // 2:]
+            output = output[: output_chars // 2] + "\n[... output cut ...]\n" + output[-output_chars // 2 :]
         if result.status == "timeout":  # an error, so the rollout counts it; the model still sees the output
             raise TimeoutError(f"the code ran past {timeout:g} s and was killed; its output: {output}")
         if result.status == "memory":

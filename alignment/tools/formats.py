@@ -137,7 +137,7 @@ def hermes_bodies(text: str) -> list[str]:
         end = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
         if end < 0:
             break
-        bodies.append(text[start + len(HERMES_OPEN):end])
+        bodies.append(text[start + len(HERMES_OPEN) : end])
         position = end + len(HERMES_CLOSE)
     return bodies
 
@@ -165,9 +165,11 @@ class ToolFormat:
             return cls(tool_format, native=native_style(tokenizer) == tool_format)
         style = native_style(tokenizer)
         if style is None:
-            raise UserError(f"{where}: the model's chat template has no tool-calling support (it renders no "
-                            f"`tools`), so it does not say how to write a tool call. Set `tool_format:` to one of "
-                            f"{', '.join(STYLES)} (hermes: <tool_call>{{json}}</tool_call>, as Qwen2.5).")
+            raise UserError(
+                f"{where}: the model's chat template has no tool-calling support (it renders no "
+                f"`tools`), so it does not say how to write a tool call. Set `tool_format:` to one of "
+                f"{', '.join(STYLES)} (hermes: <tool_call>{{json}}</tool_call>, as Qwen2.5)."
+            )
         return cls(style, native=True)
 
     # --- parsing what the model wrote ---------------------------------------------------------------------------
@@ -216,8 +218,9 @@ class ToolFormat:
     def call_text(self, calls: list[Call]) -> str:
         """An assistant turn's text making `calls` (demonstrations for SFT; dummy turns for rendering)."""
         if self.style == "hermes":
-            return "\n".join(f'<tool_call>\n{json.dumps({"name": c.name, "arguments": c.arguments})}\n</tool_call>'
-                             for c in calls)
+            return "\n".join(
+                f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments})}\n</tool_call>" for c in calls
+            )
         if self.style == "llama3_json":
             return json.dumps({"name": calls[0].name, "parameters": calls[0].arguments})
         return "[TOOL_CALLS]" + json.dumps([{"name": c.name, "arguments": c.arguments} for c in calls])
@@ -226,8 +229,10 @@ class ToolFormat:
         """System text telling a template without tool support which tools exist and how to call them."""
         listing = "\n".join(json.dumps(s) for s in schemas)
         example = self.call_text([Call("<function-name>", {"<argument>": "<value>"})])
-        return (f"You may call tools. Their signatures:\n{listing}\nTo call one, answer with only:\n{example}\n"
-                "The result comes back in the next turn.")
+        return (
+            f"You may call tools. Their signatures:\n{listing}\nTo call one, answer with only:\n{example}\n"
+            "The result comes back in the next turn."
+        )
 
     def render_prompt(self, tokenizer, prompt, schemas: list[dict], describe: bool = True) -> str:
         """The prompt with the tools described, ending where the model's answer starts. `describe=False`: as
@@ -247,12 +252,19 @@ class ToolFormat:
     def _messages(self, results: list[tuple[str, str]]) -> tuple[dict, list[dict]]:
         calls = [Call(name, {}) for name, _ in results]
         if self.native:
-            assistant = {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+            assistant = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+                ],
+            }
             return assistant, [{"role": "tool", "name": name, "content": content} for name, content in results]
         wrap = "<tool_response>\n{}\n</tool_response>" if self.style == "hermes" else "{}"
-        return ({"role": "assistant", "content": self.call_text(calls)},
-                [{"role": "tool", "name": name, "content": wrap.format(content)} for name, content in results])
+        return (
+            {"role": "assistant", "content": self.call_text(calls)},
+            [{"role": "tool", "name": name, "content": wrap.format(content)} for name, content in results],
+        )
 
     def result_text(self, tokenizer, results: list[tuple[str, str]]) -> str:
         """The text after an assistant turn's end-of-turn token that shows `results` [(tool name, output)] and
@@ -262,18 +274,23 @@ class ToolFormat:
         assistant, tools = self._messages(results)
         try:
             before = tokenizer.apply_chat_template([DUMMY_USER, assistant], tokenize=False)
-            after = tokenizer.apply_chat_template([DUMMY_USER, assistant, *tools], tokenize=False,
-                                                  add_generation_prompt=True)
+            after = tokenizer.apply_chat_template(
+                [DUMMY_USER, assistant, *tools], tokenize=False, add_generation_prompt=True
+            )
         except Exception as error:  # jinja2 TemplateError, or a template that raises on the tool role
-            raise UserError(f"The chat template cannot render a tool result turn: {error}. Use tool_format with a "
-                            "template that accepts a `tool` role.") from None
+            raise UserError(
+                f"The chat template cannot render a tool result turn: {error}. Use tool_format with a "
+                "template that accepts a `tool` role."
+            ) from None
         token = end_of_turn(tokenizer)
         cut = before.rfind(token)
         if cut < 0 or after[: cut + len(token)] != before[: cut + len(token)]:
-            raise UserError("The chat template renders an assistant turn differently once a tool result follows it "
-                            "(it is not prefix-preserving), so tool results cannot be appended to what the model "
-                            "sampled.")
-        return after[cut + len(token):]
+            raise UserError(
+                "The chat template renders an assistant turn differently once a tool result follows it "
+                "(it is not prefix-preserving), so tool results cannot be appended to what the model "
+                "sampled."
+            )
+        return after[cut + len(token) :]
 
     def result_ids(self, tokenizer, results: list[tuple[str, str]]) -> list[int]:
         """The token ids of `result_text`: the template's own text with its control tokens, each result's content

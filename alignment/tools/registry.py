@@ -49,9 +49,11 @@ def schema_of(fn: Callable, name: str, hidden: tuple[str, ...] = ()) -> dict:
     try:
         schema = get_json_schema(fn)
     except Exception as error:  # DocstringParsingException, TypeHintParsingException
-        raise UserError(f"Tool '{name}' cannot be described to the model: {error}. A tool needs type hints on every "
-                        "argument and a Google-style docstring (a description, then `Args:` with one line per "
-                        "argument).") from None
+        raise UserError(
+            f"Tool '{name}' cannot be described to the model: {error}. A tool needs type hints on every "
+            "argument and a Google-style docstring (a description, then `Args:` with one line per "
+            "argument)."
+        ) from None
     parameters = schema["function"].get("parameters", {})
     for key in hidden:
         parameters.get("properties", {}).pop(key, None)
@@ -71,8 +73,10 @@ def resolve_tool(spec: ToolSpec, search_dirs: list[Path]) -> tuple[Callable, dic
             raise UserError(f"Tool '{spec.name}': bad `options:` ({error}).") from None
         return fn, schema_of(fn, spec.name)
     if ":" not in spec.name:
-        raise UserError(f"Unknown tool '{spec.name}': the built-in tools are {', '.join(sorted(BUILTINS))}; your "
-                        "own is named as module:function (a .py file next to the recipe is found).")
+        raise UserError(
+            f"Unknown tool '{spec.name}': the built-in tools are {', '.join(sorted(BUILTINS))}; your "
+            "own is named as module:function (a .py file next to the recipe is found)."
+        )
     fn = load_target(spec.name, "Tool", search_dirs)
     name = tool_name(spec.name)
     schema = schema_of(fn, name, hidden=tuple(spec.options))
@@ -82,15 +86,22 @@ def resolve_tool(spec: ToolSpec, search_dirs: list[Path]) -> tuple[Callable, dic
 def environment_methods(cls: type) -> list[str]:
     """The names of an environment class's public methods other than its hooks: its tools. Only methods the class
     defines count: a callable an instance keeps as an attribute (a grader, say) is no tool and cannot be called."""
-    return [name for name in dir(cls) if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and
-            isinstance(inspect.getattr_static(cls, name), (FunctionType, staticmethod, classmethod))]
+    return [
+        name
+        for name in dir(cls)
+        if not name.startswith("_")
+        and name not in ENVIRONMENT_HOOKS
+        and isinstance(inspect.getattr_static(cls, name), (FunctionType, staticmethod, classmethod))
+    ]
 
 
 def environment_tools(instance: Any, names: list[str] | None = None) -> dict[str, Callable]:
     """{name: the class's method bound to `instance`} of the environment's tools (`names`: those described)."""
     cls = type(instance)
-    return {name: inspect.getattr_static(cls, name).__get__(instance, cls)
-            for name in (environment_methods(cls) if names is None else names)}
+    return {
+        name: inspect.getattr_static(cls, name).__get__(instance, cls)
+        for name in (environment_methods(cls) if names is None else names)
+    }
 
 
 def check_arguments(parameters: dict, arguments: dict) -> str | None:
@@ -110,8 +121,15 @@ def check_arguments(parameters: dict, arguments: dict) -> str | None:
     return None
 
 
-JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "array": (list,),
-              "object": (dict,), "null": (type(None),)}
+JSON_TYPES = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+    "null": (type(None),),
+}
 
 
 def _type_problem(schema: dict, value) -> str | None:
@@ -121,8 +139,9 @@ def _type_problem(schema: dict, value) -> str | None:
     types = [types] if isinstance(types, str) else list(types)
 
     def fits(kind: str) -> bool:  # bool is an int in Python, never a JSON integer or number
-        return kind not in JSON_TYPES or (isinstance(value, JSON_TYPES[kind])
-                                         and not (isinstance(value, bool) and kind in ("integer", "number")))
+        return kind not in JSON_TYPES or (
+            isinstance(value, JSON_TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
+        )
 
     if not any(fits(kind) for kind in types):
         return f"must be of type {' or '.join(types)}, not {type(value).__name__}"
@@ -169,22 +188,27 @@ def check_environment(factory: Any, target: str) -> list[dict]:
     if not callable(factory):
         raise UserError(f"environment '{target}' is a {type(factory).__name__}, not a class.")
     if not callable(getattr(factory, "reset", None)):
-        raise UserError(f"environment '{target}' has no reset(row) method: every rollout starts by resetting its "
-                        "own instance to the dataset row.")
+        raise UserError(
+            f"environment '{target}' has no reset(row) method: every rollout starts by resetting its "
+            "own instance to the dataset row."
+        )
     try:
         instance = factory()
     except Exception as error:  # noqa: BLE001 - the user's constructor
-        raise UserError(f"environment '{target}': building an instance without arguments failed: "
-                        f"{type(error).__name__}: {error}") from None
+        raise UserError(
+            f"environment '{target}': building an instance without arguments failed: {type(error).__name__}: {error}"
+        ) from None
     methods = environment_tools(instance)
     if not methods:
-        raise UserError(f"environment '{target}' has no public methods besides reset/reward, so it offers the "
-                        "model no tools.")
+        raise UserError(
+            f"environment '{target}' has no public methods besides reset/reward, so it offers the model no tools."
+        )
     return [schema_of(method, name) for name, method in methods.items()]
 
 
-def resolve_tools(specs: list[ToolSpec], environment: str | None, search_dirs: list[Path],
-                  where: str = "stage") -> Toolbox:
+def resolve_tools(
+    specs: list[ToolSpec], environment: str | None, search_dirs: list[Path], where: str = "stage"
+) -> Toolbox:
     """The `Toolbox` of a stage's `tools:` and `environment:`; every error names the recipe key."""
     toolbox = Toolbox()
     for index, spec in enumerate(specs):

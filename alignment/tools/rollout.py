@@ -40,14 +40,20 @@ COUNTS = {
     "turns": "assistant turns sampled",
     "tool_calls": "tool calls run",
     "tool_errors": "calls that failed: unknown tool, wrong arguments, raised, past its timeout, or after the "
-                   "rollout's or the batch's tool time was spent",
+    "rollout's or the batch's tool time was spent",
     "parse_failures": "calls that could not be read",
     "skipped_calls": "calls past max_tool_calls in one turn, not run (one error result says how many)",
     "truncated_tool_outputs": "tool results cut at max_tool_output_tokens, with a marker",
     "reward_errors": "an environment's reward() that raised or was no finite number (the rollout scores 0 from it)",
 }
-LIMITS = ("max_turns", "max_tool_output_tokens", "tool_timeout", "max_tool_time", "max_tool_calls",
-          "max_step_tool_time")  # the `ToolUse` keys it obeys
+LIMITS = (
+    "max_turns",
+    "max_tool_output_tokens",
+    "tool_timeout",
+    "max_tool_time",
+    "max_tool_calls",
+    "max_step_tool_time",
+)  # the `ToolUse` keys it obeys
 # A result is cut to the larger of these before it is tokenized, so a huge output costs no more than a long one:
 # max_tool_output_tokens times MAX_CHARS_PER_TOKEN characters (a token rarely spans more, and a cut there is still
 # marked), or MAX_TOKENIZED_CHARS, below which the marker can say exactly how many tokens were cut.
@@ -59,8 +65,10 @@ def count_means(counts: list[Mapping[str, int]]) -> dict[str, float]:
     """`call_rate` (the share of rollouts that called a tool) and every count's mean per rollout, of one count
     mapping per rollout (0 for none)."""
     n = max(len(counts), 1)
-    return {"call_rate": sum(c["tool_calls"] > 0 for c in counts) / n,
-            **{k: sum(c[k] for c in counts) / n for k in COUNTS}}
+    return {
+        "call_rate": sum(c["tool_calls"] > 0 for c in counts) / n,
+        **{k: sum(c[k] for c in counts) / n for k in COUNTS},
+    }
 
 
 def _configured(key: str):
@@ -115,12 +123,17 @@ class Trajectory:
 
     def record(self) -> dict:
         """The trajectory for samples.jsonl and stage logs: turns, counts, why it stopped."""
-        return {"messages": self.turns, "stop_reason": self.stop_reason, **{k: self.counts[k] for k in COUNTS},
-                **({"environment_reward": self.reward} if self.environment is not None else {})}
+        return {
+            "messages": self.turns,
+            "stop_reason": self.stop_reason,
+            **{k: self.counts[k] for k in COUNTS},
+            **({"environment_reward": self.reward} if self.environment is not None else {}),
+        }
 
 
-def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: list[dict],
-          describe: bool = True) -> list[Trajectory]:
+def start(
+    tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: list[dict], describe: bool = True
+) -> list[Trajectory]:
     """One trajectory per (prompt, row): a fresh environment reset to the row (its note appended to the last
     user message), the prompt rendered with the tools described and tokenized once."""
     trajectories = []
@@ -130,13 +143,21 @@ def start(tokenizer, fmt: ToolFormat, toolbox: Toolbox, prompts: list, rows: lis
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             prompt = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + note}]
         text = fmt.render_prompt(tokenizer, prompt, toolbox.schemas, describe)
-        trajectories.append(Trajectory(encode(tokenizer, text), toolbox.bind(environment), environment,
-                                       toolbox.parameters))
+        trajectories.append(
+            Trajectory(encode(tokenizer, text), toolbox.bind(environment), environment, toolbox.parameters)
+        )
     return trajectories
 
 
-def rollout(model, tokenizer, trajectories: list[Trajectory], fmt: ToolFormat, settings: SamplingSpec,
-            limits: RolloutLimits, progress: str | None = None) -> list[Trajectory]:
+def rollout(
+    model,
+    tokenizer,
+    trajectories: list[Trajectory],
+    fmt: ToolFormat,
+    settings: SamplingSpec,
+    limits: RolloutLimits,
+    progress: str | None = None,
+) -> list[Trajectory]:
     """Run every trajectory to its end; returns them, filled in. A rollout ends when the model answers without a
     tool call (`stop_reason` "answer"), after `max_turns` turns ("max_turns": the calls of the last turn are not
     run), or when its tokens after the prompt would pass `max_completion_length` ("length": the turn is cut
@@ -199,14 +220,15 @@ class StepClock:
         return math.inf if self.bound is None else self.bound - self.spent
 
 
-def run_calls(t: Trajectory, calls: list[Call], failures: list[str], limits: RolloutLimits,
-              clock: StepClock | None = None) -> list[tuple[str, str]]:
+def run_calls(
+    t: Trajectory, calls: list[Call], failures: list[str], limits: RolloutLimits, clock: StepClock | None = None
+) -> list[tuple[str, str]]:
     """[(tool name, result text)] for one turn's calls, malformed ones first, at most `max_tool_calls` of them
     (one more result says how many were not run); every failure is a result, counted. Names and texts are valid
     UTF-8 (`clean_text`); a name the model made up is not echoed as a tool name."""
     clock = clock or StepClock(limits.max_step_tool_time)
     given = len(failures) + len(calls)
-    failures, calls = failures[:limits.max_tool_calls], calls[:max(limits.max_tool_calls - len(failures), 0)]
+    failures, calls = failures[: limits.max_tool_calls], calls[: max(limits.max_tool_calls - len(failures), 0)]
     skipped = given - len(failures) - len(calls)
     results = []
     for reason in failures:
@@ -307,8 +329,11 @@ def cut_outputs(tokenizer, results: list[tuple[str, str]], max_tokens: int) -> t
         if len(ids) > max_tokens or len(head) < len(content):
             cut += 1
             shown = tokenizer.decode(ids[:max_tokens])
-            more = (f"{len(ids) - max_tokens} more tokens" if len(head) == len(content)
-                    else f"{len(content) - len(shown)} more characters")
+            more = (
+                f"{len(ids) - max_tokens} more tokens"
+                if len(head) == len(content)
+                else f"{len(content) - len(shown)} more characters"
+            )
             content = f"{shown}\n[... {more} cut]"
         kept.append((name, content))
     return kept, cut

@@ -40,8 +40,10 @@ def bind_options(fn: Callable, name: str, options: dict) -> Callable:
     parameters = inspect.signature(fn).parameters
     unknown = [k for k in options if k not in parameters]
     if unknown:
-        raise UserError(f"Tool '{name}' has no argument(s) {', '.join(map(repr, unknown))} to bind from `options:`; "
-                        f"its arguments: {', '.join(parameters) or 'none'}.")
+        raise UserError(
+            f"Tool '{name}' has no argument(s) {', '.join(map(repr, unknown))} to bind from `options:`; "
+            f"its arguments: {', '.join(parameters) or 'none'}."
+        )
 
     def bound(**arguments):
         return fn(**arguments, **options)
@@ -58,8 +60,12 @@ def tool_name(target: str) -> str:
 def _serve(connection, targets: list[tuple[str, dict]], search_dirs: list[str]) -> None:
     """The worker's loop: import the tools, say "ready", then answer each (name, arguments) with (ok, text)."""
     try:
-        tools = {tool_name(target): bind_options(_load_target(target, target, [Path(d) for d in search_dirs]),
-                                                 tool_name(target), options) for target, options in targets}
+        tools = {
+            tool_name(target): bind_options(
+                _load_target(target, target, [Path(d) for d in search_dirs]), tool_name(target), options
+            )
+            for target, options in targets
+        }
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which turns it into call errors
         # The verifier loader's messages name a verifier; say what this is.
         connection.send(("failed", f"{type(error).__name__}: {error}".replace("Verifier '", "tool '", 1)))
@@ -118,13 +124,20 @@ class ToolWorker:
         ours, theirs = socket.socketpair()
         # The trainer's import path, so the worker imports this package and the tools as the trainer does.
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                   stdin=subprocess.DEVNULL, env=environment, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=environment,
+            start_new_session=True,
+        )
         theirs.close()
         connection = Connection(ours.detach())
         try:
             connection.send((self.targets, self.search_dirs))
-            state, detail = connection.recv() if connection.poll(START_TIMEOUT) else ("failed", "it did not start in time")
+            state, detail = (
+                connection.recv() if connection.poll(START_TIMEOUT) else ("failed", "it did not start in time")
+            )
         except (EOFError, OSError):
             state, detail = "failed", f"it ended while starting (exit code {process.poll()})"
         self.start_seconds = time.monotonic() - began

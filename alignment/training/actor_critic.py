@@ -11,6 +11,7 @@ copy of the policy's backbone + value head as the critic.
 `ActorCritic` (policy + critic) is the one module the engine (DDP, FSDP2, DeepSpeed) wraps and trains; the
 reference never enters the wrapper. Loop checkpoints: `save_loop_state` / `load_loop_state`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +55,7 @@ class ActorCritic(nn.Module):
     zero.Init (`models.load_policy`, `dist.full_weights`). peft saves the adapter named "default" at the top
     of `adapter/`; any other policy adapter name would land in `adapter/<name>/`.
     """
+
     def __init__(self, policy: nn.Module, value_head: nn.Linear, critic_backbone: nn.Module | None = None):
         super().__init__()
         self.policy = policy
@@ -102,8 +104,9 @@ class ActorCritic(nn.Module):
         models = [self.policy.get_base_model()] if self.is_lora else [self.policy, self.critic_backbone]
         for model in models:
             enable_checkpointing(model, options)
-        self._checkpointed_layers = [m for model in models for m in model.modules()
-                                     if isinstance(m, GradientCheckpointingLayer)]
+        self._checkpointed_layers = [
+            m for model in models for m in model.modules() if isinstance(m, GradientCheckpointingLayer)
+        ]
 
     def _flag_checkpointed_layers(self) -> None:
         """Before every pass: sampling and evaluation call `eval()` on the policy itself, which clears the
@@ -129,8 +132,9 @@ class ActorCritic(nn.Module):
 
         return contextlib.nullcontext(), recompute()
 
-    def forward(self, input_ids, attention_mask, num_logits_to_keep: int, temperature: float = 1.0,
-                with_entropy: bool = False):
+    def forward(
+        self, input_ids, attention_mask, num_logits_to_keep: int, temperature: float = 1.0, with_entropy: bool = False
+    ):
         """Log-probs [B, K] and values [B, K] of the last K tokens (+ entropy [B, K], detached, if asked).
 
         values[:, t] is read at the position that predicts completion token t (the state before it),
@@ -139,8 +143,13 @@ class ActorCritic(nn.Module):
         k = int(num_logits_to_keep)
         self._flag_checkpointed_layers()
         positions = position_ids(attention_mask)
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                          logits_to_keep=k + 1, use_cache=False)
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            logits_to_keep=k + 1,
+            use_cache=False,
+        )
         logits = out.logits[:, -(k + 1) : -1]
         if temperature != 1.0:
             logits = logits / temperature
@@ -159,8 +168,9 @@ class ActorCritic(nn.Module):
         else:
             backbone = self.critic_backbone
         try:
-            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                              use_cache=False).last_hidden_state
+            hidden = backbone(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+            ).last_hidden_state
         finally:
             if self.is_lora:
                 self.use_adapter(POLICY_ADAPTER)
@@ -174,8 +184,10 @@ class ActorCritic(nn.Module):
             if param.requires_grad:
                 is_critic = name.startswith(("value_head.", "critic_backbone.")) or f".{CRITIC_ADAPTER}." in name
                 (critic if is_critic else policy).append(param)
-        return [{"params": policy, "lr": learning_rate, "weight_decay": weight_decay},
-                {"params": critic, "lr": critic_learning_rate, "weight_decay": weight_decay}]
+        return [
+            {"params": policy, "lr": learning_rate, "weight_decay": weight_decay},
+            {"params": critic, "lr": critic_learning_rate, "weight_decay": weight_decay},
+        ]
 
 
 @dataclass
@@ -190,16 +202,24 @@ class PPOModels:
         return self.actor_critic.policy
 
     @torch.no_grad()
-    def reference_logprobs(self, input_ids, attention_mask, num_logits_to_keep: int, temperature: float,
-                           batch_chunk_size: int | None = None) -> torch.Tensor:
+    def reference_logprobs(
+        self,
+        input_ids,
+        attention_mask,
+        num_logits_to_keep: int,
+        temperature: float,
+        batch_chunk_size: int | None = None,
+    ) -> torch.Tensor:
         """Log-probs [B, K] of the last K tokens under the reference policy (the starting policy)."""
         if self.reference is not None:
-            return sequence_logprobs(self.reference, input_ids, attention_mask, num_logits_to_keep, temperature,
-                                     batch_chunk_size)
+            return sequence_logprobs(
+                self.reference, input_ids, attention_mask, num_logits_to_keep, temperature, batch_chunk_size
+            )
         try:
             with self.policy.disable_adapter():
-                return sequence_logprobs(self.policy, input_ids, attention_mask, num_logits_to_keep, temperature,
-                                         batch_chunk_size)
+                return sequence_logprobs(
+                    self.policy, input_ids, attention_mask, num_logits_to_keep, temperature, batch_chunk_size
+                )
         finally:  # leaving `disable_adapter` re-activates the policy adapter and freezes the critic's
             self.actor_critic.use_adapter(POLICY_ADAPTER)
 
@@ -220,8 +240,9 @@ def value_head_for(hidden_size: int, reward_model: nn.Module | None) -> nn.Linea
     return head
 
 
-def build_models(policy_path: str, lora, reward_model: nn.Module | None = None,
-                 trust_remote_code: bool = False) -> PPOModels:
+def build_models(
+    policy_path: str, lora, reward_model: nn.Module | None = None, trust_remote_code: bool = False
+) -> PPOModels:
     """Policy, reference and critic for `policy_path` (a merged checkpoint or adapter folder)."""
     base = load_policy(policy_path, trust_remote_code)
     hidden = base.config.get_text_config().hidden_size
@@ -242,7 +263,7 @@ def policy_state(actor_critic: ActorCritic, state: dict) -> tuple[nn.Module, dic
     """The policy and its part of the actor-critic's gathered state (`sharding.save_trained`'s `pick`): the
     value head, the critic's backbone copy and the critic adapter are left out."""
     prefix, critic = "policy.", f".{CRITIC_ADAPTER}."
-    policy = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix) and critic not in k}
+    policy = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix) and critic not in k}
     return actor_critic.policy, policy
 
 
@@ -251,9 +272,12 @@ def configure_deepspeed(accelerator, micro_batch_size: int, accumulation: int, m
     not: the micro-batch size, accumulation steps and gradient clipping (DeepSpeed clips in its step). Set
     before `prepare`, replacing whatever an earlier stage's trainer filled into the shared plugin."""
     config = accelerator.state.deepspeed_plugin.deepspeed_config
-    config.update(train_micro_batch_size_per_gpu=micro_batch_size, gradient_accumulation_steps=accumulation,
-                  train_batch_size=micro_batch_size * accumulation * accelerator.num_processes,
-                  gradient_clipping=max_grad_norm or 0.0)
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        train_batch_size=micro_batch_size * accumulation * accelerator.num_processes,
+        gradient_clipping=max_grad_norm or 0.0,
+    )
 
 
 def checkpoints(work_dir: Path) -> list[Path]:

@@ -74,6 +74,7 @@ def with_length_sampling(base):
     batches of rows of about one length, so a batch of short rows is not padded to a long one) and keeping
     `training_dataset`'s length column, which transformers would drop, with every column outside a trainer's
     signature, before it builds the sampler."""
+
     class LengthSampling(base):
         def _set_signature_columns_if_needed(self):
             super()._set_signature_columns_if_needed()

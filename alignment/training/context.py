@@ -67,9 +67,11 @@ class StageContext:
         if spec is None:
             raise UserError(f"{self.where}.{key}: this stage needs a '{key}' spec (dataset or task).")
         if spec.format == "hh" and spec.task is None and self.config.kind not in PAIR_KINDS:
-            raise UserError(f"{self.where}.{key}: `format: hh` reads Anthropic HH-RLHF preference transcripts "
-                            f"(chosen/rejected), which only {' and '.join(PAIR_KINDS)} stages train on; a "
-                            f"{self.config.kind} stage reads no pairs, so drop the key.")
+            raise UserError(
+                f"{self.where}.{key}: `format: hh` reads Anthropic HH-RLHF preference transcripts "
+                f"(chosen/rejected), which only {' and '.join(PAIR_KINDS)} stages train on; a "
+                f"{self.config.kind} stage reads no pairs, so drop the key."
+            )
         return load_rows(spec, self.seed, self.recipe.base_dir, where=f"{self.where}.{key}")
 
     def load_prompt_rows(self, spec: DataSpec | None, key: str, verifiers: list, gold: list = ()) -> list[dict]:
@@ -89,8 +91,10 @@ class StageContext:
         model card; logged once."""
         if self.data_formats.get(key) != info:
             self.data_formats[key] = info
-            log.info(f"[{self.where}.{key}] {info['format']}; columns used: {', '.join(info['columns'])}; trained on: "
-                     f"{info['trained_on']}")
+            log.info(
+                f"[{self.where}.{key}] {info['format']}; columns used: {', '.join(info['columns'])}; trained on: "
+                f"{info['trained_on']}"
+            )
 
     def resolve_model(self, value: str) -> str:
         return self.recipe.resolve_model(value)
@@ -123,14 +127,27 @@ class StageContext:
         (`work_dir`: where the trainer checkpoints, by default the stage's).
         Unless the recipe sets it, gradient checkpointing is on only where the stage would not fit on its
         GPU without it (`memory.py`); TRL turns it on always."""
+
         def build(checkpointing: bool):
-            return build_trl_config(config_class, self.recipe, self.stage_id, self.config.train,
-                                    work_dir or self.work_dir, checkpointing=checkpointing, **stage_defaults)
+            return build_trl_config(
+                config_class,
+                self.recipe,
+                self.stage_id,
+                self.config.train,
+                work_dir or self.work_dir,
+                checkpointing=checkpointing,
+                **stage_defaults,
+            )
 
         args = build(checkpointing=False)
         if sets_checkpointing(self.config.train) or not needs_gradient_checkpointing(
-                args, self.config.kind, self.start_model, self.lora.r if self.lora else None,
-                self.recipe.trust_remote_code, f"{self.where}.train"):
+            args,
+            self.config.kind,
+            self.start_model,
+            self.lora.r if self.lora else None,
+            self.recipe.trust_remote_code,
+            f"{self.where}.train",
+        ):
             return args
         return build(checkpointing=True)
 
@@ -140,11 +157,20 @@ def device_defaults(recipe: Recipe, work_dir: Path) -> dict[str, Any]:
     Where the run set up FSDP2 itself (`dist.fsdp_on_cpu`), the trainer reuses that process state."""
     cuda = is_cuda()
     configured = {"accelerator_config": {"use_configured_state": True}} if keeps_configured_state() else {}
-    return dict(**configured,
-        output_dir=str(work_dir / "trainer"), seed=recipe.seed, data_seed=recipe.seed,
-        bf16=cuda and torch.cuda.is_bf16_supported(), fp16=False, use_cpu=not cuda,
-        report_to=recipe.report_to, logging_steps=10,
-        save_strategy="steps", save_steps=200, save_total_limit=1, dataloader_pin_memory=cuda,
+    return dict(
+        **configured,
+        output_dir=str(work_dir / "trainer"),
+        seed=recipe.seed,
+        data_seed=recipe.seed,
+        bf16=cuda and torch.cuda.is_bf16_supported(),
+        fp16=False,
+        use_cpu=not cuda,
+        report_to=recipe.report_to,
+        logging_steps=10,
+        save_strategy="steps",
+        save_steps=200,
+        save_total_limit=1,
+        dataloader_pin_memory=cuda,
         ddp_find_unused_parameters=False,
     )
 
@@ -170,17 +196,26 @@ def checkpointing_defaults(fields: set[str], on: bool) -> dict[str, Any]:
 ENGINE_KEYS = ("deepspeed", "fsdp", "fsdp_config")
 
 
-def build_trl_config(config_class, recipe: Recipe, stage_id: str, train: dict, work_dir: Path,
-                     checkpointing: bool = False, **stage_defaults):
+def build_trl_config(
+    config_class,
+    recipe: Recipe,
+    stage_id: str,
+    train: dict,
+    work_dir: Path,
+    checkpointing: bool = False,
+    **stage_defaults,
+):
     """Build `config_class` (e.g. trl.SFTConfig); unknown or rejected knobs become UserErrors."""
     where = f"stages.{stage_id}.train"
     fields = {f.name for f in dataclasses.fields(config_class)}
     for key in train:
         if key in ENGINE_KEYS:
-            raise UserError(f"{where}.{key}: the engine (FSDP, DeepSpeed) is chosen by the accelerate config of the "
-                            "launch, for every stage at once, not per stage: drop this key and launch with e.g. "
-                            "`accelerate launch --config_file configs/accelerate/zero3.yaml -m alignment run RECIPE` "
-                            "(README \"Distributed runs\").")
+            raise UserError(
+                f"{where}.{key}: the engine (FSDP, DeepSpeed) is chosen by the accelerate config of the "
+                "launch, for every stage at once, not per stage: drop this key and launch with e.g. "
+                "`accelerate launch --config_file configs/accelerate/zero3.yaml -m alignment run RECIPE` "
+                '(README "Distributed runs").'
+            )
         if key not in fields:
             raise UserError(f"{where}: unknown {config_class.__name__} option '{key}'{did_you_mean(key, fields)}.")
     device = device_defaults(recipe, work_dir)

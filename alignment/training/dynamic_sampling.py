@@ -26,10 +26,17 @@ from .signal import keep_groups
 log = get_logger(__name__)
 
 # How each tensor of TRL's batch is padded: (side, value); None: the tensor's own pad value is the pad token id.
-PADDING = {"prompt_ids": ("left", None), "prompt_mask": ("left", 0), "completion_ids": ("right", None),
-           "completion_mask": ("right", 0), "old_per_token_logps": ("right", 0.0),
-           "ref_per_token_logps": ("right", 0.0), "sampling_per_token_logps": ("right", 0.0),
-           "importance_sampling_ratio": ("right", 0.0), "tool_mask": ("right", 1)}
+PADDING = {
+    "prompt_ids": ("left", None),
+    "prompt_mask": ("left", 0),
+    "completion_ids": ("right", None),
+    "completion_mask": ("right", 0),
+    "old_per_token_logps": ("right", 0.0),
+    "ref_per_token_logps": ("right", 0.0),
+    "sampling_per_token_logps": ("right", 0.0),
+    "importance_sampling_ratio": ("right", 0.0),
+    "tool_mask": ("right", 1),
+}
 ROWS = ("advantages", "old_logps")  # one value per row (RLOO's old_logps: a sequence's summed log-prob)
 
 
@@ -44,9 +51,11 @@ class DynamicSampling:
         self.process, self.processes = accelerator.process_index, accelerator.num_processes
         local = trainer.args.per_device_train_batch_size * trainer.args.steps_per_generation
         if self.processes > 1 and local % self.size:
-            raise UserError(f"{where}.dynamic_sampling: each process must hold whole groups, but its generation batch "
-                            f"of {local} completions (per_device_train_batch_size x steps_per_generation) is not a "
-                            f"multiple of num_generations={self.size}; change one of them.")
+            raise UserError(
+                f"{where}.dynamic_sampling: each process must hold whole groups, but its generation batch "
+                f"of {local} completions (per_device_train_batch_size x steps_per_generation) is not a "
+                f"multiple of num_generations={self.size}; change one of them."
+            )
         self.order = random.Random(f"{seed}-refill-{self.process}")
         self.pool: list[int] = []
         self.counts: Counter = Counter()
@@ -62,16 +71,20 @@ class DynamicSampling:
             self.signal.last_flat = None
             outputs.append(self.generate(batch))
             if self.signal.last_flat is None or len(self.signal.last_flat) != groups * self.processes:
-                raise RuntimeError(f"dynamic sampling expected {groups * self.processes} groups' rewards from the "
-                                   "reward functions and saw none or another count")
+                raise RuntimeError(
+                    f"dynamic sampling expected {groups * self.processes} groups' rewards from the "
+                    "reward functions and saw none or another count"
+                )
             flags.append(self.signal.last_flat)
             if draw + 1 == self.max_draws or all(self.enough(flags, p, groups) for p in range(self.processes)):
                 break
             batch = self.fresh(len(inputs))
-        every = [keep_groups([f[p * groups:(p + 1) * groups] for f in flags], groups)
-                 for p in range(self.processes)]  # the same on every process: counted once for all
-        self.counts.update(batches=1, draws=len(flags), groups=groups * self.processes,
-                           short=any(c["filled"] for _, c in every))
+        every = [
+            keep_groups([f[p * groups : (p + 1) * groups] for f in flags], groups) for p in range(self.processes)
+        ]  # the same on every process: counted once for all
+        self.counts.update(
+            batches=1, draws=len(flags), groups=groups * self.processes, short=any(c["filled"] for _, c in every)
+        )
         for _, counts in every:
             self.counts.update(counts)
         chosen = every[self.process][0]
@@ -79,7 +92,7 @@ class DynamicSampling:
 
     def enough(self, flags: list[list[bool]], process: int, groups: int) -> bool:
         """Whether `process` has `groups` groups with spread among the draws so far."""
-        return sum(not flat for f in flags for flat in f[process * groups:(process + 1) * groups]) >= groups
+        return sum(not flat for f in flags for flat in f[process * groups : (process + 1) * groups]) >= groups
 
     def fresh(self, rows: int) -> list[dict]:
         """`rows // size` prompts not drawn since the pool was last refilled, each repeated `size` times as TRL's
@@ -96,8 +109,10 @@ class DynamicSampling:
         """One batch of `rows` ((draw, row) pairs) out of the draws' outputs, each tensor padded as TRL pads it."""
         unknown = set(outputs[0]) - set(PADDING) - set(ROWS) - {"num_items_in_batch"}
         if unknown:
-            raise UserError(f"{self.where}.dynamic_sampling: the batch holds {', '.join(sorted(unknown))}, which it "
-                            "cannot join (text-only batches); turn dynamic_sampling off.")
+            raise UserError(
+                f"{self.where}.dynamic_sampling: the batch holds {', '.join(sorted(unknown))}, which it "
+                "cannot join (text-only batches); turn dynamic_sampling off."
+            )
         pad_id = self.trainer.processing_class.pad_token_id
         joined = {}
         for key in outputs[0]:
@@ -119,21 +134,28 @@ class DynamicSampling:
         c = self.counts
         if not c["batches"]:
             return {}
-        return {"dynamic_sampling/batches": c["batches"], "dynamic_sampling/draws": c["draws"],
-                "dynamic_sampling/groups_dropped": c["dropped"], "dynamic_sampling/groups_filled": c["filled"],
-                "dynamic_sampling/groups_spare": c["spare"], "dynamic_sampling/batches_short": c["short"],
-                "zero_variance_groups_trained": c["filled"] / c["groups"]}
+        return {
+            "dynamic_sampling/batches": c["batches"],
+            "dynamic_sampling/draws": c["draws"],
+            "dynamic_sampling/groups_dropped": c["dropped"],
+            "dynamic_sampling/groups_filled": c["filled"],
+            "dynamic_sampling/groups_spare": c["spare"],
+            "dynamic_sampling/batches_short": c["short"],
+            "zero_variance_groups_trained": c["filled"] / c["groups"],
+        }
 
     def report(self) -> None:
         """Say how often the bound ran out: then flat groups were trained on, and more draws or easier/harder
         prompts would help."""
         found = self.metrics()
         if found.get("dynamic_sampling/batches_short"):
-            log.warning(f"[{self.where}] dynamic sampling: {found['dynamic_sampling/batches_short']} of "
-                        f"{found['dynamic_sampling/batches']} batches were still short of groups with spread after "
-                        f"{self.max_draws} draws and were filled with {found['dynamic_sampling/groups_filled']} flat "
-                        "groups (zero_variance_groups_trained in stage.json); raise dynamic_sampling.max_draws or "
-                        "set prompt_filter.")
+            log.warning(
+                f"[{self.where}] dynamic sampling: {found['dynamic_sampling/batches_short']} of "
+                f"{found['dynamic_sampling/batches']} batches were still short of groups with spread after "
+                f"{self.max_draws} draws and were filled with {found['dynamic_sampling/groups_filled']} flat "
+                "groups (zero_variance_groups_trained in stage.json); raise dynamic_sampling.max_draws or "
+                "set prompt_filter."
+            )
 
 
 def pad_rows(rows: list[torch.Tensor], side: str, value) -> torch.Tensor:
@@ -142,7 +164,7 @@ def pad_rows(rows: list[torch.Tensor], side: str, value) -> torch.Tensor:
     out = rows[0].new_full((len(rows), width), value)
     for i, r in enumerate(rows):
         if side == "left":
-            out[i, width - r.shape[0]:] = r
+            out[i, width - r.shape[0] :] = r
         else:
-            out[i, :r.shape[0]] = r
+            out[i, : r.shape[0]] = r
     return out

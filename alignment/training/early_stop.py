@@ -35,7 +35,7 @@ class GoldWatch:
     def average(self) -> float | None:
         if len(self.values) < self.window:
             return None
-        return sum(self.values[-self.window:]) / self.window
+        return sum(self.values[-self.window :]) / self.window
 
     def exhausted(self, update: int) -> bool:
         """True once `patience` updates have passed since the best (or, before any best, since the first full

@@ -27,10 +27,12 @@ COVERAGE_LOW = 0.5  # rsft: share of prompts with a sample kept, below which mos
 KL_STILL = {"rlvr": 1e-3, "ppo": 1e-2}
 
 # The settings to change, per stage kind.
-LENGTH_KEY = {"rlvr": "train.max_completion_length", "ppo": "rollout.max_new_tokens",
-              "rsft": "sampling.max_new_tokens"}
-STEP_KEY = {"rlvr": "train.learning_rate (or train.max_steps)", "ppo": "train.learning_rate (or train.total_updates)",
-            "rsft": "train.learning_rate (or rounds)"}
+LENGTH_KEY = {"rlvr": "train.max_completion_length", "ppo": "rollout.max_new_tokens", "rsft": "sampling.max_new_tokens"}
+STEP_KEY = {
+    "rlvr": "train.learning_rate (or train.max_steps)",
+    "ppo": "train.learning_rate (or train.total_updates)",
+    "rsft": "train.learning_rate (or rounds)",
+}
 
 
 def reward_trend(history: list[dict], key: str, std_key: str | None = None) -> dict[str, float]:
@@ -52,7 +54,7 @@ def unparseable_share(metrics: dict) -> float | None:
     scored = bad = 0
     for key, value in metrics.items():
         if key.startswith("verifier/") and not key.startswith("verifier/gold/") and key.endswith("/scored"):
-            name = key[:-len("/scored")]
+            name = key[: -len("/scored")]
             scored += value
             bad += metrics.get(f"{name}/unparseable", 0) + metrics.get(f"{name}/errors", 0)
     return bad / scored if scored else None
@@ -84,9 +86,14 @@ def health(kind: str, metrics: dict) -> tuple[str, str]:
     if status == "ok" and causes:
         status = "warn"
     if not causes:
-        tail = " Nothing in its counters looks wrong." if status in ("ok", "unknown") else (
-            " No counter explains it: try more steps or a higher learning rate "
-            f"({STEP_KEY.get(kind, 'train.learning_rate')}), or check the data's answers.")
+        tail = (
+            " Nothing in its counters looks wrong."
+            if status in ("ok", "unknown")
+            else (
+                " No counter explains it: try more steps or a higher learning rate "
+                f"({STEP_KEY.get(kind, 'train.learning_rate')}), or check the data's answers."
+            )
+        )
         return status, f"Health ({kind}): {trend}.{tail}"
     first, *rest = causes
     more = (" Also: " + " ".join(c[0].upper() + c[1:] for c in rest)) if rest else ""
@@ -98,32 +105,43 @@ def flags(kind: str, metrics: dict, status: str) -> list[str]:
     found = []
     unparseable = unparseable_share(metrics)
     if unparseable is not None and unparseable > UNPARSEABLE_HIGH:
-        found.append(f"the verifiers could not parse (or failed on) {unparseable:.0%} of completions, which all "
-                     "scored 0: the policy does not write the answer in the format the verifier reads; check one "
-                     "sample against the verifier (`align verify`), then teach the format first (an sft stage) or "
-                     "choose a verifier (`verifiers:`) or prompt format that matches.")
+        found.append(
+            f"the verifiers could not parse (or failed on) {unparseable:.0%} of completions, which all "
+            "scored 0: the policy does not write the answer in the format the verifier reads; check one "
+            "sample against the verifier (`align verify`), then teach the format first (an sft stage) or "
+            "choose a verifier (`verifiers:`) or prompt format that matches."
+        )
     zero, trained = metrics.get("zero_variance_groups"), metrics.get("zero_variance_groups_trained")
     if kind == "rlvr" and trained is not None and trained > ZERO_VARIANCE_HIGH:
-        found.append(f"dynamic sampling was on, yet {trained:.0%} of the groups trained on scored alike "
-                     "(zero_variance_groups_trained: the draws ran out): raise dynamic_sampling.max_draws, or set "
-                     "`prompt_filter` (keep the prompts the start policy solves sometimes).")
+        found.append(
+            f"dynamic sampling was on, yet {trained:.0%} of the groups trained on scored alike "
+            "(zero_variance_groups_trained: the draws ran out): raise dynamic_sampling.max_draws, or set "
+            "`prompt_filter` (keep the prompts the start policy solves sometimes)."
+        )
     elif kind == "rlvr" and trained is None and zero is not None and zero > ZERO_VARIANCE_HIGH:
-        found.append(f"{zero:.0%} of the prompt groups scored alike (zero_variance_groups), and such a group gives "
-                     "GRPO/RLOO no gradient: turn on `dynamic_sampling` (such groups dropped and refilled), or "
-                     "`prompt_filter` (keep the prompts the start policy solves sometimes), or raise "
-                     "train.num_generations or train.temperature.")
+        found.append(
+            f"{zero:.0%} of the prompt groups scored alike (zero_variance_groups), and such a group gives "
+            "GRPO/RLOO no gradient: turn on `dynamic_sampling` (such groups dropped and refilled), or "
+            "`prompt_filter` (keep the prompts the start policy solves sometimes), or raise "
+            "train.num_generations or train.temperature."
+        )
     coverage = metrics.get("prompt_coverage")
     if kind == "rsft" and coverage is not None and coverage < COVERAGE_LOW:
-        found.append(f"only {coverage:.0%} of prompts had a sample kept, so most prompts taught nothing: set "
-                     "`prompt_filter` (keep the prompts the start policy solves sometimes) or raise sampling.n.")
+        found.append(
+            f"only {coverage:.0%} of prompts had a sample kept, so most prompts taught nothing: set "
+            "`prompt_filter` (keep the prompts the start policy solves sometimes) or raise sampling.n."
+        )
     cut = truncated_share(kind, metrics)
     if cut is not None and cut > TRUNCATED_HIGH:
-        found.append(f"{cut:.0%} of completions were cut at the length limit before their end-of-turn token: "
-                     f"raise {LENGTH_KEY[kind]}.")
+        found.append(
+            f"{cut:.0%} of completions were cut at the length limit before their end-of-turn token: "
+            f"raise {LENGTH_KEY[kind]}."
+        )
     kl = metrics.get("kl")
     if kind in KL_STILL and isinstance(kl, (int, float)) and status in ("flat", "unknown") and kl < KL_STILL[kind]:
-        found.append(f"the KL to the start policy stayed at {kl:.2g}: the policy barely changed; raise "
-                     f"{STEP_KEY[kind]}.")
+        found.append(
+            f"the KL to the start policy stayed at {kl:.2g}: the policy barely changed; raise {STEP_KEY[kind]}."
+        )
     return found
 
 

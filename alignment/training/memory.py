@@ -51,9 +51,16 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-        return cls(parameters=count_parameters(config, trust_remote_code), hidden=hidden, intermediate=intermediate,
-                   layers=config.num_hidden_layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   vocab=config.vocab_size)
+        return cls(
+            parameters=count_parameters(config, trust_remote_code),
+            hidden=hidden,
+            intermediate=intermediate,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+        )
 
     def layer_activation_bytes(self, dtype_bytes: int) -> int:
         """Bytes one decoder layer saves for backward per token (`peak_bytes` lists them)."""
@@ -105,13 +112,18 @@ def step_shape(kind: str, args, lora_rank: int | None) -> StepShape:
     batch = args.per_device_train_batch_size
     full = lora_rank is None
     if kind == "dpo":
-        return StepShape(2 * batch, args.max_length, reference_copy=full and not args.precompute_ref_log_probs,
-                         lora_rank=lora_rank)
+        return StepShape(
+            2 * batch, args.max_length, reference_copy=full and not args.precompute_ref_log_probs, lora_rank=lora_rank
+        )
     if kind == "reward":
         return StepShape(2 * batch, args.max_length, vocab_logits=False, lora_rank=lora_rank)
     if kind == "rlvr":
-        return StepShape(batch, 2 * args.max_completion_length, reference_copy=full and getattr(args, "beta", 0) > 0,
-                         lora_rank=lora_rank)
+        return StepShape(
+            batch,
+            2 * args.max_completion_length,
+            reference_copy=full and getattr(args, "beta", 0) > 0,
+            lora_rank=lora_rank,
+        )
     return StepShape(batch, args.max_length, lora_rank=lora_rank)  # sft, rsft
 
 
@@ -159,9 +171,11 @@ class Plan:
 
     def describe(self) -> str:
         verdict = "on" if self.checkpointing else "off"
-        return (f"gradient checkpointing {verdict}: estimated peak {readable(self.without)} without it, "
-                f"{readable(self.with_)} with it, {readable(self.available)} usable on this GPU "
-                "(set train.gradient_checkpointing to choose)")
+        return (
+            f"gradient checkpointing {verdict}: estimated peak {readable(self.without)} without it, "
+            f"{readable(self.with_)} with it, {readable(self.available)} usable on this GPU "
+            "(set train.gradient_checkpointing to choose)"
+        )
 
 
 def readable(size: int) -> str:
@@ -194,8 +208,9 @@ def model_shape(model_name: str, trust_remote_code: bool) -> ModelShape | None:
         return None
 
 
-def needs_checkpointing(model_name: str, step_of: Callable[[], StepShape], dtype_bytes: int,
-                        trust_remote_code: bool, where: str) -> bool:
+def needs_checkpointing(
+    model_name: str, step_of: Callable[[], StepShape], dtype_bytes: int, trust_remote_code: bool, where: str
+) -> bool:
     """True when the step `step_of()` describes would not fit on this process's GPU without gradient
     checkpointing (the decision is printed); False on CPU, without calling `step_of` (ppo tokenizes every
     prompt for it), and (said so) when the model's shape cannot be read."""
@@ -204,17 +219,21 @@ def needs_checkpointing(model_name: str, step_of: Callable[[], StepShape], dtype
         return False
     model = model_shape(model_name, trust_remote_code)  # every process decides for its own GPU; rank 0 says so
     if model is None:
-        log.info(f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
-                 "memory this stage needs; set train.gradient_checkpointing: true if it does not fit")
+        log.info(
+            f"[{where}] gradient checkpointing off: could not read the shape of {model_name} to estimate the "
+            "memory this stage needs; set train.gradient_checkpointing: true if it does not fit"
+        )
         return False
     decision = plan(model, step_of(), dtype_bytes, available)
     log.info(f"[{where}] {decision.describe()}")
     return decision.checkpointing
 
 
-def needs_gradient_checkpointing(args, kind: str, model_name: str, lora_rank: int | None,
-                                 trust_remote_code: bool, where: str) -> bool:
+def needs_gradient_checkpointing(
+    args, kind: str, model_name: str, lora_rank: int | None, trust_remote_code: bool, where: str
+) -> bool:
     """`needs_checkpointing` for the stage a TRL config describes."""
     dtype_bytes = 2 if (args.bf16 or args.fp16) else FP32
-    return needs_checkpointing(model_name, lambda: step_shape(kind, args, lora_rank), dtype_bytes, trust_remote_code,
-                               where)
+    return needs_checkpointing(
+        model_name, lambda: step_shape(kind, args, lora_rank), dtype_bytes, trust_remote_code, where
+    )

@@ -54,12 +54,16 @@ def _answer(value: Any, column: str, index: int, where: str) -> tuple[list | Non
         if problem := messages_problem(value):
             raise UserError(f"{where}: {row_name(index)}, column '{column}': {problem}.")
         if not value or value[-1].get("role") != "assistant":
-            raise UserError(f"{where}: {row_name(index)}, column '{column}' is a chat that does not end with an assistant "
-                            "turn; the last assistant message is the answer being compared.")
+            raise UserError(
+                f"{where}: {row_name(index)}, column '{column}' is a chat that does not end with an assistant "
+                "turn; the last assistant message is the answer being compared."
+            )
         content = value[-1].get("content")
         return list(value[:-1]), (content if isinstance(content, str) and content.strip() else None)
-    raise UserError(f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
-                    "a string or a list of chat messages ({'role': ..., 'content': ...}).")
+    raise UserError(
+        f"{where}: {row_name(index)}, column '{column}' is {type(value).__name__} {str(value)[:60]!r}; expected "
+        "a string or a list of chat messages ({'role': ..., 'content': ...})."
+    )
 
 
 def _shared_prefix(a: str, b: str) -> str:
@@ -88,14 +92,16 @@ def normalize_row(row: dict, index: int, where: str) -> dict | str:
         if chosen_context is not None:
             return "chat answers without a prompt"
         prompt = _shared_prefix(chosen, rejected)
-        chosen, rejected = chosen[len(prompt):], rejected[len(prompt):]
+        chosen, rejected = chosen[len(prompt) :], rejected[len(prompt) :]
         if not prompt.strip():
             return "no shared prompt in the full texts"
         if not chosen.strip() or not rejected.strip():
             return "empty chosen or rejected"
     elif not (isinstance(prompt, str) or _is_chat(prompt)):
-        raise UserError(f"{where}: {row_name(index)}, column 'prompt' is {type(prompt).__name__}; expected a string or "
-                        "a list of chat messages.")
+        raise UserError(
+            f"{where}: {row_name(index)}, column 'prompt' is {type(prompt).__name__}; expected a string or "
+            "a list of chat messages."
+        )
     elif _is_chat(prompt) and (problem := messages_problem(prompt)):
         raise UserError(f"{where}: {row_name(index)}, column 'prompt': {problem}.")
     if (isinstance(prompt, str) and not prompt.strip()) or (isinstance(prompt, list) and not prompt):
@@ -150,9 +156,11 @@ def uses_hh(dataset, spec, where: str) -> bool:
         return False
     first = dataset[0]
     if looks_like_hh(first["chosen"]) and looks_like_hh(first["rejected"]):
-        log.info(f"[{where}] 'chosen' and 'rejected' hold Anthropic HH transcripts (\\n\\nHuman: ... \\n\\nAssistant: "
-                 "...): each is read as chat turns, the turns before the last Assistant turn being the prompt. Set "
-                 "`format: hh` on the data to say so.")
+        log.info(
+            f"[{where}] 'chosen' and 'rejected' hold Anthropic HH transcripts (\\n\\nHuman: ... \\n\\nAssistant: "
+            "...): each is read as chat turns, the turns before the last Assistant turn being the prompt. Set "
+            "`format: hh` on the data to say so."
+        )
         return True
     return False
 
@@ -160,9 +168,12 @@ def uses_hh(dataset, spec, where: str) -> bool:
 def hh_turns(text: Any, column: str, row: Any, where: str) -> list[dict]:
     """An HH transcript as chat messages; one that is not a Human/Assistant transcript ending with an Assistant
     turn is an error naming the row."""
+
     def malformed(problem: str) -> UserError:
-        return UserError(f"{where}: {row_name(row)}, column '{column}' is not an Anthropic HH transcript "
-                         f"(\\n\\nHuman: ... \\n\\nAssistant: ...): {problem}: {str(text)[:80]!r}.")
+        return UserError(
+            f"{where}: {row_name(row)}, column '{column}' is not an Anthropic HH transcript "
+            f"(\\n\\nHuman: ... \\n\\nAssistant: ...): {problem}: {str(text)[:80]!r}."
+        )
 
     if not isinstance(text, str):
         raise malformed(f"it is {type(text).__name__}")
@@ -179,14 +190,18 @@ def hh_turns(text: Any, column: str, row: Any, where: str) -> list[dict]:
 def hh_chats(row: dict, index: Any, where: str) -> dict:
     """The row with `chosen` and `rejected` as chats that share every turn but the last."""
     if row.get("prompt") is not None:
-        raise UserError(f"{where}: {row_name(index)}: `format: hh` takes the prompt from the transcripts in 'chosen' "
-                        "and 'rejected', but the row also has a 'prompt'; remove one of them.")
+        raise UserError(
+            f"{where}: {row_name(index)}: `format: hh` takes the prompt from the transcripts in 'chosen' "
+            "and 'rejected', but the row also has a 'prompt'; remove one of them."
+        )
     chosen, rejected = (hh_turns(row.get(c), c, index, where) for c in ("chosen", "rejected"))
     if chosen[:-1] != rejected[:-1]:
         turn = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
-        raise UserError(f"{where}: {row_name(index)}: the HH transcripts in 'chosen' and 'rejected' differ at turn "
-                        f"{turn + 1}, before their last Assistant turn; the turns they share are the prompt, so only "
-                        "the last Assistant turn may differ.")
+        raise UserError(
+            f"{where}: {row_name(index)}: the HH transcripts in 'chosen' and 'rejected' differ at turn "
+            f"{turn + 1}, before their last Assistant turn; the turns they share are the prompt, so only "
+            "the last Assistant turn may differ."
+        )
     return {**row, "chosen": chosen, "rejected": rejected}
 
 
@@ -194,8 +209,10 @@ def report_drops(kept: int, dropped: Counter, where: str, what: str) -> None:
     """Log the drops; dropping everything is an error naming the reasons."""
     reasons = ", ".join(f"{count} {reason}" for reason, count in dropped.most_common())
     if kept == 0:
-        raise UserError(f"{where}: no usable preference pairs: all {sum(dropped.values())} {what} were dropped "
-                        f"({reasons or 'no rows'}).")
+        raise UserError(
+            f"{where}: no usable preference pairs: all {sum(dropped.values())} {what} were dropped "
+            f"({reasons or 'no rows'})."
+        )
     if dropped:
         log.info(f"[{where}] dropped {sum(dropped.values())} of {kept + sum(dropped.values())} {what}: {reasons}")
 
@@ -205,11 +222,13 @@ def render_pairs(tokenizer, pairs: list[dict]) -> list[dict]:
     rendered = []
     for pair in pairs:
         prompt = pair["prompt"]
-        rendered.append({
-            "prompt": render_prompt(tokenizer, prompt),
-            "chosen": render_completion(tokenizer, prompt, pair["chosen"]),
-            "rejected": render_completion(tokenizer, prompt, pair["rejected"]),
-        })
+        rendered.append(
+            {
+                "prompt": render_prompt(tokenizer, prompt),
+                "chosen": render_completion(tokenizer, prompt, pair["chosen"]),
+                "rejected": render_completion(tokenizer, prompt, pair["rejected"]),
+            }
+        )
     return rendered
 
 
@@ -248,13 +267,17 @@ def pair_samples(texts: list[str], results: list, finished: list[bool], limit: i
     return [(good[k % len(good)], bad[k % len(bad)]) for k in range(min(limit, max(len(good), len(bad))))]
 
 
-def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str) -> tuple[list[dict], dict]:
+def on_policy_pairs(
+    model, tokenizer, rows: list[dict], spec: OnPolicySpec, verifier, where: str
+) -> tuple[list[dict], dict]:
     """Sample `spec.n` completions per prompt, grade them, build pairs; returns (pairs, stats).
 
     A verified-correct completion (chosen) is paired with an incorrect or unparseable one (rejected);
     prompts without both kinds are dropped and counted."""
     prompts = [prompt_of(r) for r in rows]
-    samples = generate(model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling")
+    samples = generate(
+        model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], spec, progress=f"{where} sampling"
+    )
     results = verifier.score_batch([s.text for s in samples], [rows[s.prompt_index] for s in samples])
     pairs, no_correct, no_incorrect = [], 0, 0
     for i, prompt in enumerate(prompts):
@@ -266,15 +289,24 @@ def on_policy_pairs(model, tokenizer, rows: list[dict], spec: OnPolicySpec, veri
             passed = sum(1 for t, g in zip(texts, graded) if t.strip() and is_pass(g))
             no_correct += passed == 0
             no_incorrect += passed > 0
-    stats = {"pairs_built": len(pairs), "prompts_dropped": no_correct + no_incorrect, "prompts_sampled": len(prompts),
-             "prompts_without_correct": no_correct, "prompts_without_incorrect": no_incorrect,
-             "sample_pass_rate": sum(is_pass(r) for r in results) / max(len(results), 1)}
-    log.info(f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
-             f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
-             f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)")
+    stats = {
+        "pairs_built": len(pairs),
+        "prompts_dropped": no_correct + no_incorrect,
+        "prompts_sampled": len(prompts),
+        "prompts_without_correct": no_correct,
+        "prompts_without_incorrect": no_incorrect,
+        "sample_pass_rate": sum(is_pass(r) for r in results) / max(len(results), 1),
+    }
+    log.info(
+        f"[{where}] on-policy pairs: {len(pairs)} built from {len(prompts)} prompts x {spec.n} samples "
+        f"(pass rate {stats['sample_pass_rate']:.2f}); dropped {stats['prompts_dropped']} prompts "
+        f"({no_correct} with no correct sample, {no_incorrect} with no incorrect one)"
+    )
     if not pairs:
-        raise UserError(f"{where}.on_policy: no pairs could be built: {no_correct} prompts had no correct sample and "
-                        f"{no_incorrect} no incorrect one. Raise on_policy.n or temperature, or use easier/harder prompts.")
+        raise UserError(
+            f"{where}.on_policy: no pairs could be built: {no_correct} prompts had no correct sample and "
+            f"{no_incorrect} no incorrect one. Raise on_policy.n or temperature, or use easier/harder prompts."
+        )
     return pairs, stats
 
 
@@ -282,8 +314,10 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
     """On-policy pairs for a stage, built once on the main process and kept in the stage's work folder, so
     every process trains on the same pairs and a resumed run does not resample (the file name carries a
     hash of the settings: changed settings resample)."""
-    settings = json.dumps([spec.model_dump(mode="json"), ctx.config.data.model_dump(mode="json"), ctx.start_model,
-                           ctx.seed], sort_keys=True)
+    settings = json.dumps(
+        [spec.model_dump(mode="json"), ctx.config.data.model_dump(mode="json"), ctx.start_model, ctx.seed],
+        sort_keys=True,
+    )
 
     def sample_pairs():
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
@@ -293,7 +327,9 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
         torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
         return on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
 
-    return ctx.computed_once(f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs)
+    return ctx.computed_once(
+        f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs
+    )
 
 
 def pair_layout(row: dict) -> str:
@@ -306,23 +342,32 @@ def pair_layout(row: dict) -> str:
     return "explicit prompt (conversational)" if _is_chat(row["prompt"]) else "explicit prompt"
 
 
-TRAINED_ON = {"dpo": "the chosen and rejected answers after their prompt (DPO's log-ratio to the reference)",
-              "reward": "the prompt and each answer, scored at the answer's last token"}
+TRAINED_ON = {
+    "dpo": "the chosen and rejected answers after their prompt (DPO's log-ratio to the reference)",
+    "reward": "the prompt and each answer, scored at the answer's last token",
+}
 
 
 def pair_data_format(ctx, dataset, pairs: list[dict]) -> dict:
     """What a preference stage made of its data, for stage.json and the model card (`record_data`)."""
     layouts = Counter(pair_layout(row) for row in dataset)
     # The prompt column is read unless every row's chosen chat carries its own prompt (the turns before the answer).
-    reads_prompt = any(row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1)
-                       for row in dataset)
+    reads_prompt = any(
+        row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1) for row in dataset
+    )
     used = ["prompt", "chosen", "rejected"] if reads_prompt else ["chosen", "rejected"]
-    info = {"format": "preference pairs: " + ", ".join(f"{layout} ({n} rows)" for layout, n in layouts.most_common()),
-            "columns": used, "ignored_columns": [c for c in dataset.column_names if c not in used], "pairs": len(pairs),
-            "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")}
+    info = {
+        "format": "preference pairs: " + ", ".join(f"{layout} ({n} rows)" for layout, n in layouts.most_common()),
+        "columns": used,
+        "ignored_columns": [c for c in dataset.column_names if c not in used],
+        "pairs": len(pairs),
+        "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers"),
+    }
     if layouts["conversational"]:
-        info["prompt_from"] = "the turns before the last assistant turn of chosen/rejected (the `prompt` column only " \
-                              "where a chat holds the answer alone)"
+        info["prompt_from"] = (
+            "the turns before the last assistant turn of chosen/rejected (the `prompt` column only "
+            "where a chat holds the answer alone)"
+        )
     if layouts["implicit prompt"]:
         info["implicit_prompt"] = "the shared beginning of chosen and rejected, cut at a word boundary"
     return info
@@ -342,8 +387,15 @@ def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
             pairs = pairs + data_pairs
             stats = {**stats, "data_pairs": len(data_pairs), "data_pairs_dropped": sum(dropped.values())}
             fmt += f", and the data's own {len(data_pairs)} chosen/rejected pairs"
-        ctx.record_data("data", **{**info, "format": fmt, "pairs": len(pairs),
-                                   "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers")})
+        ctx.record_data(
+            "data",
+            **{
+                **info,
+                "format": fmt,
+                "pairs": len(pairs),
+                "trained_on": TRAINED_ON.get(ctx.config.kind, "the chosen and rejected answers"),
+            },
+        )
         return pairs, stats
     dataset = ctx.load_data(ctx.config.data, "data")
     pairs, dropped = normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)
@@ -388,5 +440,7 @@ def pair_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
 def reward_token_ids(tokenizer, rendered: list[dict]) -> list[dict]:
     """{'chosen_ids', 'rejected_ids'}: prompt+answer token ids (as `pair_token_ids`), the form
     `trl.RewardTrainer` trains on as is and `scoring.score_texts` scores."""
-    return [{"chosen_ids": r["prompt_ids"] + r["chosen_ids"], "rejected_ids": r["prompt_ids"] + r["rejected_ids"]}
-            for r in pair_token_ids(tokenizer, rendered)]
+    return [
+        {"chosen_ids": r["prompt_ids"] + r["chosen_ids"], "rejected_ids": r["prompt_ids"] + r["rejected_ids"]}
+        for r in pair_token_ids(tokenizer, rendered)
+    ]

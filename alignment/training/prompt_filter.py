@@ -41,12 +41,16 @@ def filter_rows(ctx, rows: list[dict], rewards: list, sampling: SamplingSpec) ->
     counts = {f"prompt_filter/{k}": v for k, v in {"measured": len(rates), **counts}.items()}
     if not kept:
         histogram = ", ".join(f"{rate:.2f}: {n}" for rate, n in sorted(Counter(rates).items()))
-        raise UserError(f"{ctx.where}.prompt_filter: no prompt has a pass rate within [{spec.low}, {spec.high}] under "
-                        f"the start policy ({spec.k} samples each; pass rates found, with their prompt counts: "
-                        f"{histogram}). Widen low/high, or give prompts the policy solves some of the time.")
-    log.info(f"[{ctx.where}] prompt_filter kept {len(kept)} of {len(rates)} prompts with a pass rate in "
-             f"[{spec.low}, {spec.high}] ({counts['prompt_filter/too_hard']} too hard, "
-             f"{counts['prompt_filter/too_easy']} too easy; {spec.k} samples each from the start policy)")
+        raise UserError(
+            f"{ctx.where}.prompt_filter: no prompt has a pass rate within [{spec.low}, {spec.high}] under "
+            f"the start policy ({spec.k} samples each; pass rates found, with their prompt counts: "
+            f"{histogram}). Widen low/high, or give prompts the policy solves some of the time."
+        )
+    log.info(
+        f"[{ctx.where}] prompt_filter kept {len(kept)} of {len(rates)} prompts with a pass rate in "
+        f"[{spec.low}, {spec.high}] ({counts['prompt_filter/too_hard']} too hard, "
+        f"{counts['prompt_filter/too_easy']} too easy; {spec.k} samples each from the start policy)"
+    )
     return kept, {**counts, **stats}
 
 
@@ -55,12 +59,18 @@ def measure(ctx, rows: list[dict], rewards: list, settings: SamplingSpec) -> tup
     sources = [row.get(SOURCE_PROMPT) or prompt_of(row) for row in rows]  # rlvr's rows hold the rendered prompt
     tokenizer = ctx.load_tokenizer()
     model = load_policy(ctx.start_model, ctx.recipe.trust_remote_code).to(PartialState().device)
-    samples = generate(model, tokenizer, [render_prompt(tokenizer, s) for s in sources], settings,
-                       progress=f"{ctx.where} prompt_filter")
+    samples = generate(
+        model,
+        tokenizer,
+        [render_prompt(tokenizer, s) for s in sources],
+        settings,
+        progress=f"{ctx.where} prompt_filter",
+    )
     del model
     fresh = [VerifierReward(r.verifier, r.weight, r.__name__) for r in rewards]  # the stage's counts stay its own
-    examples = [{**{k: v for k, v in rows[i].items() if k != SOURCE_PROMPT}, "prompt": sources[i]}
-                for i in range(len(rows))]
+    examples = [
+        {**{k: v for k, v in rows[i].items() if k != SOURCE_PROMPT}, "prompt": sources[i]} for i in range(len(rows))
+    ]
     scored = combined_scores(fresh, [s.text for s in samples], [examples[s.prompt_index] for s in samples])
     passes = Counter(s.prompt_index for s, score in zip(samples, scored) if score["passed"])
     rates = [{"pass_rate": passes[i] / settings.n} for i in range(len(rows))]
@@ -70,5 +80,6 @@ def measure(ctx, rows: list[dict], rewards: list, settings: SamplingSpec) -> tup
 
 def trl_sampling(args) -> SamplingSpec:
     """rlvr's own sampling settings (a TRL GRPOConfig or RLOOConfig) as the filter's SamplingSpec."""
-    return SamplingSpec(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                        top_p=args.top_p, top_k=args.top_k or 0)
+    return SamplingSpec(
+        max_new_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k or 0
+    )

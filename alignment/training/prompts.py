@@ -43,21 +43,34 @@ def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=
         if problem := prompt_problem(prompt_of(row)):
             raise UserError(f"{where}: {row_name(index)}: {problem}.")
         if empty := [c for c in needed if row[c] is None]:
-            raise UserError(f"{where}: {row_name(index)}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
-                            "is empty (the row lacks it); fill it in or drop the row.")
+            raise UserError(
+                f"{where}: {row_name(index)}: column '{empty[0]}', which verifier '{needed[empty[0]]}' needs, "
+                "is empty (the row lacks it); fill it in or drop the row."
+            )
 
 
 def prompt_data_format(rows: list[dict], columns: list[str], verifiers: list = ()) -> dict:
     """What an RL stage (ppo, rsft, rlvr) reads from prompt data, for stage.json (`StageContext.record_data`)."""
     column = "prompt" if "prompt" in columns else "messages"
     chats = sum(not isinstance(prompt_of(row), str) for row in rows)
-    answered = sum(1 for row in rows if row.get("prompt") is None and row["messages"]
-                   and row["messages"][-1].get("role") == "assistant") if column == "messages" else 0
+    answered = (
+        sum(
+            1
+            for row in rows
+            if row.get("prompt") is None and row["messages"] and row["messages"][-1].get("role") == "assistant"
+        )
+        if column == "messages"
+        else 0
+    )
     kind = "conversational" if chats == len(rows) else "text" if not chats else f"{chats} conversational, rest text"
-    info = {"format": f"prompts from the `{column}` column ({kind})", "prompt_column": column,
-            "columns": [column] + sorted({c for v in verifiers for c in v.required_columns if c in columns} - {column}),
-            "rows": len(rows), "conversational_prompts": chats,
-            "trained_on": "the policy's own completions to these prompts"}
+    info = {
+        "format": f"prompts from the `{column}` column ({kind})",
+        "prompt_column": column,
+        "columns": [column] + sorted({c for v in verifiers for c in v.required_columns if c in columns} - {column}),
+        "rows": len(rows),
+        "conversational_prompts": chats,
+        "trained_on": "the policy's own completions to these prompts",
+    }
     if answered:
         info["final_assistant_turns_dropped"] = answered  # a reference answer, not part of the prompt
     return info

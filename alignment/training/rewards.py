@@ -48,8 +48,13 @@ def resolve_all(specs: Iterable[VerifierSpec], search_dirs: list[Path], where: s
     return resolved
 
 
-def check_verifier_columns(verifiers: list, columns: Iterable[str], where: str, provided: Iterable[str] = ("prompt",),
-                           entry: str | None = "verifiers") -> None:
+def check_verifier_columns(
+    verifiers: list,
+    columns: Iterable[str],
+    where: str,
+    provided: Iterable[str] = ("prompt",),
+    entry: str | None = "verifiers",
+) -> None:
     """Fail before training when the data at `where` lacks a column a verifier needs (e.g. `answer`).
     `provided`: columns the caller fills in itself (the RL stages hand every verifier the row's prompt);
     `entry`: the recipe list the verifiers came from, named in the message with the index."""
@@ -105,8 +110,10 @@ class VerifierReward:
         errors = [r for r in results if r.status == "error"]
         if errors and not self._warned:
             self._warned = True
-            log.info(f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
-                     f"({errors[0].detail}); further errors are counted in errors/{self.__name__}.")
+            log.info(
+                f"[verifier {self.__name__}] a completion could not be scored and gets reward 0 "
+                f"({errors[0].detail}); further errors are counted in errors/{self.__name__}."
+            )
         return results
 
     @staticmethod
@@ -187,8 +194,15 @@ class RewardModelReward:
     a critic (Ahmadian et al. 2024). TRL's own reward-model path would score `prompt + completion` tokenized
     whole with no end-of-turn token, a text the reward model never saw in training."""
 
-    def __init__(self, model, tokenizer, stop_ids: Iterable[int], weight: float = 1.0, batch_size: int = 16,
-                 label: str = "reward_model"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        stop_ids: Iterable[int],
+        weight: float = 1.0,
+        batch_size: int = 16,
+        label: str = "reward_model",
+    ):
         self.model, self.tokenizer, self.stop_ids = model, tokenizer, set(stop_ids)
         self.weight, self.batch_size, self.__name__ = weight, batch_size, label
         self.signal: GroupSignal | None = None
@@ -196,8 +210,9 @@ class RewardModelReward:
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs) -> list[float]:
         sources = kwargs.get(SOURCE_PROMPT) or prompts
         completions = list(completions or [])
-        finished = (None if completion_ids is None
-                    else [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids])
+        finished = (
+            None if completion_ids is None else [bool(ids) and ids[-1] in self.stop_ids for ids in completion_ids]
+        )
         rewards = score_texts(self.model, self.tokenizer, list(sources), completions, self.batch_size, finished)
         if self.signal is not None:
             self.signal.record(self, rewards, completion_ids, kwargs.get("log_metric"))
@@ -209,9 +224,11 @@ def combined_scores(rewards: list[VerifierReward], completions: list[str], examp
     and `passed` (every verifier passed it). RSFT's filter reads these."""
     per_reward = [reward.score(completions, examples) for reward in rewards]
     return [
-        {"score": sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),
-         "parsed": all(results[i].status == "ok" for results in per_reward),
-         "passed": all(is_pass(results[i]) for results in per_reward)}
+        {
+            "score": sum(r.weight * results[i].reward for r, results in zip(rewards, per_reward)),
+            "parsed": all(results[i].status == "ok" for results in per_reward),
+            "passed": all(is_pass(results[i]) for results in per_reward),
+        }
         for i in range(len(completions))
     ]
 
@@ -234,8 +251,14 @@ class GroupSignal:
     Counted for training batches (`training()` true, the trainer's model in train mode); every batch logs its
     shares (`signal/...`, eval's with TRL's `eval_` prefix)."""
 
-    def __init__(self, rewards: list, stop_ids: Iterable[int], num_generations: int,
-                 num_generations_eval: int | None = None, training: Callable[[], bool] = lambda: True):
+    def __init__(
+        self,
+        rewards: list,
+        stop_ids: Iterable[int],
+        num_generations: int,
+        num_generations_eval: int | None = None,
+        training: Callable[[], bool] = lambda: True,
+    ):
         self.rewards, self.stop_ids = rewards, set(stop_ids)
         self.sizes = (num_generations, num_generations_eval or num_generations)
         self.training = training
@@ -254,7 +277,7 @@ class GroupSignal:
         cut = [bool(ids) and ids[-1] not in self.stop_ids for ids in completion_ids or [[]] * len(totals)]
         batch = gather_object(list(zip(totals, cut)))
         size = self.sizes[0] if self.training() else self.sizes[1]
-        groups = [[total for total, _ in batch[i:i + size]] for i in range(0, len(batch), size)]
+        groups = [[total for total, _ in batch[i : i + size]] for i in range(0, len(batch), size)]
         self.last_flat = [max(g) - min(g) <= SPREAD_EPS for g in groups]  # dynamic sampling reads it
         flat = sum(self.last_flat)
         truncated = sum(c for _, c in batch)
@@ -268,8 +291,11 @@ class GroupSignal:
         """For stage.json: the run's share of groups without reward variance, and the cut completions."""
         if not self.counts["groups"]:
             return {}
-        return {"zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
-                "completions_truncated": self.counts["truncated"], "completions_sampled": self.counts["completions"]}
+        return {
+            "zero_variance_groups": self.counts["zero_variance"] / self.counts["groups"],
+            "completions_truncated": self.counts["truncated"],
+            "completions_sampled": self.counts["completions"],
+        }
 
     def report(self, where: str, max_completion_length: int | None, masked: bool = False) -> None:
         """Say what the counts mean: a warning when most groups taught nothing or many answers were cut. `masked`:
@@ -284,18 +310,28 @@ class GroupSignal:
                 "their completions (zero_variance_groups in stage.json): those groups give GRPO/RLOO no gradient, so "
                 "the policy barely moved. Give prompts the policy solves some of the time (harder ones if it solves "
                 "them all, easier if none), sample more diversely (a higher train.temperature), or raise "
-                "train.num_generations.")
+                "train.num_generations."
+            )
         cut, total = found["completions_truncated"], found["completions_sampled"]
         if not cut:
             return
         if masked:
-            what = ("they were scored, and their rewards count in their group's baseline, but they were left out of "
-                    "the loss (mask_truncated_completions: true), so their samples taught nothing. Raise "
-                    "train.max_completion_length to waste fewer.")
+            what = (
+                "they were scored, and their rewards count in their group's baseline, but they were left out of "
+                "the loss (mask_truncated_completions: true), so their samples taught nothing. Raise "
+                "train.max_completion_length to waste fewer."
+            )
         else:
-            what = ("they were scored and trained as cut off, without an end-of-turn token. Raise "
-                    "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
-                    "of the loss.")
-        log_share(log, cut, total, f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
-                  f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
-                  f"(completions_truncated in stage.json); {what}")
+            what = (
+                "they were scored and trained as cut off, without an end-of-turn token. Raise "
+                "train.max_completion_length, or set train.mask_truncated_completions: true to leave them out "
+                "of the loss."
+            )
+        log_share(
+            log,
+            cut,
+            total,
+            f"[{where}] {cut} of {total} completions ({cut / total:.0%}) were cut at "
+            f"max_completion_length={max_completion_length} tokens before their end-of-turn token "
+            f"(completions_truncated in stage.json); {what}",
+        )

@@ -11,6 +11,7 @@ taken out of the loss mask, since their log-probs are not the policy's choices.
 
 Pure torch, no training-loop state: `python -m pytest tests/test_rollout.py -q`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,23 +78,28 @@ class Rollout:
             for dim, size in zip(dims, value.shape):
                 first = sizes.setdefault(dim, (size, f.name))
                 if first[0] != size:
-                    raise ValueError(f"Rollout.{f.name}: shape {list(value.shape)} does not fit {layout}: "
-                                     f"{dim} is {first[0]} in {first[1]}, {size} here")
+                    raise ValueError(
+                        f"Rollout.{f.name}: shape {list(value.shape)} does not fit {layout}: "
+                        f"{dim} is {first[0]} in {first[1]}, {size} here"
+                    )
             if value.device != device:
                 raise ValueError(f"Rollout.{f.name}: on {value.device}, query_responses on {device}")
         if (self.advantages is None) != (self.returns is None):
             raise ValueError("Rollout: advantages and returns are set together (both or neither)")
         if sizes["P+T"][0] < sizes["T"][0]:
-            raise ValueError(f"Rollout: query_responses has {sizes['P+T'][0]} columns, fewer than the "
-                             f"{sizes['T'][0]} of response_mask")
+            raise ValueError(
+                f"Rollout: query_responses has {sizes['P+T'][0]} columns, fewer than the "
+                f"{sizes['T'][0]} of response_mask"
+            )
 
     def __len__(self) -> int:
         return self.query_responses.shape[0]
 
     def __getitem__(self, rows) -> Rollout:
         if isinstance(rows, int) or (isinstance(rows, torch.Tensor) and rows.dim() == 0):
-            raise TypeError("Rollout: index rows with a slice, a list or a 1-D tensor; one int would drop the "
-                            "batch dimension")
+            raise TypeError(
+                "Rollout: index rows with a slice, a list or a 1-D tensor; one int would drop the batch dimension"
+            )
         return self._map({"B": rows})
 
     @property

@@ -42,19 +42,28 @@ def drop_overlong(rows: list[dict], max_length: int | None, where: str, length=p
         return rows
     kept = [r for r in rows if length(r) < max_length]
     if not kept:
-        raise UserError(f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
-                        "left to train on; raise train.max_length or shorten the prompts.")
+        raise UserError(
+            f"{where}: every prompt is at least max_length={max_length} tokens long, so nothing is "
+            "left to train on; raise train.max_length or shorten the prompts."
+        )
     if len(kept) < len(rows):
         dropped = len(rows) - len(kept)
-        log_share(log, dropped, len(rows), f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves "
-                  f"no room for the completion within max_length={max_length} tokens")
+        log_share(
+            log,
+            dropped,
+            len(rows),
+            f"[{where}] dropped {dropped} of {len(rows)} rows whose prompt leaves "
+            f"no room for the completion within max_length={max_length} tokens",
+        )
     return kept
 
 
 def row_lengths(tokenizer, rows: list[dict]) -> list[int]:
     """Tokens of each SFT row as TRL trains it (a text row's as TRL tokenizes it, before it appends EOS)."""
-    return [len(r["input_ids"]) if "input_ids" in r else len(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
-            for r in rows]
+    return [
+        len(r["input_ids"]) if "input_ids" in r else len(tokenizer(r["text"], add_special_tokens=False)["input_ids"])
+        for r in rows
+    ]
 
 
 def count_truncated(lengths: list[int], max_length: int | None, where: str, what: str = "rows") -> int:
@@ -65,7 +74,12 @@ def count_truncated(lengths: list[int], max_length: int | None, where: str, what
         return 0
     truncated = sum(n > max_length for n in lengths)
     if truncated:
-        log_share(log, truncated, len(lengths), f"[{where}] {truncated} of {len(lengths)} {what} "
-                  f"({truncated / len(lengths):.0%}) are longer than max_length={max_length} tokens and are trained "
-                  "cut off, without their end; raise train.max_length or shorten them")
+        log_share(
+            log,
+            truncated,
+            len(lengths),
+            f"[{where}] {truncated} of {len(lengths)} {what} "
+            f"({truncated / len(lengths):.0%}) are longer than max_length={max_length} tokens and are trained "
+            "cut off, without their end; raise train.max_length or shorten them",
+        )
     return truncated

@@ -73,8 +73,14 @@ def score_ids(reward_model, tokenizer, encoded: list[list[int]], batch_size: int
     return scores
 
 
-def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], batch_size: int = 16,
-                finished: list[bool] | None = None) -> list[float]:
+def score_texts(
+    reward_model,
+    tokenizer,
+    prompts: list,
+    completions: list[str],
+    batch_size: int = 16,
+    finished: list[bool] | None = None,
+) -> list[float]:
     """Reward of each (prompt, completion): prompts are strings or chat messages, completions plain answer
     text (as `sampling.Sample.text`). A finished answer is rendered as `render_prompt(p) +
     render_completion(p, c)`, the text the reward stage trains on; one that was cut off (`finished[i]` false,
@@ -87,15 +93,23 @@ def score_texts(reward_model, tokenizer, prompts: list, completions: list[str], 
     encoded = []
     for p, c, done in zip(prompts, completions, finished):
         prompt_ids, completion_ids = encode_prompt_completion(
-            tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c)
+            tokenizer, render_prompt(tokenizer, p), render_completion(tokenizer, p, c) if done else c
+        )
         encoded.append((prompt_ids, completion_ids))
     if isinstance(reward_model, ImplicitRewardModel):
         return implicit_scores(reward_model, tokenizer, prompts, completions, finished, encoded, batch_size)
     return score_ids(reward_model, tokenizer, [p + c for p, c in encoded], batch_size)
 
 
-def implicit_scores(reward_model: ImplicitRewardModel, tokenizer, prompts: list, completions: list[str],
-                    finished: list[bool], encoded: list[tuple[list[int], list[int]]], batch_size: int) -> list[float]:
+def implicit_scores(
+    reward_model: ImplicitRewardModel,
+    tokenizer,
+    prompts: list,
+    completions: list[str],
+    finished: list[bool],
+    encoded: list[tuple[list[int], list[int]]],
+    batch_size: int,
+) -> list[float]:
     """The implicit reward of each encoded (prompt, completion); a cut-off one scores min(r(y), r(y + end of turn)).
 
     beta * log pi/ref summed over an unfinished answer skips the end-of-turn term, where the DPO policy says
@@ -107,8 +121,14 @@ def implicit_scores(reward_model: ImplicitRewardModel, tokenizer, prompts: list,
     scores = reward_model.score([p for p, _ in encoded], [c for _, c in encoded], pad, batch_size)
     cut = [i for i, done in enumerate(finished) if not done]
     if cut:
-        ended = [encode_prompt_completion(tokenizer, render_prompt(tokenizer, prompts[i]),
-                                          render_completion(tokenizer, prompts[i], completions[i])) for i in cut]
+        ended = [
+            encode_prompt_completion(
+                tokenizer,
+                render_prompt(tokenizer, prompts[i]),
+                render_completion(tokenizer, prompts[i], completions[i]),
+            )
+            for i in cut
+        ]
         as_finished = reward_model.score([p for p, _ in ended], [c for _, c in ended], pad, batch_size)
         for i, value in zip(cut, as_finished):
             scores[i] = min(scores[i], value)
@@ -122,14 +142,20 @@ def implicit_reward_kl_note(reward_model, kl_coef: float, kl_target: float | Non
     if not isinstance(reward_model, ImplicitRewardModel):
         return None
     beta = reward_model.beta
-    past = (f"kl_coef {kl_coef:g} is below the implicit reward's beta {beta:g}" if kl_coef < beta else
-            f"kl_target adapts kl_coef (from {kl_coef:g}) and may take it below the implicit reward's beta {beta:g}"
-            if kl_target is not None else None)
+    past = (
+        f"kl_coef {kl_coef:g} is below the implicit reward's beta {beta:g}"
+        if kl_coef < beta
+        else f"kl_target adapts kl_coef (from {kl_coef:g}) and may take it below the implicit reward's beta {beta:g}"
+        if kl_target is not None
+        else None
+    )
     if past is None:
         return None
-    return (f"{past}: PPO's optimum is then ref * (pi_dpo / ref) ** (beta / kl_coef), past the DPO policy, and it "
-            "gains by whatever the DPO policy raised over its reference, answer length included (the implicit "
-            "reward is a sum over tokens). kl_coef: beta (fixed) makes the DPO policy itself the optimum.")
+    return (
+        f"{past}: PPO's optimum is then ref * (pi_dpo / ref) ** (beta / kl_coef), past the DPO policy, and it "
+        "gains by whatever the DPO policy raised over its reference, answer length included (the implicit "
+        "reward is a sum over tokens). kl_coef: beta (fixed) makes the DPO policy itself the optimum."
+    )
 
 
 def check_reward_model(ref: str, path: str, where: str, trust_remote_code: bool = False) -> None:
@@ -154,6 +180,8 @@ def check_classifier(ref: str, path: str, where: str, trust_remote_code: bool = 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if not is_reward_classifier(config):
         architectures = getattr(config, "architectures", None) or []
-        raise UserError(f"{where}: '{ref}' is not a reward model (architecture {architectures or 'unknown'}, "
-                        f"{config.num_labels} label(s)); give the output of a `reward` or `dpo` stage or a "
-                        "*ForSequenceClassification checkpoint with one label.")
+        raise UserError(
+            f"{where}: '{ref}' is not a reward model (architecture {architectures or 'unknown'}, "
+            f"{config.num_labels} label(s)); give the output of a `reward` or `dpo` stage or a "
+            "*ForSequenceClassification checkpoint with one label."
+        )

@@ -52,12 +52,15 @@ def unsharded_copy(model: torch.nn.Module, state_dict: dict, adapter: str = "def
     clone.tie_weights()
     missing = [name for name, tensor in clone.state_dict().items() if tensor.is_meta]
     if unexpected or missing:
-        raise RuntimeError(f"the gathered state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"the gathered state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     return clone.eval()
 
 
-def save_trained(accelerator, model, tokenizer, out_dir: Path, dtype: torch.dtype | None = None,
-                 pick=None, save=None) -> None:
+def save_trained(
+    accelerator, model, tokenizer, out_dir: Path, dtype: torch.dtype | None = None, pick=None, save=None
+) -> None:
     """Gather `model` (as prepared by `accelerator`) on every process, write it from rank 0 with `save`
     (default `models.save_checkpoint`). `pick(unwrapped, state) -> (model, state)` chooses a part to save (PPO:
     the policy of its actor-critic).

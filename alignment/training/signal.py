@@ -18,7 +18,7 @@ def flat_groups(rewards: Sequence[float], size: int) -> list[bool]:
     """One flag per group of `size` consecutive rewards: True when its rewards do not differ."""
     if size < 1 or len(rewards) % size:
         raise ValueError(f"{len(rewards)} rewards do not make whole groups of {size}")
-    groups = [rewards[i:i + size] for i in range(0, len(rewards), size)]
+    groups = [rewards[i : i + size] for i in range(0, len(rewards), size)]
     return [max(g) - min(g) <= SPREAD_EPS for g in groups]
 
 
@@ -31,10 +31,14 @@ def keep_groups(draws: Sequence[Sequence[bool]], needed: int) -> tuple[list[tupl
     informative = [(d, g) for d, flags in enumerate(draws) for g, flat in enumerate(flags) if not flat]
     flat = [(d, g) for d, flags in enumerate(draws) for g, is_flat in enumerate(flags) if is_flat]
     kept = informative[:needed]
-    filled = flat[:needed - len(kept)]
+    filled = flat[: needed - len(kept)]
     chosen = sorted(kept + filled)
-    return chosen, {"dropped": len(flat) - len(filled), "filled": len(filled), "informative": len(kept),
-                    "spare": len(informative) - len(kept)}
+    return chosen, {
+        "dropped": len(flat) - len(filled),
+        "filled": len(filled),
+        "informative": len(kept),
+        "spare": len(informative) - len(kept),
+    }
 
 
 def pass_rate_bounds(rates: Sequence[float], low: float, high: float) -> tuple[list[int], dict[str, int]]:

@@ -41,22 +41,28 @@ def check_engine(config, where: str) -> None:
     recipe loads, by the rlvr config)."""
     engine = launched_engine()
     if engine in PARTITIONED:
-        raise UserError(f"{where}: tool rollouts do not run under {engine}: each process samples from its own "
-                        "unwrapped model and sharded weights are not gathered for it. Launch with DDP "
-                        "(configs/accelerate/ddp.yaml) or a single process.")
+        raise UserError(
+            f"{where}: tool rollouts do not run under {engine}: each process samples from its own "
+            "unwrapped model and sharded weights are not gathered for it. Launch with DDP "
+            "(configs/accelerate/ddp.yaml) or a single process."
+        )
     # TRL's vLLM engine samples TRL's own single-turn completions, which rollout_func replaces; rlvr has no
     # sampling block for this toolkit's vLLM backend (which runs the tool rollouts of rsft and evaluation).
     ignored = {"min_p": None, "repetition_penalty": 1.0, "generation_kwargs": None}  # key: the value that does nothing
     for key, inert in ignored.items():
         if config.train.get(key, inert) not in (inert, {}):
-            raise UserError(f"{where}.train.{key}: with tools, rlvr's multi-turn rollouts sample with temperature, "
-                            f"top_p and top_k only, so `{key}` would be ignored; drop it (or sample without tools).")
+            raise UserError(
+                f"{where}.train.{key}: with tools, rlvr's multi-turn rollouts sample with temperature, "
+                f"top_p and top_k only, so `{key}` would be ignored; drop it (or sample without tools)."
+            )
     if config.train.get("use_vllm"):
-        raise UserError(f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
-                        "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
-                        "would be started and sent the weights at every step but never sample. Set use_vllm: false "
-                        "(tool rollouts do sample through vLLM in rsft and evaluation suites, with "
-                        "`sampling: {backend: vllm}`).")
+        raise UserError(
+            f"{where}.train.use_vllm: with tools, rlvr's rollouts are this toolkit's multi-turn "
+            "rollout (TRL's rollout_func), which samples with the transformers backend: TRL's vLLM engine "
+            "would be started and sent the weights at every step but never sample. Set use_vllm: false "
+            "(tool rollouts do sample through vLLM in rsft and evaluation suites, with "
+            "`sampling: {backend: vllm}`)."
+        )
 
 
 class ToolRollouts:
@@ -91,34 +97,60 @@ class ToolRollouts:
         hands the rollout. With an environment, rows must differ in their prompt (reset gets the row)."""
         prepared = []
         for row in rows:
-            text = self.format.render_prompt(self.tokenizer, row[SOURCE_PROMPT], self.toolbox.schemas,
-                                             self.config.describe_tools)
+            text = self.format.render_prompt(
+                self.tokenizer, row[SOURCE_PROMPT], self.toolbox.schemas, self.config.describe_tools
+            )
             other = self.rows.setdefault(text, row)
             if other is not row and self.toolbox.environment is not None and other != row:
-                raise UserError(f"{self.where}.data: two rows have the same prompt but different columns; with an "
-                                "`environment:` each prompt must be unique, as the row reaches reset(row) through it.")
+                raise UserError(
+                    f"{self.where}.data: two rows have the same prompt but different columns; with an "
+                    "`environment:` each prompt must be unique, as the row reaches reset(row) through it."
+                )
             prepared.append({**row, "prompt": text})
         return prepared
 
     def __call__(self, prompts: list[str], trainer) -> dict:
         """TRL's rollout_func: one trajectory per prompt (TRL repeats each prompt num_generations times)."""
         args = trainer.args
-        settings = SamplingSpec(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k or 0, batch_size=max(len(prompts), 1))
+        settings = SamplingSpec(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            batch_size=max(len(prompts), 1),
+        )
         rows = [self.rows[p] for p in prompts]
-        trajectories = start(self.tokenizer, self.format, self.toolbox, [r[SOURCE_PROMPT] for r in rows], rows,
-                             self.config.describe_tools)
+        trajectories = start(
+            self.tokenizer,
+            self.format,
+            self.toolbox,
+            [r[SOURCE_PROMPT] for r in rows],
+            rows,
+            self.config.describe_tools,
+        )
         model = trainer.accelerator.unwrap_model(trainer.model)
-        rollout(model, self.tokenizer, trajectories, self.format, settings,
-                RolloutLimits.of(self.config, args.max_completion_length))
+        rollout(
+            model,
+            self.tokenizer,
+            trajectories,
+            self.format,
+            settings,
+            RolloutLimits.of(self.config, args.max_completion_length),
+        )
         if trainer.model.training:
             for t in trajectories:
-                self.totals.update({k: t.counts[k] for k in COUNTS}, rollouts=1, with_calls=int(t.counts["tool_calls"] > 0))
-        return {"prompt_ids": [t.prompt_ids for t in trajectories], "completion_ids": [t.ids for t in trajectories],
-                "logprobs": [t.logprobs for t in trajectories], "env_mask": [t.mask for t in trajectories],
-                ANSWER: [t.answer for t in trajectories],
-                "environment_reward": [t.reward for t in trajectories],
-                **{FIELDS[k]: [t.counts[k] for t in trajectories] for k in COUNTS}}
+                self.totals.update(
+                    {k: t.counts[k] for k in COUNTS}, rollouts=1, with_calls=int(t.counts["tool_calls"] > 0)
+                )
+        return {
+            "prompt_ids": [t.prompt_ids for t in trajectories],
+            "completion_ids": [t.ids for t in trajectories],
+            "logprobs": [t.logprobs for t in trajectories],
+            "env_mask": [t.mask for t in trajectories],
+            ANSWER: [t.answer for t in trajectories],
+            "environment_reward": [t.reward for t in trajectories],
+            **{FIELDS[k]: [t.counts[k] for t in trajectories] for k in COUNTS},
+        }
 
     def rewards(self, verifier_rewards: list) -> list:
         """TRL reward functions: each verifier on the final answers, plus the environment's reward if any. TRL
@@ -144,9 +176,13 @@ class ToolRollouts:
         main process only, as the checkpoint is)."""
         if not is_main_process():
             return
-        record = {"tool_format": self.format.style, "native_template": self.format.native,
-                  "tools": self.toolbox.schemas, "max_turns": self.config.max_turns,
-                  "described_in_prompt": self.config.describe_tools}
+        record = {
+            "tool_format": self.format.style,
+            "native_template": self.format.native,
+            "tools": self.toolbox.schemas,
+            "max_turns": self.config.max_turns,
+            "described_in_prompt": self.config.describe_tools,
+        }
         (Path(out_dir) / "tools.json").write_text(json.dumps(record, indent=2))
 
 
@@ -190,20 +226,48 @@ class EnvironmentReward:
         return rewards
 
 
-def sample_trajectories(model, tokenizer, tools: ToolRollouts, prompts: list, rows: list[dict],
-                        settings: SamplingSpec, progress: str | None = None) -> tuple[list[Sample], list[dict]]:
+def sample_trajectories(
+    model,
+    tokenizer,
+    tools: ToolRollouts,
+    prompts: list,
+    rows: list[dict],
+    settings: SamplingSpec,
+    progress: str | None = None,
+) -> tuple[list[Sample], list[dict]]:
     """`settings.n` multi-turn rollouts per prompt (rsft): one Sample per rollout holding its final answer
     (`finished` when it ended with an answer), and per rollout the token row SFT trains on
     (`input_ids`, `completion_mask` = 1 on the model's own tokens only: tool results are out of the loss) with
     the trajectory's record. `settings.max_new_tokens` bounds the whole trajectory after the prompt."""
     n = settings.n
     repeated = [(i, p, r) for i, (p, r) in enumerate(zip(prompts, rows)) for _ in range(n)]
-    trajectories = start(tokenizer, tools.format, tools.toolbox, [p for _, p, _ in repeated],
-                         [r for _, _, r in repeated], tools.config.describe_tools)
-    rollout(model, tokenizer, trajectories, tools.format, settings,
-            RolloutLimits.of(tools.config, settings.max_new_tokens), progress)
-    samples = [Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
-               for (i, _, _), t in zip(repeated, trajectories)]
-    token_rows = [{"input_ids": t.prompt_ids + t.ids, "completion_mask": [0] * len(t.prompt_ids) + t.mask,
-                   "trajectory": t.record()} for t in trajectories]
+    trajectories = start(
+        tokenizer,
+        tools.format,
+        tools.toolbox,
+        [p for _, p, _ in repeated],
+        [r for _, _, r in repeated],
+        tools.config.describe_tools,
+    )
+    rollout(
+        model,
+        tokenizer,
+        trajectories,
+        tools.format,
+        settings,
+        RolloutLimits.of(tools.config, settings.max_new_tokens),
+        progress,
+    )
+    samples = [
+        Sample(i, t.answer, [x for x, m in zip(t.ids, t.mask) if m], finished=t.stop_reason == "answer")
+        for (i, _, _), t in zip(repeated, trajectories)
+    ]
+    token_rows = [
+        {
+            "input_ids": t.prompt_ids + t.ids,
+            "completion_mask": [0] * len(t.prompt_ids) + t.mask,
+            "trajectory": t.record(),
+        }
+        for t in trajectories
+    ]
     return samples, token_rows

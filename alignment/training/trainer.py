@@ -57,6 +57,7 @@ def gradient_norm(model) -> float:
 def make_nonfinite_guard(stage_id: str):
     """A TrainerCallback that stops before an optimizer step whose gradients or loss are not finite, so
     the weights and the last good checkpoint stay intact."""
+
     class NonFiniteGuard(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             norm = gradient_norm(model) if model is not None else 0.0
@@ -96,21 +97,36 @@ def final_metrics(trainer, **extra) -> dict:
 # break, each with why; `align check` refuses them (`sft_config`). Packing and padding-free training keep the
 # mask (TRL turns it into labels before packing) and are left to TRL.
 REFUSED_SFT_OPTIONS = {
-    "completion_only_loss": (lambda v: v is None, "null lets TRL decide from the columns of the rows it is handed, "
-                             "and the stage hands it tokenized rows, so it would train on every token, prompts "
-                             "included; set true (the default: the loss on the answers, every assistant turn of a "
-                             "conversation) or false (every token)"),
-    "dataset_text_field": (lambda v: v != "text", "plain-text rows are read from the `text` column; map yours to it "
-                           "with `data: {rename: {<column>: text}}` instead"),
-    "dataset_kwargs": (lambda v: bool(v), "the stage prepares the rows itself; `skip_prepare_dataset` would also skip "
-                       "TRL's turning of the stage's completion mask into labels (TRL 1.16 reads no other key)"),
-    "chat_template_path": (lambda v: v is not None, "the rows are rendered with the start model's chat template "
-                           "before TRL sees them, so a template given to TRL would not be trained on and would "
-                           "differ from the one saved; set the recipe's `template:` or start from a tokenizer with "
-                           "that template"),
-    "eos_token": (lambda v: v is not None, "the stage ends every answer with the chat template's end-of-turn token "
-                  "itself (and plain-text rows with it too), so TRL's EOS setting would change nothing but the "
-                  "tokenizer; set the end of a turn in the chat template (`template:`) instead"),
+    "completion_only_loss": (
+        lambda v: v is None,
+        "null lets TRL decide from the columns of the rows it is handed, "
+        "and the stage hands it tokenized rows, so it would train on every token, prompts "
+        "included; set true (the default: the loss on the answers, every assistant turn of a "
+        "conversation) or false (every token)",
+    ),
+    "dataset_text_field": (
+        lambda v: v != "text",
+        "plain-text rows are read from the `text` column; map yours to it "
+        "with `data: {rename: {<column>: text}}` instead",
+    ),
+    "dataset_kwargs": (
+        lambda v: bool(v),
+        "the stage prepares the rows itself; `skip_prepare_dataset` would also skip "
+        "TRL's turning of the stage's completion mask into labels (TRL 1.16 reads no other key)",
+    ),
+    "chat_template_path": (
+        lambda v: v is not None,
+        "the rows are rendered with the start model's chat template "
+        "before TRL sees them, so a template given to TRL would not be trained on and would "
+        "differ from the one saved; set the recipe's `template:` or start from a tokenizer with "
+        "that template",
+    ),
+    "eos_token": (
+        lambda v: v is not None,
+        "the stage ends every answer with the chat template's end-of-turn token "
+        "itself (and plain-text rows with it too), so TRL's EOS setting would change nothing but the "
+        "tokenizer; set the end of a turn in the chat template (`template:`) instead",
+    ),
 }
 
 
@@ -124,22 +140,29 @@ def sft_config(ctx: StageContext, work_dir: Path | None = None, **stage_defaults
         if key in train and refused(train[key]):
             raise UserError(f"{ctx.where}.train.{key}: {train[key]!r} is not supported here: {why}.")
     if train.get("assistant_only_loss") and train.get("completion_only_loss") is False:
-        raise UserError(f"{ctx.where}.train: assistant_only_loss: true asks for the loss on the assistant turns only "
-                        "and completion_only_loss: false for the loss on every token; drop one of the two.")
+        raise UserError(
+            f"{ctx.where}.train: assistant_only_loss: true asks for the loss on the assistant turns only "
+            "and completion_only_loss: false for the loss on every token; drop one of the two."
+        )
     args = ctx.trl_args(SFTConfig, work_dir=work_dir, **stage_defaults)
     args.assistant_only_loss = False  # the stage's completion mask does it (see above)
     return args
 
 
-def make_sft_trainer(ctx: StageContext, args, model, tokenizer, train_rows: list[dict], eval_rows: list[dict] | None = None):
+def make_sft_trainer(
+    ctx: StageContext, args, model, tokenizer, train_rows: list[dict], eval_rows: list[dict] | None = None
+):
     """The SFTTrainer of the `sft` stage and of each `rsft` round: token rows (`token_rows`) or text rows,
     the stage's LoRA and callbacks, and a tokenizer whose EOS is the end-of-turn token (see
     `formatting.eos_as_end_of_turn`)."""
     return with_length_sampling(SFTTrainer)(
-        model=model, args=args, processing_class=eos_as_end_of_turn(tokenizer),
+        model=model,
+        args=args,
+        processing_class=eos_as_end_of_turn(tokenizer),
         train_dataset=training_dataset(train_rows, args, sft_row_length),
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
-        peft_config=peft_config(ctx.lora) if ctx.lora else None, callbacks=trainer_callbacks(ctx),
+        peft_config=peft_config(ctx.lora) if ctx.lora else None,
+        callbacks=trainer_callbacks(ctx),
     )
 
 

@@ -74,7 +74,7 @@ def think_format(completion: str, *, prefilled: bool = False) -> float:
         ok_head = _OPEN not in head and head.strip() != ""
     else:
         stripped = head.lstrip()
-        ok_head = stripped.startswith(_OPEN) and head.count(_OPEN) == 1 and stripped[len(_OPEN):].strip() != ""
+        ok_head = stripped.startswith(_OPEN) and head.count(_OPEN) == 1 and stripped[len(_OPEN) :].strip() != ""
     ok_answer = answer.strip() != "" and _OPEN not in answer
     return 1.0 if ok_head and ok_answer else 0.0
 

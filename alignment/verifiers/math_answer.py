@@ -58,9 +58,23 @@ _PROSE = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
 _TEXT_GROUP = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{[^{}]*\}")
 _PLAIN = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|[a-z])")
 # spellings of the same LaTeX, for "is this copied from the problem"
-_SAME_LATEX = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom"),
-               ("\\left", ""), ("\\right", ""), ("\\,", ""), ("\\!", ""), ("\\;", ""), ("\\(", ""), ("\\)", ""),
-               ("\\[", ""), ("\\]", ""), ("$", ""), ("**", ""))
+_SAME_LATEX = (
+    ("\\dfrac", "\\frac"),
+    ("\\tfrac", "\\frac"),
+    ("\\dbinom", "\\binom"),
+    ("\\tbinom", "\\binom"),
+    ("\\left", ""),
+    ("\\right", ""),
+    ("\\,", ""),
+    ("\\!", ""),
+    ("\\;", ""),
+    ("\\(", ""),
+    ("\\)", ""),
+    ("\\[", ""),
+    ("\\]", ""),
+    ("$", ""),
+    ("**", ""),
+)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -110,7 +124,7 @@ def _marked_answer(text: str) -> str | None:
     of prose ("18 dollars" is 18) or an aside ("85 (37 + 48)" is 85); "the answer is clear" states
     nothing."""
     for marker in reversed(list(_MARKER.finditer(text))):
-        span = _TEXT_GROUP.sub("", _to_sentence_end(text[marker.end():])).strip()
+        span = _TEXT_GROUP.sub("", _to_sentence_end(text[marker.end() :])).strip()
         if _STARTS_MATH.match(span) or _is_math(span):
             prose = _PROSE.search(span)
             return _ASIDE.sub("", span[: prose.start()] if prose else span)
@@ -126,11 +140,11 @@ def _closing_answer(text: str, problem: str) -> str | None:
     signs = list(_RESULT_SIGN.finditer(sentence))
     if not signs or sentence.endswith("?"):
         return None  # no result stated, or a question ("What is $\\frac{18}{6}$?") asks for one
-    result = sentence[signs[-1].end():].rstrip(" .!?;$*").removesuffix("\\]").removesuffix("\\)").strip(" $")
+    result = sentence[signs[-1].end() :].rstrip(" .!?;$*").removesuffix("\\]").removesuffix("\\)").strip(" $")
     if not _is_math(result):
         return None  # nothing after the "=" (cut off), or the sentence goes on in words
     lhs = sentence[: signs[-1].start()]
-    lhs = lhs[max((m.end() for m in _PROSE.finditer(lhs)), default=0):]  # the equation starts after the prose
+    lhs = lhs[max((m.end() for m in _PROSE.finditer(lhs)), default=0) :]  # the equation starts after the prose
     equation = f"{lhs}={result}" if signs[-1].group() == "=" and lhs.strip(" $,:") else ""
     copied = [c for c in (sentence, equation) if c and _occurs(_canon(c), problem)]
     return None if copied else result

@@ -88,7 +88,7 @@ def problem_text(*columns: Any) -> str:
 
 def _is_operand(text: str, match: re.Match) -> bool:
     """Whether the number is an operand of a calculation ("37 + 48", "37 +"), not a stated result."""
-    return bool(_OPERATOR_BEFORE.search(text[: match.start()]) or _OPERATOR_AFTER.match(text[match.end():]))
+    return bool(_OPERATOR_BEFORE.search(text[: match.start()]) or _OPERATOR_AFTER.match(text[match.end() :]))
 
 
 def _squash(text: str) -> str:
@@ -108,7 +108,7 @@ def _quotes_problem(text: str, match: re.Match, problem: str) -> bool:
     if statement in _squash(problem):
         return True
     unfinished = not _SENTENCE_END.search(text, match.end())
-    return unfinished and not _STATED_AS_RESULT.search(text[start: match.start()])
+    return unfinished and not _STATED_AS_RESULT.search(text[start : match.start()])
 
 
 def _first_result(text: str) -> Fraction | None:

@@ -56,7 +56,7 @@ def _transcript_code(block: str) -> str:
     for line in block.splitlines():
         prompt = _PROMPT.match(line)
         if prompt and (prompt.group(1) == ">>>" or in_example):
-            lines.append(line[prompt.end():])
+            lines.append(line[prompt.end() :])
             in_example = True
         elif in_example and line.strip():
             continue  # expected output of the example above

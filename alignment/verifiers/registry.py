@@ -167,9 +167,7 @@ def _find(name: str, search_dirs: Iterable[str | Path] | None) -> tuple[Callable
         return _load_plugin(plugins[name], name), plugins[name].value
     if ":" in name:
         return _load_target(name, name, search_dirs), name
-    raise UserError(
-        f"Unknown verifier '{name}'.{_hint(name, list(BUILTINS) + list(plugins))} {_catalogue(plugins)}"
-    )
+    raise UserError(f"Unknown verifier '{name}'.{_hint(name, list(BUILTINS) + list(plugins))} {_catalogue(plugins)}")
 
 
 def _check_options(fn: Callable, name: str, options: Mapping[str, Any]) -> None:

@@ -83,8 +83,11 @@ def _as_text(value: Any) -> str:
 
 def _select(path: Path, rows: list[dict], where: Mapping[str, str]) -> list[tuple[int, dict]]:
     """(1-based file row number, row) of the rows matching every `where` column=value."""
-    selected = [(number, row) for number, row in enumerate(rows, start=1)
-                if all(column in row and _as_text(row[column]) == str(value) for column, value in where.items())]
+    selected = [
+        (number, row)
+        for number, row in enumerate(rows, start=1)
+        if all(column in row and _as_text(row[column]) == str(value) for column, value in where.items())
+    ]
     if not selected:
         held = {column: sorted({_as_text(r[column]) for r in rows if column in r})[:10] for column in where}
         found = "; ".join(f"'{c}' holds {', '.join(v)}" if v else f"no row has a column '{c}'" for c, v in held.items())
@@ -141,5 +144,11 @@ def verify_file(
         kind = "passed" if is_pass(result) else "failed" if result.status == "ok" else result.status
         if len(buckets[kind]) < EXAMPLES_PER_KIND:
             buckets[kind].append(_example(number, completion, result))
-    return {"verifier": verifier.name, "file": str(path), "column": column, "where": dict(where or {}),
-            **summarize(results), "examples": buckets}
+    return {
+        "verifier": verifier.name,
+        "file": str(path),
+        "column": column,
+        "where": dict(where or {}),
+        **summarize(results),
+        "examples": buckets,
+    }

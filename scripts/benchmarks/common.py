@@ -53,8 +53,15 @@ def mfu(tokens_per_s: float, params: int, peak_tflops: float, training: bool) ->
 def row(section, variant, rate, unit, peak, model, args, training) -> dict:
     params = sum(p.numel() for p in model.parameters()) if model is not None else 0
     util = mfu(rate, params, args.peak_tflops, training) if unit == "tokens/s" else None
-    return {"section": section, "variant": variant, "rate": round(rate, 2), "unit": unit,
-            "peak_mib": round(peak.mib, 1), "seconds": round(peak.seconds, 2), "mfu": util}
+    return {
+        "section": section,
+        "variant": variant,
+        "rate": round(rate, 2),
+        "unit": unit,
+        "peak_mib": round(peak.mib, 1),
+        "seconds": round(peak.seconds, 2),
+        "mfu": util,
+    }
 
 
 def timed_generate(section, variant, model, tokenizer, prompts, spec, args) -> dict:

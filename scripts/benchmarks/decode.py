@@ -26,8 +26,10 @@ def decode_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
 
     rng = random.Random(0)
     if real_model:
-        return [render_prompt(tokenizer, f"What is {rng.randint(1, 999)} + {rng.randint(1, 999)}? Explain briefly.")
-                for _ in range(count)]
+        return [
+            render_prompt(tokenizer, f"What is {rng.randint(1, 999)} + {rng.randint(1, 999)}? Explain briefly.")
+            for _ in range(count)
+        ]
     return [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(count)]
 
 
@@ -36,8 +38,9 @@ def significant(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict,
-                params: int) -> list[dict]:
+def decode_rows(
+    shape: str, samplers: list[Sampler], rates: dict, seconds: dict, peaks: dict, rooflines: dict, params: int
+) -> list[dict]:
     """One row per sampler: its median useful tokens/s over the rounds (and each round's), GFLOP/s and share of
     its roofline's median (`rooflines`: each type's `matmul_roofline` of every round), and `vs_plain`: the median
     over rounds of its rate over plain fp32 `generate`'s in the same round, so a VM that speeds up or slows down
@@ -49,11 +52,21 @@ def decode_rows(shape: str, samplers: list[Sampler], rates: dict, seconds: dict,
         rate, roofline = statistics.median(own), statistics.median(r["best"] for r in rooflines[sampler.dtype])
         gflops = 2 * params * rate / 1e9
         ratio = None if plain is None else statistics.median([a / b for a, b in zip(own, plain)])
-        rows.append({"section": "decode", "variant": f"{sampler.variant}, {shape}", "rate": round(rate, 2),
-                     "unit": "tokens/s", "peak_mib": round(peaks[sampler.variant], 1),
-                     "seconds": round(statistics.median(seconds[sampler.variant]), 2), "mfu": None,
-                     "gflops": significant(gflops), "of_roofline": significant(gflops / roofline),
-                     "rates": [round(r, 2) for r in own], "vs_plain": None if ratio is None else round(ratio, 3)})
+        rows.append(
+            {
+                "section": "decode",
+                "variant": f"{sampler.variant}, {shape}",
+                "rate": round(rate, 2),
+                "unit": "tokens/s",
+                "peak_mib": round(peaks[sampler.variant], 1),
+                "seconds": round(statistics.median(seconds[sampler.variant]), 2),
+                "mfu": None,
+                "gflops": significant(gflops),
+                "of_roofline": significant(gflops / roofline),
+                "rates": [round(r, 2) for r in own],
+                "vs_plain": None if ratio is None else round(ratio, 3),
+            }
+        )
     return rows
 
 
@@ -64,8 +77,11 @@ def bf16_runs_fast(device) -> bool:
 
     why = None if device.type != "cpu" else slow_bf16()
     if why:
-        print(f"decode: bf16 rows left out: {why} (the sampler's `dtype: bfloat16` would be slower than fp32 "
-              "here, and plain bf16 generate far slower)", flush=True)
+        print(
+            f"decode: bf16 rows left out: {why} (the sampler's `dtype: bfloat16` would be slower than fp32 "
+            "here, and plain bf16 generate far slower)",
+            flush=True,
+        )
     return why is None
 
 
@@ -90,8 +106,11 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
     has_vllm = importlib.util.find_spec("vllm") is not None
     half = model.dtype != torch.bfloat16 and not args.no_bf16 and bf16_runs_fast(model.device)
     if not has_vllm:
-        print("decode: vLLM is not installed here, so it has no rows (bash scripts/vllm_env.sh builds its "
-              "environment; run this command in it)", flush=True)
+        print(
+            "decode: vLLM is not installed here, so it has no rows (bash scripts/vllm_env.sh builds its "
+            "environment; run this command in it)",
+            flush=True,
+        )
     results = []
     for name, count, n, temperature, new_tokens, batch in size["decode"]:
         prompts = decode_prompts(tokenizer, count, "real" in size or args.model is not None)
@@ -109,8 +128,9 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
         for _ in range(args.rounds):
             for kind, dtype in types.items():
                 with Peak() as peak:
-                    rooflines[kind].append(matmul_roofline(model.config, batch, dtype, model.device,
-                                                           size.get("roofline_seconds", 0.5)))
+                    rooflines[kind].append(
+                        matmul_roofline(model.config, batch, dtype, model.device, size.get("roofline_seconds", 0.5))
+                    )
                 roof_seconds[kind].append(peak.seconds)
                 roof_peaks[kind] = peak.mib
             for sampler in samplers:
@@ -119,8 +139,10 @@ def bench_decode(model_dir: Path, size: dict, args) -> list[dict]:
                 rates[sampler.variant].append(tokens / peak.seconds)
                 seconds[sampler.variant].append(peak.seconds)
                 peaks[sampler.variant] = peak.mib
-        rows = [roofline_row(batch, dtype, rooflines[kind], statistics.median(roof_seconds[kind]), roof_peaks[kind])
-                for kind, dtype in types.items()]
+        rows = [
+            roofline_row(batch, dtype, rooflines[kind], statistics.median(roof_seconds[kind]), roof_peaks[kind])
+            for kind, dtype in types.items()
+        ]
         rows += decode_rows(shape, samplers, rates, seconds, peaks, rooflines, params)
         for r in rows:
             print(json.dumps(r), flush=True)

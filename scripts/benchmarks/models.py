@@ -17,10 +17,15 @@ def build_model(size: dict, folder: Path) -> Path:
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
-        vocab_size=size["vocab"] or len(tokenizer), hidden_size=size["hidden_size"],
-        num_hidden_layers=size["num_layers"], num_attention_heads=size["num_heads"],
-        num_key_value_heads=size["num_kv_heads"], intermediate_size=size["intermediate_size"],
-        max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=size["vocab"] or len(tokenizer),
+        hidden_size=size["hidden_size"],
+        num_hidden_layers=size["num_layers"],
+        num_attention_heads=size["num_heads"],
+        num_key_value_heads=size["num_kv_heads"],
+        intermediate_size=size["intermediate_size"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)

@@ -38,13 +38,17 @@ def bench_rollout(model_dir: Path, size: dict, args) -> list[dict]:
     with Peak() as peak:
         tokens = 0
         for start in range(0, size["plain_prompts"], 8):  # what TRL GRPO does per device step
-            batch = tokenizer(prompts[start : start + 8], return_tensors="pt", padding=True,
-                              padding_side="left").to(model.device)
-            out = model.generate(**batch, max_new_tokens=size["new_tokens"], do_sample=True,
-                                 pad_token_id=tokenizer.pad_token_id)
-            generated = out[:, batch["input_ids"].shape[1]:]
+            batch = tokenizer(prompts[start : start + 8], return_tensors="pt", padding=True, padding_side="left").to(
+                model.device
+            )
+            out = model.generate(
+                **batch, max_new_tokens=size["new_tokens"], do_sample=True, pad_token_id=tokenizer.pad_token_id
+            )
+            generated = out[:, batch["input_ids"].shape[1] :]
             tokens += int((generated != tokenizer.pad_token_id).sum())
-    results.append(row("rollout", "plain: model.generate, batch 8", tokens / peak.seconds, "tokens/s", peak, model, args, False))
+    results.append(
+        row("rollout", "plain: model.generate, batch 8", tokens / peak.seconds, "tokens/s", peak, model, args, False)
+    )
     return results + bench_lora_rollout(model, tokenizer, prompts, spec, args)
 
 
@@ -63,5 +67,7 @@ def bench_lora_rollout(model, tokenizer, prompts, spec, args) -> list[dict]:
                 param.normal_(0, 0.01)  # a trained-looking adapter (peft starts B at zero)
     unmerged = spec.model_copy(update={"merge_lora": False})
     warm_up(model, tokenizer, prompts, unmerged)
-    return [timed_generate("rollout", "ours: LoRA adapter unmerged", model, tokenizer, prompts, unmerged, args),
-            timed_generate("rollout", "ours: LoRA merged for sampling", model, tokenizer, prompts, spec, args)]
+    return [
+        timed_generate("rollout", "ours: LoRA adapter unmerged", model, tokenizer, prompts, unmerged, args),
+        timed_generate("rollout", "ours: LoRA merged for sampling", model, tokenizer, prompts, spec, args),
+    ]

@@ -17,8 +17,14 @@ def linear_shapes(config) -> list[tuple[int, int, int]]:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     kv = config.num_key_value_heads * head_dim
     layers, inter = config.num_hidden_layers, config.intermediate_size
-    return [(hidden, heads * head_dim, layers), (hidden, kv, 2 * layers), (heads * head_dim, hidden, layers),
-            (hidden, inter, 2 * layers), (inter, hidden, layers), (hidden, config.vocab_size, 1)]
+    return [
+        (hidden, heads * head_dim, layers),
+        (hidden, kv, 2 * layers),
+        (heads * head_dim, hidden, layers),
+        (hidden, inter, 2 * layers),
+        (inter, hidden, layers),
+        (hidden, config.vocab_size, 1),
+    ]
 
 
 def matmul_kernels(a, w, device) -> dict[str, Callable[[], object]]:
@@ -85,8 +91,16 @@ def roofline_row(batch: int, dtype, rates: list[dict[str, float]], seconds: floa
     rate = statistics.median(best)
     kernels = {name: round(statistics.median(r[name] for r in rates), 2) for name in rates[0] if name != "best"}
     each = " / ".join(f"{name} {value:.0f}" for name, value in kernels.items())
-    return {"section": "decode", "variant": f"roofline: the faster per decode shape of {each} GFLOP/s, batch {batch}, "
-                                           f"{kind}",
-            "rate": round(rate, 2), "unit": "GFLOP/s", "peak_mib": round(mib, 1), "seconds": round(seconds, 2),
-            "mfu": None, "gflops": round(rate, 3), "of_roofline": 1.0, "rates": [round(r, 2) for r in best],
-            "kernels": kernels}
+    return {
+        "section": "decode",
+        "variant": f"roofline: the faster per decode shape of {each} GFLOP/s, batch {batch}, {kind}",
+        "rate": round(rate, 2),
+        "unit": "GFLOP/s",
+        "peak_mib": round(mib, 1),
+        "seconds": round(seconds, 2),
+        "mfu": None,
+        "gflops": round(rate, 3),
+        "of_roofline": 1.0,
+        "rates": [round(r, 2) for r in best],
+        "kernels": kernels,
+    }

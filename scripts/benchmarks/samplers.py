@@ -30,12 +30,24 @@ def plain_generate(model, tokenizer, prompts, spec) -> int:
     tokens = 0
     with torch.no_grad():
         for start in range(0, len(repeated), spec.batch_size):
-            batch = tokenizer(repeated[start : start + spec.batch_size], return_tensors="pt", padding=True,
-                              padding_side="left", add_special_tokens=False).to(model.device)
-            out = model.generate(**batch, max_new_tokens=spec.max_new_tokens, do_sample=spec.temperature > 0,
-                                 temperature=spec.temperature or None, top_p=None, top_k=None, eos_token_id=stops,
-                                 pad_token_id=tokenizer.pad_token_id)
-            tokens += useful_tokens(out[:, batch["input_ids"].shape[1]:].tolist(), stops)
+            batch = tokenizer(
+                repeated[start : start + spec.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            ).to(model.device)
+            out = model.generate(
+                **batch,
+                max_new_tokens=spec.max_new_tokens,
+                do_sample=spec.temperature > 0,
+                temperature=spec.temperature or None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            tokens += useful_tokens(out[:, batch["input_ids"].shape[1] :].tolist(), stops)
     return tokens
 
 
@@ -59,15 +71,27 @@ def continuous_batching(model, tokenizer, prompts, spec) -> int:
     encoded = [encode(tokenizer, p) for p in prompts]
     page = 64
     pages = max(-(-(len(ids) + spec.max_new_tokens) // page) for ids in encoded)
-    generation = GenerationConfig(max_new_tokens=spec.max_new_tokens, do_sample=spec.temperature > 0,
-                                  temperature=spec.temperature or None, top_p=None, top_k=None,
-                                  num_return_sequences=spec.n, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)
+    generation = GenerationConfig(
+        max_new_tokens=spec.max_new_tokens,
+        do_sample=spec.temperature > 0,
+        temperature=spec.temperature or None,
+        top_p=None,
+        top_k=None,
+        num_return_sequences=spec.n,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     graphs = None if model.device.type == "cuda" else False  # None: transformers decides
-    batching = ContinuousBatchingConfig(max_requests_per_batch=spec.batch_size, page_size=page,
-                                        num_blocks=len(encoded) * spec.n * pages + 1, use_cuda_graph=graphs)
+    batching = ContinuousBatchingConfig(
+        max_requests_per_batch=spec.batch_size,
+        page_size=page,
+        num_blocks=len(encoded) * spec.n * pages + 1,
+        use_cuda_graph=graphs,
+    )
     with torch.no_grad():
-        out = model.generate_batch(encoded, generation_config=generation, continuous_batching_config=batching,
-                                   warmup=False)
+        out = model.generate_batch(
+            encoded, generation_config=generation, continuous_batching_config=batching, warmup=False
+        )
     return useful_tokens([o.generated_tokens for o in out.values()], stops)
 
 
@@ -98,6 +122,7 @@ def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool,
         def run() -> int:
             torch.manual_seed(0)
             return sum(len(s.token_ids) for s in generate(model, tokenizer, prompts, settings))
+
         return run
 
     def plain(cast=None):
@@ -110,18 +135,28 @@ def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool,
                 return plain_generate(model, tokenizer, prompts, spec)
             finally:
                 model.to(own)
+
         return run
 
     def warm(settings):
         return lambda: warm_up(model, tokenizer, prompts, settings)
 
     default = SamplingSpec.model_fields["engine"].default
-    samplers = [Sampler(f"ours: engine {engine}" + (" (default)" if engine == default else ""), "model",
-                        ours(spec.model_copy(update={"engine": engine})), warm(spec) if engine == "loop" else None)
-                for engine in ("loop", "generate")]
+    samplers = [
+        Sampler(
+            f"ours: engine {engine}" + (" (default)" if engine == default else ""),
+            "model",
+            ours(spec.model_copy(update={"engine": engine})),
+            warm(spec) if engine == "loop" else None,
+        )
+        for engine in ("loop", "generate")
+    ]
     if spec.temperature > 0:
-        samplers.append(Sampler("ours: engine loop, draw inverse_cdf", "model",
-                                ours(spec.model_copy(update={"draw": "inverse_cdf"}))))
+        samplers.append(
+            Sampler(
+                "ours: engine loop, draw inverse_cdf", "model", ours(spec.model_copy(update={"draw": "inverse_cdf"}))
+            )
+        )
     if has_vllm:
         engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
         vllm = SamplingSpec(**{**spec.model_dump(), "backend": "vllm", "vllm": engine})
@@ -129,14 +164,24 @@ def decode_samplers(model, tokenizer, prompts, spec, has_vllm: bool, half: bool,
     samplers.append(Sampler("plain: model.generate", "model", plain()))
     if not args.no_generate_batch:
         short = spec.model_copy(update={"n": 1, "max_new_tokens": min(8, spec.max_new_tokens)})
-        samplers.append(Sampler("transformers: generate_batch (continuous batching)", "model",
-                                lambda: continuous_batching(model, tokenizer, prompts, spec),
-                                lambda: continuous_batching(model, tokenizer, prompts[:2], short)))
+        samplers.append(
+            Sampler(
+                "transformers: generate_batch (continuous batching)",
+                "model",
+                lambda: continuous_batching(model, tokenizer, prompts, spec),
+                lambda: continuous_batching(model, tokenizer, prompts[:2], short),
+            )
+        )
     if half:
         bf16 = spec.model_copy(update={"dtype": "bfloat16"})
         samplers.append(Sampler("ours: engine loop, dtype bfloat16", "bfloat16", ours(bf16), warm(bf16)))
         if spec.temperature > 0:
-            samplers.append(Sampler("ours: engine loop, dtype bfloat16, draw inverse_cdf", "bfloat16",
-                                    ours(spec.model_copy(update={"dtype": "bfloat16", "draw": "inverse_cdf"}))))
+            samplers.append(
+                Sampler(
+                    "ours: engine loop, dtype bfloat16, draw inverse_cdf",
+                    "bfloat16",
+                    ours(spec.model_copy(update={"dtype": "bfloat16", "draw": "inverse_cdf"})),
+                )
+            )
         samplers.append(Sampler("plain: model.generate, bf16 weights", "bfloat16", plain(torch.bfloat16)))
     return samplers

@@ -36,18 +36,38 @@ def bench_sft(model_dir: Path, size: dict, args, work: Path) -> list[dict]:
     tokenizer = load_tokenizer(str(model_dir))
     n = size["batch"] * size["steps"]
     data = datasets.Dataset.from_list([render_pair(tokenizer, r) for r in sft_rows(size, n)])
-    common = dict(per_device_train_batch_size=size["batch"], max_steps=size["steps"], max_length=size["seq"],
-                  report_to="none", save_strategy="no", logging_steps=size["steps"], seed=0)
+    common = dict(
+        per_device_train_batch_size=size["batch"],
+        max_steps=size["steps"],
+        max_length=size["seq"],
+        report_to="none",
+        save_strategy="no",
+        logging_steps=size["steps"],
+        seed=0,
+    )
     recipe_path = work / "sft.yaml"
-    recipe_path.write_text(json.dumps({"name": "bench", "model": str(model_dir), "output_dir": str(work / "out"),
-                                       "stages": {"sft": {"data": {"task": "arithmetic"}, "train": common}}}))
+    recipe_path.write_text(
+        json.dumps(
+            {
+                "name": "bench",
+                "model": str(model_dir),
+                "output_dir": str(work / "out"),
+                "stages": {"sft": {"data": {"task": "arithmetic"}, "train": common}},
+            }
+        )
+    )
     ours = sft.trl_config(make_context(load_recipe(recipe_path), "sft"))
-    plain = SFTConfig(output_dir=str(work / "plain"), **common, **({} if is_cuda() else {"bf16": False, "use_cpu": True}))
+    plain = SFTConfig(
+        output_dir=str(work / "plain"), **common, **({} if is_cuda() else {"bf16": False, "use_cpu": True})
+    )
     # Packed rows hold several examples each: the same number of examples takes fewer steps.
     packed = dataclasses.replace(ours, packing=True, packing_strategy="bfd")
     results = []
-    for variant, config in (("ours: sft stage defaults", ours), ("plain: trl.SFTConfig defaults", plain),
-                            ("ours: packed, padding-free (opt-in)", packed)):
+    for variant, config in (
+        ("ours: sft stage defaults", ours),
+        ("plain: trl.SFTConfig defaults", plain),
+        ("ours: packed, padding-free (opt-in)", packed),
+    ):
         model = load_policy(str(model_dir))
         trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         with Peak() as peak:

@@ -20,12 +20,16 @@ def bench_static(model_dir: Path, size: dict, args) -> list[dict]:
     warm_up(model, tokenizer, prompts, spec)
     static = spec.model_copy(update={"cache": "static", "engine": "generate"})
     timed_generate("static", "compile", model, tokenizer, prompts, static, args)  # the first call compiles (GPU)
-    results = [timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
-               timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static,
-                              args)]
+    results = [
+        timed_generate("static", "ours: sampling.generate", model, tokenizer, prompts, spec, args),
+        timed_generate("static", "ours: static cache (compiled on GPU)", model, tokenizer, prompts, static, args),
+    ]
     if args.compile and not torch.cuda.is_available():  # `compile: true`: the decode step compiled on CPU too
         compiled = static.model_copy(update={"compile": True})
         timed_generate("static", "compile", model, tokenizer, prompts, compiled, args)  # the first call compiles
-        results.append(timed_generate("static", "ours: static cache, compile: true (CPU)", model, tokenizer, prompts,
-                                      compiled, args))
+        results.append(
+            timed_generate(
+                "static", "ours: static cache, compile: true (CPU)", model, tokenizer, prompts, compiled, args
+            )
+        )
     return results

@@ -14,8 +14,16 @@ from pathlib import Path
 
 from .common import Peak, row, text, timed_generate, warm_up
 
-STORY_TOPICS = ["a lighthouse", "a lost key", "two rivers", "a clockmaker", "the first snow", "a red kite",
-                "an old map", "a quiet robot"]
+STORY_TOPICS = [
+    "a lighthouse",
+    "a lost key",
+    "two rivers",
+    "a clockmaker",
+    "the first snow",
+    "a red kite",
+    "an old map",
+    "a quiet robot",
+]
 
 
 def vllm_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
@@ -24,7 +32,9 @@ def vllm_prompts(tokenizer, count: int, real_model: bool) -> list[str]:
 
     rng = random.Random(0)
     if real_model:
-        return [render_prompt(tokenizer, f"Write a story about {STORY_TOPICS[i % 8]}, number {i}.") for i in range(count)]
+        return [
+            render_prompt(tokenizer, f"Write a story about {STORY_TOPICS[i % 8]}, number {i}.") for i in range(count)
+        ]
     return [render_prompt(tokenizer, text(rng, rng.randint(8, 48))) for _ in range(count)]
 
 
@@ -63,7 +73,9 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
         for batch, new_tokens in shapes:
             prompts = vllm_prompts(tokenizer, batch, args.model is not None)
             shape = f"batch {batch} x {new_tokens} new tokens"
-            spec = SamplingSpec(max_new_tokens=new_tokens, temperature=1.0, batch_size=batch, backend="vllm", vllm=settings)
+            spec = SamplingSpec(
+                max_new_tokens=new_tokens, temperature=1.0, batch_size=batch, backend="vllm", vllm=settings
+            )
             generate(model, tokenizer, prompts[:8], spec.model_copy(update={"max_new_tokens": 4}))  # warm-up
             add(timed_generate("vllm", f"vLLM {label}, {shape}", model, tokenizer, prompts, spec, args))
             if not eager:
@@ -73,10 +85,21 @@ def bench_vllm(model_dir: Path, size: dict, args) -> list[dict]:
             add(timed_generate("vllm", f"ours: HF sampler, {shape}", model, tokenizer, prompts, hf, args))
             with Peak() as peak, torch.no_grad():
                 batch_ids = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-                out = model.generate(**batch_ids, max_new_tokens=new_tokens, do_sample=True,
-                                     pad_token_id=tokenizer.pad_token_id)
-                tokens = int((out[:, batch_ids["input_ids"].shape[1]:] != tokenizer.pad_token_id).sum())
-            add(row("vllm", f"plain: model.generate, {shape}", tokens / peak.seconds, "tokens/s", peak,
-                               model, args, False))
+                out = model.generate(
+                    **batch_ids, max_new_tokens=new_tokens, do_sample=True, pad_token_id=tokenizer.pad_token_id
+                )
+                tokens = int((out[:, batch_ids["input_ids"].shape[1] :] != tokenizer.pad_token_id).sum())
+            add(
+                row(
+                    "vllm",
+                    f"plain: model.generate, {shape}",
+                    tokens / peak.seconds,
+                    "tokens/s",
+                    peak,
+                    model,
+                    args,
+                    False,
+                )
+            )
     vllm_engine.close()
     return results

@@ -56,8 +56,9 @@ QUESTIONS = ["What is 1+2?", "What is 37+48?", "What is 5+60?", "What is 37+48?"
 @pytest.fixture(scope="module", autouse=True)
 def real_vllm():
     if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vllm is not installed here: run these tests with the python of `bash scripts/vllm_env.sh`",
-                    pytrace=False)
+        pytest.fail(
+            "vllm is not installed here: run these tests with the python of `bash scripts/vllm_env.sh`", pytrace=False
+        )
     yield
     vllm_engine.close()
 
@@ -102,10 +103,15 @@ def test_samples_follow_the_policy_through_every_update(tiny32, logged):
         sampled = generate(model, tokenizer, prompts, vllm(**GREEDY))  # the log-prob check holds it to 1e-3
         assert [s.token_ids for s in sampled] == [s.token_ids for s in ours], f"update {update}"
         assert [(s.text, s.finished) for s in sampled] == [(s.text, s.finished) for s in ours]
-        assert all(torch.equal(before[n], t) for n, t in base_weights(model).items()), "the base (the reference) drifted"
+        assert all(torch.equal(before[n], t) for n, t in base_weights(model).items()), (
+            "the base (the reference) drifted"
+        )
         step(model)
-    gaps = [float(line.rsplit("difference| ", 1)[1].split()[0]) for line in logged().splitlines()
-            if "sampler vs policy" in line]
+    gaps = [
+        float(line.rsplit("difference| ", 1)[1].split()[0])
+        for line in logged().splitlines()
+        if "sampler vs policy" in line
+    ]
     assert len(gaps) == 3 and max(gaps) < 1e-4
 
 
@@ -131,14 +137,20 @@ def test_a_failed_push_is_caught(tiny32, monkeypatch):
     generate(model, tokenizer, prompts, vllm(**GREEDY))
     with monkeypatch.context() as patch:  # a weight the engine does not have: the engine refuses the push
         patch.setattr(vllm_engine, "vllm_weights", lambda m: iter([("model.no_such_layer.weight", torch.zeros(4))]))
-        with pytest.raises(UserError, match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
-                                            r"engine.*no_such_layer.*backend: transformers"):
+        with pytest.raises(
+            UserError,
+            match=r"(?s)ppo rollout: the policy's weights could not be loaded into the vLLM "
+            r"engine.*no_such_layer.*backend: transformers",
+        ):
             generate(model, tokenizer, prompts, vllm(**GREEDY), progress="ppo rollout")
     step(model)
     with monkeypatch.context() as patch:  # a push that silently delivers nothing: the engine keeps the old policy
         patch.setattr(vllm_engine, "vllm_weights", lambda m: iter(()))
-        with pytest.raises(UserError, match=r"(?s)ppo rollout: vLLM's log-probs of its samples differ from the "
-                                            r"policy's.*vllm.logprob_tolerance: 0.001"):
+        with pytest.raises(
+            UserError,
+            match=r"(?s)ppo rollout: vLLM's log-probs of its samples differ from the "
+            r"policy's.*vllm.logprob_tolerance: 0.001",
+        ):
             generate(model, tokenizer, prompts, vllm(temperature=1.0, max_new_tokens=8), progress="ppo rollout")
     ours = generate(model, tokenizer, prompts, SamplingSpec(**GREEDY))
     assert [s.token_ids for s in generate(model, tokenizer, prompts, vllm(**GREEDY))] == [s.token_ids for s in ours]
@@ -165,8 +177,11 @@ def test_what_the_cpu_build_lacks_is_said_before_the_running_engine_is_dropped(t
     prompts = [render_prompt(tokenizer, q) for q in QUESTIONS]
     generate(model, tokenizer, prompts, vllm(**GREEDY))
     running = vllm_engine._engine
-    with pytest.raises(UserError, match=r"(?s)rsft sampling: `vllm.sleep: true`, but vLLM has no sleep mode on this "
-                                        r"platform \(cpu.*vllm.sleep: false"):
+    with pytest.raises(
+        UserError,
+        match=r"(?s)rsft sampling: `vllm.sleep: true`, but vLLM has no sleep mode on this "
+        r"platform \(cpu.*vllm.sleep: false",
+    ):
         generate(model, tokenizer, prompts, vllm(**GREEDY, vllm={"sleep": True}), progress="rsft sampling")
     narrow = build_tiny_model(TinySpec(), seed=0, path=tmp_path / "narrow")  # 4 heads of 16
     with pytest.raises(UserError, match=r"(?s)attention heads are 16 wide.*32, 64.*backend: transformers"):
@@ -183,8 +198,13 @@ def test_tool_rollouts_feed_the_engine_ids_turn_by_turn(quick32, monkeypatch, lo
     tokenizer, model = load_tokenizer(str(quick32)), adapted(quick32)
     requests = engine_requests(monkeypatch)
     torch.manual_seed(0)
-    trajectories, encoded = calculator_rollout(model, tokenizer, vllm(temperature=1.0, max_new_tokens=8), monkeypatch,
-                                               [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]])
+    trajectories, encoded = calculator_rollout(
+        model,
+        tokenizer,
+        vllm(temperature=1.0, max_new_tokens=8),
+        monkeypatch,
+        [f"What is {a}+{b}?" for a, b in [(1, 2), (37, 48), (5, 600)]],
+    )
     assert_fed_turn_by_turn(trajectories, requests)
     assert_token_in_token_out(model, tokenizer, trajectories, encoded, atol=ENGINE["logprob_tolerance"])
     assert logged().count("sampler vs policy") == len(requests) >= 2
@@ -194,9 +214,16 @@ def test_an_evaluation_suite_with_tools_samples_through_the_engine(quick32, tmp_
     """`sampling: {backend: vllm}` on a suite with tools: multi-turn rollouts, each turn sampled and checked by
     the engine (temperature 1: the random tiny model's greedy turns never end)."""
     monkeypatch.setattr(ToolFormat, "parse", lambda self, text: ([Call("calculator", {"expression": "2*3"})], []))
-    suite = SuiteSpec(name="products", data={"task": "tool_arithmetic", "split": "test", "n": 4}, verifier="arithmetic",
-                      tools=["calculator"], tool_format="hermes", describe_tools=False, max_turns=3,
-                      sampling={"temperature": 1.0, "max_new_tokens": 120, "backend": "vllm", "vllm": ENGINE})
+    suite = SuiteSpec(
+        name="products",
+        data={"task": "tool_arithmetic", "split": "test", "n": 4},
+        verifier="arithmetic",
+        tools=["calculator"],
+        tool_format="hermes",
+        describe_tools=False,
+        max_turns=3,
+        sampling={"temperature": 1.0, "max_new_tokens": 120, "backend": "vllm", "vllm": ENGINE},
+    )
     metrics = evaluate_checkpoints({"tiny": str(quick32)}, [suite], tmp_path / "eval")["tiny"]
     assert metrics["products/turns"] > 1 and metrics["products/tool_call_rate"] > 0
     lines = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
@@ -207,7 +234,9 @@ def test_an_evaluation_suite_with_tools_samples_through_the_engine(quick32, tmp_
 
 # Graded by the parity of the completion's first character: a random tiny model gets both verdicts, so rsft
 # keeps samples and on-policy pairs have both sides.
-PARITY = "def parity(completion):\n    text = completion.strip()\n    return float(ord(text[0]) % 2) if text else None\n"
+PARITY = (
+    "def parity(completion):\n    text = completion.strip()\n    return float(ord(text[0]) % 2) if text else None\n"
+)
 
 
 def test_rsft_on_policy_pairs_and_evaluation_sample_through_the_engine(tmp_path, tiny32, logged):
@@ -215,16 +244,33 @@ def test_rsft_on_policy_pairs_and_evaluation_sample_through_the_engine(tmp_path,
     sampling = {"backend": "vllm", "vllm": ENGINE, "max_new_tokens": 6}
     data = {"task": "arithmetic", "split": "train", "n": 16}
     train = {"max_steps": 2, "per_device_train_batch_size": 4, "max_length": 64}
-    recipe = {"name": "vllm-stages", "model": str(tiny32), "output_dir": str(tmp_path / "out"), "seed": 2,
-              "lora": {"r": 4, "lora_alpha": 8},
-              "stages": {
-                  "rsft": {"data": data, "verifiers": ["my_checks:parity"], "sampling": {**sampling, "n": 4},
-                           "train": train},
-                  "dpo": {"model": "${rsft}", "data": data, "train": train,
-                          "on_policy": {**sampling, "verifier": "my_checks:parity", "n": 4}}},
-              "evaluate": {"after": ["rsft", "dpo"], "suites": [
-                  {"name": "arith", "verifier": "my_checks:parity", "data": {"task": "arithmetic", "split": "test", "n": 8},
-                   "sampling": {**sampling, "temperature": 0}}]}}
+    recipe = {
+        "name": "vllm-stages",
+        "model": str(tiny32),
+        "output_dir": str(tmp_path / "out"),
+        "seed": 2,
+        "lora": {"r": 4, "lora_alpha": 8},
+        "stages": {
+            "rsft": {"data": data, "verifiers": ["my_checks:parity"], "sampling": {**sampling, "n": 4}, "train": train},
+            "dpo": {
+                "model": "${rsft}",
+                "data": data,
+                "train": train,
+                "on_policy": {**sampling, "verifier": "my_checks:parity", "n": 4},
+            },
+        },
+        "evaluate": {
+            "after": ["rsft", "dpo"],
+            "suites": [
+                {
+                    "name": "arith",
+                    "verifier": "my_checks:parity",
+                    "data": {"task": "arithmetic", "split": "test", "n": 8},
+                    "sampling": {**sampling, "temperature": 0},
+                }
+            ],
+        },
+    }
     run_recipe(load_recipe(write_recipe(tmp_path, recipe)))
     checks = [line for line in logged().splitlines() if "sampler vs policy" in line]
     assert len(checks) == 4  # rsft's round, dpo's on-policy samples, the evaluation of rsft and of dpo
@@ -234,10 +280,24 @@ def test_rsft_on_policy_pairs_and_evaluation_sample_through_the_engine(tmp_path,
 def test_rlvr_colocate_is_refused_and_the_reason_still_holds(tmp_path, tiny32):
     """TRL 1.16 pushes weights with model_runner.model.load_weights; on the CPU build that fails. If this test
     starts failing at the second part, a new vLLM or TRL has fixed it: lift the refusal in stages/rlvr.py."""
-    recipe = {"name": "rlvr-vllm", "model": str(tiny32), "output_dir": str(tmp_path / "out"),
-              "stages": {"rlvr": {"data": {"task": "arithmetic", "split": "train", "n": 16}, "verifiers": ["arithmetic"],
-                                  "train": {"max_steps": 1, "num_generations": 4, "per_device_train_batch_size": 4,
-                                            "max_completion_length": 6, "use_vllm": True}}}}
+    recipe = {
+        "name": "rlvr-vllm",
+        "model": str(tiny32),
+        "output_dir": str(tmp_path / "out"),
+        "stages": {
+            "rlvr": {
+                "data": {"task": "arithmetic", "split": "train", "n": 16},
+                "verifiers": ["arithmetic"],
+                "train": {
+                    "max_steps": 1,
+                    "num_generations": 4,
+                    "per_device_train_batch_size": 4,
+                    "max_completion_length": 6,
+                    "use_vllm": True,
+                },
+            }
+        },
+    }
     result = run_cli("check", write_recipe(tmp_path, recipe))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "colocate mode" in result.stdout + result.stderr and "Traceback" not in result.stderr
@@ -256,8 +316,9 @@ def smollm2_with_sampling_defaults(smollm2_checkpoint, tmp_path_factory) -> Path
     folder = tmp_path_factory.mktemp("smollm2-defaults") / "model"
     shutil.copytree(smollm2_checkpoint, folder)
     config = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**config, "top_k": 1, "repetition_penalty": 1.5,
-                                                               "do_sample": True}))
+    (folder / "generation_config.json").write_text(
+        json.dumps({**config, "top_k": 1, "repetition_penalty": 1.5, "do_sample": True})
+    )
     return folder
 
 

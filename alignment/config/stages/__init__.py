@@ -14,14 +14,19 @@ from . import dpo, ppo, reward, rlvr, rsft, sft
 from .base import StageConfig
 
 CONFIGS: dict[str, type[StageConfig]] = {
-    "sft": sft.Config, "reward": reward.Config, "dpo": dpo.Config,
-    "ppo": ppo.Config, "rsft": rsft.Config, "rlvr": rlvr.Config,
+    "sft": sft.Config,
+    "reward": reward.Config,
+    "dpo": dpo.Config,
+    "ppo": ppo.Config,
+    "rsft": rsft.Config,
+    "rlvr": rlvr.Config,
 }
 
 
 def config_class(kind: str, where: str = "stages") -> type[StageConfig]:
     """The `Config` of a stage kind; an unknown kind is a UserError with a "did you mean"."""
     if kind not in CONFIGS:
-        raise UserError(f"{where}: unknown stage kind '{kind}'{did_you_mean(kind, CONFIGS)}; "
-                        f"available kinds: {', '.join(CONFIGS)}.")
+        raise UserError(
+            f"{where}: unknown stage kind '{kind}'{did_you_mean(kind, CONFIGS)}; available kinds: {', '.join(CONFIGS)}."
+        )
     return CONFIGS[kind]

@@ -19,39 +19,61 @@ from .base import BATCH_KNOB, LORA_KNOB, StageConfig
 
 
 class Config(StageConfig, ToolUse):
-    kind: Literal["rlvr"] = Field("rlvr", description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
-                                  "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
-                                  "penalty to the "
-                                  "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)")
+    kind: Literal["rlvr"] = Field(
+        "rlvr",
+        description="rlvr: RL from verifiable rewards with trl.GRPOTrainer or "
+        "RLOOTrainer; the weighted sum of the verifiers (and a reward model) is the reward, with a KL "
+        "penalty to the "
+        "start policy (train.beta, 0.04 here where TRL's GRPO default is 0)",
+    )
     memory_knobs: ClassVar[tuple[str, ...]] = (
-        "`train.gradient_checkpointing: true`", BATCH_KNOB, "`train.max_completion_length`", LORA_KNOB)
-    data: DataSpec = Field(description="prompts (`prompt` or chat `messages`, a final assistant turn dropped) and the "
-                           "columns the verifiers read, e.g. `answer`")
-    algorithm: Literal["grpo", "rloo"] = Field("grpo", description="grpo: advantages normalised within each prompt's "
-                                               "group of num_generations samples (Shao et al. 2024, DeepSeekMath, "
-                                               "arXiv:2402.03300); rloo: leave-one-out baseline (Ahmadian et al. "
-                                               "2024, arXiv:2402.14740)")
-    verifiers: list[VerifierSpec] = Field(default_factory=list, description="reward = weighted sum of these verifiers "
-                                          "(and of the reward model's score, if given)")
-    reward_model: str | None = Field(None, description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id: its score of "
-                                     "the rendered conversation is a reward (as ppo's)")
+        "`train.gradient_checkpointing: true`",
+        BATCH_KNOB,
+        "`train.max_completion_length`",
+        LORA_KNOB,
+    )
+    data: DataSpec = Field(
+        description="prompts (`prompt` or chat `messages`, a final assistant turn dropped) and the "
+        "columns the verifiers read, e.g. `answer`"
+    )
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description="grpo: advantages normalised within each prompt's "
+        "group of num_generations samples (Shao et al. 2024, DeepSeekMath, "
+        "arXiv:2402.03300); rloo: leave-one-out baseline (Ahmadian et al. "
+        "2024, arXiv:2402.14740)",
+    )
+    verifiers: list[VerifierSpec] = Field(
+        default_factory=list,
+        description="reward = weighted sum of these verifiers (and of the reward model's score, if given)",
+    )
+    reward_model: str | None = Field(
+        None,
+        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id: its score of "
+        "the rendered conversation is a reward (as ppo's)",
+    )
     reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")
     gold: list[VerifierSpec] = gold_field()
     prompt_filter: PromptFilterSpec | None = prompt_filter_field()
     _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
-    dynamic_sampling: DynamicSamplingSpec | None = Field(None, description="drop the prompt groups whose rewards "
-                                                         "do not differ and refill the batch from fresh prompts, up to "
-                                                         "max_draws generations per batch (DAPO, Yu et al. 2025, "
-                                                         "arXiv:2503.14476); counted in stage.json. Off by default (null)")
+    dynamic_sampling: DynamicSamplingSpec | None = Field(
+        None,
+        description="drop the prompt groups whose rewards "
+        "do not differ and refill the batch from fresh prompts, up to "
+        "max_draws generations per batch (DAPO, Yu et al. 2025, "
+        "arXiv:2503.14476); counted in stage.json. Off by default (null)",
+    )
 
     @model_validator(mode="after")
     def _tools_need_grpo(self):
         if self.uses_tools and self.algorithm != "grpo":
-            raise ValueError("tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func hook, which "
-                             "the multi-turn rollout uses). For RLOO's leave-one-out baseline with tools, use grpo with "
-                             "train: {scale_rewards: none}: its advantage, the reward minus the group mean, is RLOO's "
-                             "times (G-1)/G, a constant that Adam's step cancels; its KL term is in the loss, not "
-                             "subtracted from the reward as RLOO's is")
+            raise ValueError(
+                "tools need algorithm: grpo (TRL 1.16's RLOOTrainer has no rollout_func hook, which "
+                "the multi-turn rollout uses). For RLOO's leave-one-out baseline with tools, use grpo with "
+                "train: {scale_rewards: none}: its advantage, the reward minus the group mean, is RLOO's "
+                "times (G-1)/G, a constant that Adam's step cancels; its KL term is in the loss, not "
+                "subtracted from the reward as RLOO's is"
+            )
         return self
 
     @model_validator(mode="after")
@@ -66,7 +88,9 @@ class Config(StageConfig, ToolUse):
     def _weights_from_the_rewards(self):
         # TRL's reward_weights would replace the ones the stage derives, and could give a gold verifier weight.
         if "reward_weights" in self.train:
-            raise ValueError("train.reward_weights: the stage builds TRL's reward_weights from each verifier's "
-                             "`weight:` and `reward_model_weight` (every `gold:` verifier at 0, so it is logged and "
-                             "never rewarded); set those instead")
+            raise ValueError(
+                "train.reward_weights: the stage builds TRL's reward_weights from each verifier's "
+                "`weight:` and `reward_model_weight` (every `gold:` verifier at 0, so it is logged and "
+                "never rewarded); set those instead"
+            )
         return self

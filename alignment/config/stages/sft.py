@@ -11,7 +11,12 @@ from .base import StageConfig
 
 
 class Config(StageConfig):
-    kind: Literal["sft"] = Field("sft", description="sft: supervised fine-tuning with trl.SFTTrainer, the loss on the "
-                                 "completion tokens only unless train.completion_only_loss is false")
-    data: DataSpec = Field(description="`prompt` + `completion` rows, chat `messages` (the last assistant turn is the "
-                           "completion) or plain `text` rows")
+    kind: Literal["sft"] = Field(
+        "sft",
+        description="sft: supervised fine-tuning with trl.SFTTrainer, the loss on the "
+        "completion tokens only unless train.completion_only_loss is false",
+    )
+    data: DataSpec = Field(
+        description="`prompt` + `completion` rows, chat `messages` (the last assistant turn is the "
+        "completion) or plain `text` rows"
+    )

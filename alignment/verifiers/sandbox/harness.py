@@ -37,9 +37,16 @@ EXIT_FAIL, EXIT_SYNTAX, EXIT_SETUP = 1, 3, 70
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 21
 # statvfs flag -> mount flag (same numbers except relatime: ST_RELATIME is 4096 = MS_BIND)
-_LOCKED_FLAGS = [(getattr(os, f"ST_{name}", 0), ms) for name, ms in
-                 [("NODEV", MS_NODEV), ("NOEXEC", MS_NOEXEC), ("NOATIME", MS_NOATIME),
-                  ("NODIRATIME", MS_NODIRATIME), ("RELATIME", MS_RELATIME)]]
+_LOCKED_FLAGS = [
+    (getattr(os, f"ST_{name}", 0), ms)
+    for name, ms in [
+        ("NODEV", MS_NODEV),
+        ("NOEXEC", MS_NOEXEC),
+        ("NOATIME", MS_NOATIME),
+        ("NODIRATIME", MS_NODIRATIME),
+        ("RELATIME", MS_RELATIME),
+    ]
+]
 MS_PRIVATE, MNT_DETACH = 1 << 18, 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
@@ -47,10 +54,24 @@ PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 2
 SECURE_BITS = 0b1110_1111
 _CAP_VERSION_3 = 0x20080522
 # pivot_root has no libc wrapper: the syscall's number per machine (an unknown one is a setup error)
-_PIVOT_ROOT_SYSCALL = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "loongarch64": 41, "ppc64le": 203,
-                       "ppc64": 203, "s390x": 217, "i686": 217, "i386": 217, "armv7l": 218}
-_DEV_LINKS = {"/dev/fd": "/proc/self/fd", "/dev/stdin": "/proc/self/fd/0", "/dev/stdout": "/proc/self/fd/1",
-              "/dev/stderr": "/proc/self/fd/2"}
+_PIVOT_ROOT_SYSCALL = {
+    "x86_64": 155,
+    "aarch64": 41,
+    "riscv64": 41,
+    "loongarch64": 41,
+    "ppc64le": 203,
+    "ppc64": 203,
+    "s390x": 217,
+    "i686": 217,
+    "i386": 217,
+    "armv7l": 218,
+}
+_DEV_LINKS = {
+    "/dev/fd": "/proc/self/fd",
+    "/dev/stdin": "/proc/self/fd/0",
+    "/dev/stdout": "/proc/self/fd/1",
+    "/dev/stderr": "/proc/self/fd/2",
+}
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
 
@@ -157,8 +178,10 @@ def _build_view(plan):
 def _etc_files(plan):
     """Account files naming only the sandbox's users, not the host's."""
     uid, gid = plan.get("uid", 0), plan.get("gid", 0)
-    return {"passwd": f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{gid}::{plan['workdir']}:/bin/false\n",
-            "group": f"root:x:0:\nsandbox:x:{gid}:\n"}
+    return {
+        "passwd": f"root:x:0:0:root:/:/bin/false\nsandbox:x:{uid}:{gid}::{plan['workdir']}:/bin/false\n",
+        "group": f"root:x:0:\nsandbox:x:{gid}:\n",
+    }
 
 
 def _supervise(runner_pid, plan):
@@ -251,11 +274,17 @@ FAIL_EVENT, PASS_EVENT = "alignment.sandbox.fail", "alignment.sandbox.pass"
 # audit events that hand out frames, every live object or raw memory: the ways from the untrusted
 # code to the harness's state and to the tests' expected values. sys._getframe fails with
 # ValueError, as on too shallow a stack, which namedtuple, typing and logging tolerate.
-_DENIED = {"sys._getframe": ValueError, "sys._current_frames": RuntimeError,
-           "sys._current_exceptions": RuntimeError, "sys.settrace": RuntimeError,
-           "sys.setprofile": RuntimeError, "sys.addaudithook": RuntimeError,
-           "gc.get_objects": RuntimeError, "gc.get_referrers": RuntimeError,
-           "gc.get_referents": RuntimeError}
+_DENIED = {
+    "sys._getframe": ValueError,
+    "sys._current_frames": RuntimeError,
+    "sys._current_exceptions": RuntimeError,
+    "sys.settrace": RuntimeError,
+    "sys.setprofile": RuntimeError,
+    "sys.addaudithook": RuntimeError,
+    "gc.get_objects": RuntimeError,
+    "gc.get_referrers": RuntimeError,
+    "gc.get_referents": RuntimeError,
+}
 # object.__getattr__ events: frames are always denied (f_back leads to every caller); a code
 # object only if it is the tests', the helpers' or this harness's (its constants are the answers)
 _FRAME_ATTRIBUTES = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -265,8 +294,23 @@ _SEALED_ATTRIBUTES = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 _DENIED_PREFIXES = ("ctypes.", "sys.monitoring.")
 # loaded before the solution so that the tests see these as they were (safe_compare.freeze_modules);
 # a module first imported by the solution is taken as the solution left it
-_PRELOADED = ("math", "cmath", "re", "collections", "itertools", "functools", "operator", "heapq",
-              "bisect", "string", "random", "fractions", "decimal", "statistics", "copy")
+_PRELOADED = (
+    "math",
+    "cmath",
+    "re",
+    "collections",
+    "itertools",
+    "functools",
+    "operator",
+    "heapq",
+    "bisect",
+    "string",
+    "random",
+    "fractions",
+    "decimal",
+    "statistics",
+    "copy",
+)
 
 
 def _snapshot(with_builtins=True):
@@ -277,7 +321,7 @@ def _snapshot(with_builtins=True):
 def _tampered(before, with_builtins=True):
     """True if anything in the snapshot changed (builtins may be patched by tests, e.g. input)."""
     now = _snapshot(with_builtins)
-    for old, new in zip(before[-len(now):], now, strict=True):
+    for old, new in zip(before[-len(now) :], now, strict=True):
         if old.keys() != new.keys() or any(old[k] is not new[k] for k in old):
             return True
     return False

@@ -143,11 +143,16 @@ class _CallGroup:
         name, budget = f"alignment-sandbox-{secrets.token_hex(8)}", str(limits.memory_mb * 1024 * 1024)
         tasks = str(limits.max_processes + 2)
         if "memory" in bases:  # cgroup v1: one hierarchy per controller
-            groups = [(bases["memory"], {"memory.limit_in_bytes": budget}, {"memory.memsw.limit_in_bytes": budget}),
-                      (bases.get("pids"), {}, {"pids.max": tasks})]
+            groups = [
+                (bases["memory"], {"memory.limit_in_bytes": budget}, {"memory.memsw.limit_in_bytes": budget}),
+                (bases.get("pids"), {}, {"pids.max": tasks}),
+            ]
             events = "memory.oom_control"
         elif "v2" in bases and _enable_v2(bases["v2"]):
-            groups, events = [(bases["v2"], {"memory.max": budget}, {"memory.swap.max": "0", "pids.max": tasks})], "memory.events"
+            groups, events = (
+                [(bases["v2"], {"memory.max": budget}, {"memory.swap.max": "0", "pids.max": tasks})],
+                "memory.events",
+            )
         else:
             return None
         made: list[str] = []
@@ -163,8 +168,10 @@ class _CallGroup:
                     continue  # the pids group is a bonus: RLIMIT_NPROC still applies
                 made.append(os.path.join(base, name))
                 _write_settings(made[-1], required, optional)
-                if not (os.access(os.path.join(base, "cgroup.procs"), os.W_OK)  # moving a process needs both
-                        and os.access(os.path.join(made[-1], "cgroup.procs"), os.W_OK)):
+                if not (
+                    os.access(os.path.join(base, "cgroup.procs"), os.W_OK)  # moving a process needs both
+                    and os.access(os.path.join(made[-1], "cgroup.procs"), os.W_OK)
+                ):
                     raise PermissionError(f"cannot move processes into {made[-1]}")
             return cls(made, os.path.join(made[0], events))
         except OSError:
@@ -211,7 +218,7 @@ def _cgroup_bases() -> dict[str, str]:
                 path = own.get(key)
                 if key in bases or path is None or not (path + "/").startswith(root.rstrip("/") + "/"):
                     continue
-                directory = os.path.join(point, path[len(root.rstrip("/")):].lstrip("/"))
+                directory = os.path.join(point, path[len(root.rstrip("/")) :].lstrip("/"))
                 if os.access(directory, os.W_OK):
                     bases[key] = directory
     return bases
@@ -275,8 +282,13 @@ def _command(mode: str, result_fd: int, payload: str) -> list[str]:
 
 def _env(workdir: str) -> dict[str, str]:
     # nothing from the caller's environment: tokens and keys live there
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "HOME": workdir, "TMPDIR": workdir}
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+    }
 
 
 def _fallback(limits: Limits, mode: str, group: _CallGroup | None) -> Limits:
@@ -420,8 +432,16 @@ def _classify(timed_out: bool, rc: int, nonce_ok: bool, out_of_memory: bool) -> 
 
 def _write_payload(path: str, plan: dict, code: str, tests: str, nonce: str) -> None:
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w", encoding="utf-8") as f:
-        json.dump({"plan": plan, "code": code, "tests": tests, "nonce": nonce,
-                   "safe_compare": _SAFE_COMPARE.read_text(encoding="utf-8")}, f)
+        json.dump(
+            {
+                "plan": plan,
+                "code": code,
+                "tests": tests,
+                "nonce": nonce,
+                "safe_compare": _SAFE_COMPARE.read_text(encoding="utf-8"),
+            },
+            f,
+        )
 
 
 def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
@@ -441,9 +461,15 @@ def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
         out_path = os.path.join(host, "output")
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(
-                _command(mode, write_fd, payload), stdin=subprocess.DEVNULL, stdout=out,
-                stderr=subprocess.STDOUT, env=_env(plan["workdir"]), cwd=host,
-                start_new_session=True, pass_fds=(write_fd,), preexec_fn=_limiter(applied, group),
+                _command(mode, write_fd, payload),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=_env(plan["workdir"]),
+                cwd=host,
+                start_new_session=True,
+                pass_fds=(write_fd,),
+                preexec_fn=_limiter(applied, group),
             )
         os.close(write_fd)
         write_fd = -1
@@ -463,8 +489,15 @@ def execute(mode: str, code: str, tests: str, limits: Limits) -> SandboxResult:
     status = _classify(timed_out, rc, nonce_ok, out_of_memory)
     if status == "memory":
         output += "\n[sandbox: the call's processes together reached memory_mb; the kernel killed one]\n"
-    return SandboxResult(status == "passed", status, None if timed_out else rc, output,
-                         time.monotonic() - start, mode, "rlimit" if group is None else "cgroup")
+    return SandboxResult(
+        status == "passed",
+        status,
+        None if timed_out else rc,
+        output,
+        time.monotonic() - start,
+        mode,
+        "rlimit" if group is None else "cgroup",
+    )
 
 
 _PROBE_CODE = "import os, socket\ninterfaces = [name for _, name in socket.if_nameindex()]\n"

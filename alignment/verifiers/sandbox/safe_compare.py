@@ -34,8 +34,9 @@ class Opaque(Exception):
     """Raised by `canonical` for a value that is not builtin data."""
 
 
-_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray, range, type,
-                    type(...), type(NotImplemented)})
+_ATOMS = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, bytearray, range, type, type(...), type(NotImplemented)}
+)
 # builtin base -> its own C method that returns the data of a subclass instance as the exact type
 _READERS = (
     (int, int.__index__),
@@ -85,8 +86,14 @@ def _defines(kind, name) -> bool:
     return any(name in _class_dict(klass) for klass in _class_mro(kind) if klass is not object)
 
 
-_OPERATORS = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le,
-              ">": operator.gt, ">=": operator.ge}
+_OPERATORS = {
+    "==": operator.eq,
+    "!=": operator.ne,
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+}
 
 
 def _strict_truth(result) -> bool:
@@ -181,8 +188,9 @@ def modules_tampered() -> list[str]:
     changed = []
     for module, before in list(_FROZEN.values()):
         now = vars(module)
-        changed += [f"{module.__name__}.{key}" for key, old in before.items()
-                    if callable(old) and now.get(key, old) is not old]
+        changed += [
+            f"{module.__name__}.{key}" for key, old in before.items() if callable(old) and now.get(key, old) is not old
+        ]
     return changed
 
 
@@ -289,8 +297,14 @@ def shadowed_builtins(source: str, namespace: dict) -> list[str]:
             stored.add(node.arg)
         elif isinstance(node, ast.alias):
             stored.add((node.asname or node.name).partition(".")[0])
-    return sorted(name for name in loaded - stored
-                  if not name.startswith("__") and name in _PRISTINE_BUILTINS and name in namespace and namespace[name] is not _PRISTINE_BUILTINS[name])
+    return sorted(
+        name
+        for name in loaded - stored
+        if not name.startswith("__")
+        and name in _PRISTINE_BUILTINS
+        and name in namespace
+        and namespace[name] is not _PRISTINE_BUILTINS[name]
+    )
 
 
 def _check_builtins() -> None:
@@ -340,12 +354,23 @@ def _count_equal(first, second) -> bool:
     return not remaining
 
 
-_EQUAL = ("assertEqual", "assertEquals", "failUnlessEqual", "assertListEqual", "assertTupleEqual",
-          "assertDictEqual", "assertSetEqual", "assertSequenceEqual", "assertMultiLineEqual")
+_EQUAL = (
+    "assertEqual",
+    "assertEquals",
+    "failUnlessEqual",
+    "assertListEqual",
+    "assertTupleEqual",
+    "assertDictEqual",
+    "assertSetEqual",
+    "assertSequenceEqual",
+    "assertMultiLineEqual",
+)
 _UNITTEST = {
     **{name: (2, lambda a, b: _compare_one("==", a, b), "{} != {}") for name in _EQUAL},
-    **{name: (2, lambda a, b: _compare_one("!=", a, b), "{} == {}")
-       for name in ("assertNotEqual", "assertNotEquals", "failIfEqual")},
+    **{
+        name: (2, lambda a, b: _compare_one("!=", a, b), "{} == {}")
+        for name in ("assertNotEqual", "assertNotEquals", "failIfEqual")
+    },
     **{name: (1, truth, "{} is not true") for name in ("assertTrue", "assert_", "failUnless")},
     **{name: (1, lambda a: not truth(a), "{} is not false") for name in ("assertFalse", "failIf")},
     "assertIn": (2, lambda a, b: _contains(b, a), "{} not found in {}"),
@@ -362,8 +387,14 @@ _UNITTEST = {
     "assertLessEqual": (2, lambda a, b: _compare_one("<=", a, b), "{} not less than or equal to {}"),
     "assertCountEqual": (2, _count_equal, "element counts differ: {} {}"),
 }
-_ALMOST = ("assertAlmostEqual", "assertAlmostEquals", "failUnlessAlmostEqual",
-           "assertNotAlmostEqual", "assertNotAlmostEquals", "failIfAlmostEqual")
+_ALMOST = (
+    "assertAlmostEqual",
+    "assertAlmostEquals",
+    "failUnlessAlmostEqual",
+    "assertNotAlmostEqual",
+    "assertNotAlmostEquals",
+    "failIfAlmostEqual",
+)
 
 
 _RAISES = ("assertRaises", "assertRaisesRegex", "assertRaisesRegexp")
@@ -429,11 +460,23 @@ def subtest(case, *args, **kwargs):
 
 
 UNITTEST_NAMES = frozenset(_UNITTEST) | frozenset(_ALMOST) | frozenset(_RAISES)
-HELPERS = {f"\0alignment.safe_compare.{f.__name__}\0": f
-           for f in (compare, truth, isinstance_, attribute, unittest_assert, subtest)}
+HELPERS = {
+    f"\0alignment.safe_compare.{f.__name__}\0": f
+    for f in (compare, truth, isinstance_, attribute, unittest_assert, subtest)
+}
 COMPARE, TRUTH, ISINSTANCE, ATTRIBUTE, UNITTEST, SUBTEST = HELPERS
-_OP_NAMES = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-             ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+_OP_NAMES = {
+    ast.Eq: "==",
+    ast.NotEq: "!=",
+    ast.Lt: "<",
+    ast.LtE: "<=",
+    ast.Gt: ">",
+    ast.GtE: ">=",
+    ast.In: "in",
+    ast.NotIn: "not in",
+    ast.Is: "is",
+    ast.IsNot: "is not",
+}
 
 
 def _helper_call(placeholder: str, args: list, node: ast.AST, keywords=()) -> ast.Call:

@@ -100,19 +100,38 @@ class LLM:
     instances: list[LLM] = []
     pushes = 0
 
-    def __init__(self, model: str, *, load_format: str = "auto", dtype: str = "auto", seed: int = 0,
-                 gpu_memory_utilization: float = 0.92, max_model_len: int | None = None,
-                 distributed_executor_backend: str | None = None, tensor_parallel_size: int = 1,
-                 logprobs_mode: str = "raw_logprobs", enable_sleep_mode: bool = False, **kwargs):
+    def __init__(
+        self,
+        model: str,
+        *,
+        load_format: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.92,
+        max_model_len: int | None = None,
+        distributed_executor_backend: str | None = None,
+        tensor_parallel_size: int = 1,
+        logprobs_mode: str = "raw_logprobs",
+        enable_sleep_mode: bool = False,
+        **kwargs,
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if LLM.fail_with is not None:
             raise LLM.fail_with
-        self.kwargs = dict(model=model, load_format=load_format, dtype=dtype, seed=seed,
-                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                           distributed_executor_backend=distributed_executor_backend,
-                           tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode,
-                           enable_sleep_mode=enable_sleep_mode, **kwargs)
+        self.kwargs = dict(
+            model=model,
+            load_format=load_format,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            distributed_executor_backend=distributed_executor_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode=logprobs_mode,
+            enable_sleep_mode=enable_sleep_mode,
+            **kwargs,
+        )
         assert load_format == "dummy", "the fake only implements dummy weights"
         self.environment = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
         config = AutoConfig.from_pretrained(model)
@@ -130,7 +149,8 @@ class LLM:
         self.shut_down = False
         self.llm_engine = SimpleNamespace(
             model_config=SimpleNamespace(max_model_len=max_model_len or config.max_position_embeddings),
-            engine_core=SimpleNamespace(shutdown=lambda: setattr(self, "shut_down", True)))
+            engine_core=SimpleNamespace(shutdown=lambda: setattr(self, "shut_down", True)),
+        )
         self.prefix_cache_resets, self.applied = 0, []
         self.enable_sleep_mode, self.asleep, self.sleeps = enable_sleep_mode, set(), 0
         LLM.instances.append(self)
@@ -179,24 +199,37 @@ class LLM:
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             out = self._model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=min(params.max_tokens, room),
-                do_sample=sample, temperature=params.temperature if sample else None,
-                top_p=params.top_p if sample else None, top_k=(params.top_k or None) if sample else None,
-                eos_token_id=stops, pad_token_id=stops[0], output_logits=True, return_dict_in_generate=True,
-                repetition_penalty=params.repetition_penalty, min_p=params.min_p or None,
-                min_new_tokens=params.min_tokens or None)
-        new = out.sequences[:, len(prompt_ids):].tolist()
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=min(params.max_tokens, room),
+                do_sample=sample,
+                temperature=params.temperature if sample else None,
+                top_p=params.top_p if sample else None,
+                top_k=(params.top_k or None) if sample else None,
+                eos_token_id=stops,
+                pad_token_id=stops[0],
+                output_logits=True,
+                return_dict_in_generate=True,
+                repetition_penalty=params.repetition_penalty,
+                min_p=params.min_p or None,
+                min_new_tokens=params.min_tokens or None,
+            )
+        new = out.sequences[:, len(prompt_ids) :].tolist()
         raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)  # [n, steps, vocab], before temperature
         request = RequestOutput(prompt_token_ids=list(prompt_ids))
         for k, row in enumerate(new):
             end = next((t for t, token in enumerate(row) if token in stops), None)
             kept = row if end is None else row[: end + 1]
             logprobs = [{token: Logprob(raw[k, t, token].item(), 1)} for t, token in enumerate(kept)]
-            request.outputs.append(CompletionOutput(k, kept, logprobs if params.logprobs is not None else None,
-                                                    "stop" if end is not None else "length"))
+            request.outputs.append(
+                CompletionOutput(
+                    k, kept, logprobs if params.logprobs is not None else None, "stop" if end is not None else "length"
+                )
+            )
         return request
 
 
-platforms = SimpleNamespace(current_platform=SimpleNamespace(
-    device_name="fake GPU", is_cpu=lambda: False, is_sleep_mode_available=lambda: True))
+platforms = SimpleNamespace(
+    current_platform=SimpleNamespace(device_name="fake GPU", is_cpu=lambda: False, is_sleep_mode_available=lambda: True)
+)
 sys.modules[__name__ + ".platforms"] = platforms
