@@ -6,7 +6,8 @@ of the `SecretBox` environment shows it. The tool takes no arguments, so a call 
 the digit the tool shows. Boxes are named by letters, so no other digit is in sight, and the tool shows its digit
 `SHOWN` times: a from-scratch model's attention starts out nearly uniform over the context, and a digit filling a
 larger share of it is copied sooner (in the test's SFT mixture, shown once, seeds 1 and 2 of 0-2 had not learned
-to copy it in 200 steps; shown 16 times, seed 1 had by step 150). The demonstrations (`sft_rows`) call the tool for a `call_fraction` share of
+to copy it in 200 steps; shown 16 times, seed 1 had by step 150). The demonstrations (`sft_rows`) call the tool for a
+`call_fraction` share of
 the problems and guess a digit for the others (right one time in ten), and show the answer after the tool's result
 for every problem.
 """

@@ -188,7 +188,8 @@ HACKS = [
             math.isclose = fake
             return 0
     """,
-        "import math\ndef check(candidate):\n    value = candidate()\n    assert math.isclose(value, 0.5)\ncheck(half)\n",
+        "import math\ndef check(candidate):\n    value = candidate()\n"
+        "    assert math.isclose(value, 0.5)\ncheck(half)\n",
     ),
     hack(
         "fake_module_in_sys_modules",
@@ -267,7 +268,8 @@ HACKS = [
         def hide():
             for _ in range(2000):
                 for key, value in list(globals().items()):
-                    if isinstance(value, type) and issubclass(value, unittest.TestCase) and value is not unittest.TestCase:
+                    if isinstance(value, type) and issubclass(value, unittest.TestCase) and \
+value is not unittest.TestCase:
                         del globals()[key]
                 time.sleep(0.0005)
         threading.Thread(target=hide, daemon=True).start()
@@ -384,7 +386,8 @@ def add(a, b):
         """
         import signal
         def add(a, b):
-            for f in (globals()["__builtins__"]["__import__"], globals()["__builtins__"]["__build_class__"], signal.signal):
+            for f in (globals()["__builtins__"]["__import__"], globals()["__builtins__"]["__build_class__"], \
+signal.signal):
                 g = f.__globals__
                 for name in list(g):
                     if callable(g[name]):

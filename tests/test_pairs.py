@@ -269,7 +269,8 @@ def test_text_pairs_without_hh_markers_are_not_read_as_hh(logged):
     [
         (
             {"chosen": HH_PREFIX, "rejected": HH_ROW["rejected"]},
-            r"line 1 of \S+, column 'chosen' is not an Anthropic HH transcript .*no Assistant turn after its last Human",
+            r"line 1 of \S+, column 'chosen' is not an Anthropic HH transcript "
+            r".*no Assistant turn after its last Human",
         ),
         (
             {"chosen": "Assistant: hi", "rejected": HH_ROW["rejected"]},
@@ -277,7 +278,8 @@ def test_text_pairs_without_hh_markers_are_not_read_as_hh(logged):
         ),
         (
             {"chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"].replace("Okay.", "Fine.")},
-            r"line 1 of \S+: the HH transcripts in 'chosen' and 'rejected' differ at turn 3, before their last Assistant",
+            r"line 1 of \S+: the HH transcripts in 'chosen' and 'rejected' differ at turn 3, "
+            r"before their last Assistant",
         ),
         ({"prompt": "q", **HH_ROW}, r"`format: hh` takes the prompt from the transcripts.*also has a 'prompt'"),
         ({"chosen": 3, "rejected": HH_ROW["rejected"]}, r"'chosen' is not an Anthropic HH transcript .*it is int"),

@@ -93,7 +93,10 @@ def first_difference(reference, got) -> str:
         (t for t, (a, b) in enumerate(zip(reference.token_ids, got.token_ids)) if a != b),
         min(len(reference.token_ids), len(got.token_ids)),
     )
-    return f"first differing token at step {at}: generate {reference.token_ids[at : at + 1]}, loop {got.token_ids[at : at + 1]}"
+    return (
+        f"first differing token at step {at}: generate {reference.token_ids[at : at + 1]}, "
+        f"loop {got.token_ids[at : at + 1]}"
+    )
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,8 @@ def test_userns_code_holds_no_capabilities():
     code = """
         import subprocess, sys
         def caps(status):
-            return {k: v.split()[0] for k, v in (l.split(":", 1) for l in status.splitlines() if ":" in l) if k.startswith("Cap")}
+            return {k: v.split()[0] for k, v in (l.split(":", 1) for l in status.splitlines() if ":" in l) \
+if k.startswith("Cap")}
         mine = caps(open("/proc/self/status").read())
         child = caps(subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
                                     capture_output=True, text=True).stdout)
@@ -276,7 +277,10 @@ def test_without_a_cgroup_rlimits_bound_the_total(monkeypatch):
     """The fallback: at most FALLBACK_PROCESSES tasks, each with its share of `memory_mb`."""
     mode = require_isolation()
     monkeypatch.setattr(process._CallGroup, "create", classmethod(lambda cls, limits: None))
-    limits = "import resource\nlimits = [resource.getrlimit(resource.RLIMIT_AS)[0], resource.getrlimit(resource.RLIMIT_NPROC)[0]]\n"
+    limits = (
+        "import resource\n"
+        "limits = [resource.getrlimit(resource.RLIMIT_AS)[0], resource.getrlimit(resource.RLIMIT_NPROC)[0]]\n"
+    )
     share = 256 // process.FALLBACK_PROCESSES * 1024 * 1024
     seen = _run(mode, limits, f"assert limits == [{share}, {process.FALLBACK_PROCESSES}], limits\n", memory_mb=256)
     assert seen.passed and seen.memory_bound == "rlimit", seen.output

@@ -256,7 +256,8 @@ def test_parse(style, text, calls, failures):
 # --- the rollout, scripted -------------------------------------------------------------------------------------
 def scripted_sampler(tokenizer, scripts: dict[str, list[str]]):
     """A stand-in for sampling.generate_ids: each trajectory (found by the last user message in its prompt)
-    answers its next scripted turn (the key is the user message's first word), closed with the end-of-turn token, log-prob -1 per token."""
+    answers its next scripted turn (the key is the user message's first word), closed with the end-of-turn token,
+    log-prob -1 per token."""
     eot = tokenizer.convert_tokens_to_ids("<|end|>")
 
     def generate_ids(model, tokenizer_, prompt_ids, settings, progress=None, logprobs=False):

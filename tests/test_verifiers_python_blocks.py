@@ -18,7 +18,8 @@ OPTIONS = {"timeout": 3.0, "memory_mb": 256, "max_processes": 16, "allow_unsandb
 MBPP = {
     "task_id": 2,
     "text": "Write a function to find the shared elements from the given two lists.",
-    "code": "def similar_elements(test_tup1, test_tup2):\r\n  res = tuple(set(test_tup1) & set(test_tup2))\r\n  return (res) ",
+    "code": "def similar_elements(test_tup1, test_tup2):\r\n"
+    "  res = tuple(set(test_tup1) & set(test_tup2))\r\n  return (res) ",
     "test_list": [
         "assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
         "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",

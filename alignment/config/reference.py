@@ -199,7 +199,8 @@ Every key a recipe accepts: its type, its default and what it does. An unknown k
 mean" hint, except under the `train:` of a TRL-backed stage (sft, reward, dpo, rsft, rlvr), whose knobs go
 verbatim to that stage's TRL config class (see TRL's documentation; one value is the toolkit's own:
 `train_sampling_strategy: bucket_by_length` on sft, reward, dpo and rsft, batches of rows of about one length,
-docs/performance.md), and the parameters of a built-in task in `data:`. `null` is YAML's None; `<id>` stands for a stage's id. In the terminal, `align keys KIND` prints the
+docs/performance.md), and the parameters of a built-in task in `data:`. `null` is YAML's None; \
+`<id>` stands for a stage's id. In the terminal, `align keys KIND` prints the
 keys of one stage kind (`align keys recipe`, `align keys evaluate`; `align keys` all of them)."""
 
 

@@ -375,7 +375,8 @@ def sequence_kl(policy, reference, tokenizer, prompts: list[str], samples, batch
     The policy's term is the sampler's own log-probs where every sample carries them (`engine: loop` records
     log-softmax(logits) of each drawn token, and KL samples are drawn at temperature 1 without truncation), so only
     the reference runs a forward pass; it equals the policy's re-score up to float rounding (measured:
-    docs/performance.md#evaluation; tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`, the vLLM backend) have
+    docs/performance.md#evaluation; tests/test_evaluate.py on the tiny model). Samples without them (`engine: generate`,
+    the vLLM backend) have
     the policy re-scored as well. A batch's shared prompt prefix runs once (`models.prefix`: the same values up
     to summation order)."""
     pad = pad_token_id(tokenizer)

@@ -186,7 +186,8 @@ def run_recipe(
     for stage_id in select_stages(recipe, only, start_from):
         if is_finished(recipe, stage_id) and not force:
             log.info(
-                f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); skipping (--force reruns)"
+                f"[{stage_id}] finished earlier ({recipe.stage_dir(stage_id) / 'stage.json'}); "
+                "skipping (--force reruns)"
             )
         else:
             to_run.append(stage_id)

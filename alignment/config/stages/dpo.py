@@ -1,4 +1,5 @@
-"""`dpo` stage config: the keys a recipe's `kind: dpo` stage accepts (torch-free; the runtime is alignment/stages/dpo.py)."""
+"""`dpo` stage config: the keys a recipe's `kind: dpo` stage accepts (torch-free; the runtime is
+alignment/stages/dpo.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`ppo` stage config: the keys a recipe's `kind: ppo` stage accepts (torch-free; the runtime is alignment/stages/ppo.py)."""
+"""`ppo` stage config: the keys a recipe's `kind: ppo` stage accepts (torch-free; the runtime is
+alignment/stages/ppo.py)."""
 
 from __future__ import annotations
 
@@ -191,7 +192,8 @@ class Config(StageConfig):
     )
     reward_model: str | None = Field(
         None,
-        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id of a one-label "
+        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id "
+        "of a one-label "
         "sequence classifier scoring prompt + completion; give this, verifiers or both",
     )
     verifiers: list[VerifierSpec] = Field(

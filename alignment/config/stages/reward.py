@@ -1,4 +1,5 @@
-"""`reward` stage config: the keys a recipe's `kind: reward` stage accepts (torch-free; the runtime is alignment/stages/reward.py)."""
+"""`reward` stage config: the keys a recipe's `kind: reward` stage accepts (torch-free; the runtime is
+alignment/stages/reward.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class Config(StageConfig):
         None,
         gt=0,
         description="learning rate of the freshly initialised score head (default: train.learning_rate); "
-        "a head that learns faster than the pretrained body it reads from: 3e-2 over 2e-4 took the arithmetic pairs from "
+        "a head that learns faster than the pretrained body it reads from: 3e-2 over 2e-4 took the arithmetic pairs "
+        "from "
         "0.6-0.75 to 0.945 held-out accuracy (alignment/stages/reward.py)",
     )
     ensemble: EnsembleSpec | None = Field(

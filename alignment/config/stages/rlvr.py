@@ -1,4 +1,5 @@
-"""`rlvr` stage config: the keys a recipe's `kind: rlvr` stage accepts (torch-free; the runtime is alignment/stages/rlvr.py)."""
+"""`rlvr` stage config: the keys a recipe's `kind: rlvr` stage accepts (torch-free; the runtime is
+alignment/stages/rlvr.py)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ class Config(StageConfig, ToolUse):
     )
     reward_model: str | None = Field(
         None,
-        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id: its score of "
+        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id: "
+        "its score of "
         "the rendered conversation is a reward (as ppo's)",
     )
     reward_model_weight: float = Field(1.0, description="weight of the reward model's score in the reward")

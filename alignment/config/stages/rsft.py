@@ -1,4 +1,5 @@
-"""`rsft` stage config: the keys a recipe's `kind: rsft` stage accepts (torch-free; the runtime is alignment/stages/rsft.py)."""
+"""`rsft` stage config: the keys a recipe's `kind: rsft` stage accepts (torch-free; the runtime is
+alignment/stages/rsft.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ class Config(StageConfig, ToolUse):
     )
     reward_model: str | None = Field(
         None,
-        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id that scores "
+        description="'${rm}' (a reward stage; a dpo stage scores as its implicit reward), a local path or hub id "
+        "that scores "
         "each sample; give this or verifiers",
     )
     gold: list[VerifierSpec] = gold_field()

@@ -1,4 +1,5 @@
-"""`sft` stage config: the keys a recipe's `kind: sft` stage accepts (torch-free; the runtime is alignment/stages/sft.py)."""
+"""`sft` stage config: the keys a recipe's `kind: sft` stage accepts (torch-free; the runtime is
+alignment/stages/sft.py)."""
 
 from __future__ import annotations
 
