@@ -28,8 +28,8 @@ class DataSpec(Strict):
     )
     task: str | None = Field(
         None,
-        description="built-in offline task (`arithmetic`) whose rows are generated from the "
-        "recipe's seed; its parameters are further keys of this mapping; give this or `dataset`",
+        description="built-in offline task (`arithmetic`, `tool_arithmetic`, `reasoning_gym`) whose rows are "
+        "generated from the recipe's seed; its parameters are further keys of this mapping; give this or `dataset`",
     )
     config: str | None = Field(
         None,
