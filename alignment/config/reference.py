@@ -131,6 +131,8 @@ def type_name(annotation: typing.Any, link: typing.Callable[[type[BaseModel]], s
         return "null"
     if annotation is typing.Any:
         return "any"
+    if origin is typing.Annotated:  # a type with validation metadata (a discriminated union's tags): the type
+        return type_name(args[0], link)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return link(annotation)
     if origin is typing.Literal:

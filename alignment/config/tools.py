@@ -5,15 +5,18 @@ A stage that samples (rlvr) takes these keys through `ToolUse`, a mixin of its `
 
     tools: [calculator, {name: python, options: {timeout: 5}}, my_tools:lookup]
     environment: my_env:Shop          # optional: one instance per rollout, its methods are tools too
+    environment: {openenv: {app: my_env:GuessEnv}}          # or an OpenEnv environment, served for the stage
+    environment: {openenv: {url: http://127.0.0.1:8000}}    # or one already running (tools/openenv.py)
     max_turns: 4                      # assistant turns per rollout (a tool result between two of them)
     tool_format: hermes               # only for chat templates without tool support (ChatML, the tiny model)
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from .base import ByName, Strict
 
@@ -31,13 +34,80 @@ class ToolSpec(ByName):
     )
 
 
+class OpenEnvServer(Strict):
+    """Where an OpenEnv environment runs: `url:` of a running server, or `app:` that the stage serves itself."""
+
+    url: str | None = Field(None, description="http(s):// or ws(s):// address of a running OpenEnv server")
+    app: str | None = Field(
+        None,
+        description="module:Class of an OpenEnv MCPEnvironment (or module:app, a FastAPI app of create_app), "
+        "served on 127.0.0.1 in its own process for the stage",
+    )
+    max_sessions: int = Field(
+        256, ge=1, description="`app:` only: sessions the served environment holds at once (one per rollout of a batch)"
+    )
+    start_timeout: float = Field(
+        180.0, gt=0, description="`app:` only: seconds the served environment may take to start"
+    )
+    timeout: float = Field(30.0, gt=0, description="seconds opening and resetting one session may take")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value):
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
+            raise ValueError(f"'{value}' is not an http(s):// or ws(s):// address with a host")
+        try:
+            parts.port  # noqa: B018 - raises on a port that is no number
+        except ValueError as error:
+            raise ValueError(f"'{value}': {error}") from None
+        return value.rstrip("/")
+
+    @field_validator("app")
+    @classmethod
+    def _app(cls, value):
+        if value is not None and (":" not in value or not all(value.partition(":")[::2])):
+            raise ValueError(f"'{value}' is not of the form module:Class")
+        return value
+
+    @model_validator(mode="after")
+    def _one_place(self):
+        if (self.url is None) == (self.app is None):
+            raise ValueError("give exactly one of `url:` (a running server) and `app:` (served for the stage)")
+        served_only = self.model_fields_set & {"max_sessions", "start_timeout"}
+        if self.url and served_only:
+            raise ValueError(f"{', '.join(sorted(served_only))} only apply with `app:`")
+        return self
+
+
+class OpenEnvironment(Strict):
+    """`environment: {openenv: {...}}`: an OpenEnv environment whose MCP tools are the model's tools."""
+
+    openenv: OpenEnvServer = Field(description="where the environment runs: `url:` or `app:`")
+
+
+# `environment:` is a string (module:Class) or a mapping (an OpenEnv environment): the value's type picks which, so
+# an error names the one form given, not both. The mapping's tag is "" so that error paths read environment.openenv.
+Environment = Annotated[
+    Annotated[str, Tag("class")] | Annotated[OpenEnvironment, Tag("")],
+    Discriminator(
+        lambda value: "class" if isinstance(value, str) else "" if isinstance(value, dict | OpenEnvironment) else None,
+        custom_error_type="environment_form",
+        custom_error_message="expected module:Class or {openenv: {url: ...}} / {openenv: {app: module:Class}}",
+    ),
+]
+
+
 class ToolUse(Strict):
     """Multi-turn rollouts with tools. No `tools:` and no `environment:` = single-turn sampling as before."""
 
     tools: list[ToolSpec] = Field(default_factory=list, description="tools the model may call during a rollout")
-    environment: str | None = Field(
+    environment: Environment | None = Field(
         None,
-        description="module:Class with reset(row), tool methods and an optional reward(); one instance per rollout",
+        description="module:Class with reset(row), tool methods and an optional reward(), one instance per "
+        "rollout; or {openenv: {url: ...}} / {openenv: {app: module:Class}}, one OpenEnv session per rollout",
     )
     max_turns: int = Field(
         4,

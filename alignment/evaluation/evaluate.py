@@ -37,6 +37,7 @@ from ..rl import prompt_completion_batch, sequence_logprobs
 from ..runtime.dist import get_logger
 from ..sampling import generate, prefills_kept
 from ..tasks.arithmetic import agrees_with_stated
+from ..tools.openenv import serving
 from ..tools.registry import resolve_tools
 from ..training.prompts import check_prompt_rows, prompt_of
 from ..training.scoring import score_texts
@@ -77,7 +78,8 @@ def run_evaluation(
         raise UserError(
             f"baseline '{report.baseline}' is not one of the evaluated checkpoints: {', '.join(checkpoints)}."
         )
-    scores = score_checkpoints(checkpoints, scoring, handoff)
+    with serving(report.out_dir):  # an OpenEnv environment a suite serves logs here and stops when scoring ends
+        scores = score_checkpoints(checkpoints, scoring, handoff)
     write_report(report, scores, checkpoints, judged=scoring.reward_model is not None)
     return scores.metrics
 
@@ -108,9 +110,10 @@ def hand_on(checkpoints: dict[str, str], scoring: Scoring, handoff: Handoff) -> 
     """Score every checkpoint and save each result to `handoff` as soon as it is scored, writing no report: an
     evaluation process of `align run --jobs`. Returns {label: metrics}."""
     metrics = {}
-    for label, path, found in scored_one_by_one(checkpoints, scoring):
-        handoff.save(label, path, *found)
-        metrics[label] = found[0]
+    with serving(handoff.folder):
+        for label, path, found in scored_one_by_one(checkpoints, scoring):
+            handoff.save(label, path, *found)
+            metrics[label] = found[0]
     return metrics
 
 

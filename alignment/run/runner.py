@@ -44,6 +44,7 @@ from ..runtime.dist import distributed_state, get_logger, start_engine
 from ..runtime.files import write_atomic
 from ..runtime.redact import redact
 from ..stages import stage_module
+from ..tools.openenv import serving
 from ..training.context import StageContext
 from .jobs import evaluation_process, run_in_parallel
 from .model_card import write_model_card
@@ -108,6 +109,11 @@ def ensure_base_model(recipe: Recipe) -> str:
 def check_recipe(recipe: Recipe) -> None:
     """Deep validation: models resolve, data loads with the right columns, TRL configs build, verifiers
     resolve, LoRA targets exist. Stages that start from a stage not yet run are checked against the base."""
+    with serving(None):  # an OpenEnv environment served to check a stage or suite stops when the check ends
+        _check_recipe(recipe)
+
+
+def _check_recipe(recipe: Recipe) -> None:
     ensure_writable(recipe.out)
     ensure_base_model(recipe)
     for stage_id, config in recipe.stages.items():
@@ -262,7 +268,8 @@ def run_stage(recipe: Recipe, stage_id: str, state=None) -> dict:
     state.wait_for_everyone()
     log.info(f"[{stage_id}] {ctx.config.kind} from {ctx.start_model}")
     started, cpu_started = time.time(), time.process_time()
-    with disk_errors_explained(ctx), memory_errors_explained(ctx):
+    # serving: the OpenEnv environments the stage serves log into its folder and stop with it, error or not
+    with disk_errors_explained(ctx), memory_errors_explained(ctx), serving(ctx.out_dir):
         result = stage_module(ctx.config.kind).run(ctx) or {}
         state.wait_for_everyone()
         record = {

@@ -9,10 +9,10 @@ recipe is found; it runs in the toolbox's worker process, tools/worker.py). It i
 transformers' `get_json_schema` (type hints on every argument, a Google-style docstring with an `Args:` section); one
 that cannot be described is refused at `align check`; a call's arguments must fit that schema (`check_arguments`).
 
-An environment (`environment: module:Class`, as TRL's `environment_factory`) is a class built without arguments,
-once per rollout: `reset(row)` gets the dataset row (every column) before the first turn and may return text
-appended to the last user message; the public methods its class defines are tools (only those: nothing it sets on
-itself); an optional `reward()` scores the finished rollout (the stage adds it with weight 1).
+An environment (`environment: module:Class`, as TRL's `environment_factory`) is a class built without arguments, once
+per rollout: `reset(row)` gets the dataset row (every column) before the first turn and may return text appended to
+the last user message; the public methods its class defines are tools (only those: nothing it sets on itself); an
+optional `reward()` scores the finished rollout (weight 1). So does `{openenv: ...}` (tools/openenv.py), by session.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from ..config.tools import ToolSpec
+from ..config.tools import OpenEnvironment, ToolSpec
 from ..errors import UserError
 from ..verifiers.registry import _load_target
 from .builtins import BUILTINS
+from .openenv import OpenEnvSession, connect
 from .worker import ToolWorker, WorkerTool, bind_options, tool_name
 
 ENVIRONMENT_HOOKS = ("reset", "reward")
@@ -180,6 +181,8 @@ class Toolbox:
 
     def bind(self, instance: Any) -> dict[str, Callable]:
         """{tool name: callable} for one rollout: the standalone tools plus the environment's described methods."""
+        if isinstance(instance, OpenEnvSession):
+            return {**self.tools, **instance.tools(self.environment_names)}
         return {**self.tools, **(environment_tools(instance, self.environment_names) if instance is not None else {})}
 
 
@@ -207,7 +210,7 @@ def check_environment(factory: Any, target: str) -> list[dict]:
 
 
 def resolve_tools(
-    specs: list[ToolSpec], environment: str | None, search_dirs: list[Path], where: str = "stage"
+    specs: list[ToolSpec], environment: str | OpenEnvironment | None, search_dirs: list[Path], where: str = "stage"
 ) -> Toolbox:
     """The `Toolbox` of a stage's `tools:` and `environment:`; every error names the recipe key."""
     toolbox = Toolbox()
@@ -225,12 +228,16 @@ def resolve_tools(
             fn = WorkerTool(toolbox.worker, name)
         toolbox.tools[name] = fn
         toolbox.schemas.append(schema)
-    if environment:
+    if isinstance(environment, OpenEnvironment):  # served or reached now: its tools are what it lists
+        connection = connect(environment.openenv, search_dirs, where)
+        factory, schemas = connection.session_class(), connection.schemas
+    elif environment:
         try:
             factory = load_target(environment, "Environment", search_dirs)
             schemas = check_environment(factory, environment)
         except UserError as error:
             raise UserError(f"{where}.environment: {error}") from None
+    if environment:
         clash = sorted({s["function"]["name"] for s in schemas} & set(toolbox.tools))
         if clash:
             raise UserError(f"{where}.environment: method(s) {clash} have the name of a tool in `tools:`.")

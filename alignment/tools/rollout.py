@@ -5,14 +5,14 @@
     t.prompt_ids, t.ids, t.mask, t.logprobs, t.counts, t.answer
 
 Each turn samples the unfinished trajectories with the one sampler (`sampling.generate_ids`, fed the ids each holds,
-never re-tokenized), runs the calls it parses and appends the tool result turn as ids. `mask` is 1 on sampled
-tokens, 0 on tool results and the template's text around them; `logprobs` are the sampler's (0 elsewhere). Model
-text is hostile input: nothing it writes fails a rollout; each failure is an `error: ...` result, counted (`COUNTS`);
-work is bounded per call, turn, rollout and batch (`RolloutLimits`); results are tokenized as data (no control token).
-Limits: `module:function` tools run in a worker process killed at the timeout (tools/worker.py); the built-ins and an
-environment's methods run in a daemon thread joined with the timeout. An environment stays in this process (its
-state is shared with reset and reward, and need not pickle): one whose call ignores the timeout keeps its thread,
-and its later calls and reward() are refused. The `python` tool's sandbox is killed at its own timeout.
+never re-tokenized), runs the calls it parses and appends the tool result turn as ids. `mask` is 1 on sampled tokens,
+0 on tool results and the template's text around them; `logprobs` are the sampler's (0 elsewhere). Model text is
+hostile input: nothing it writes fails a rollout; each failure is an `error: ...` result, counted (`COUNTS`); work is
+bounded per call, turn, rollout and batch (`RolloutLimits`); results are tokenized as data (no control token).
+Limits: `module:function` tools run in a worker process killed at the timeout (tools/worker.py), the `python` tool's
+sandbox at its own; the built-ins and an environment's methods in a daemon thread joined with the timeout (an OpenEnv
+environment's calls are steps of its session, tools/openenv.py, whose `done` ends the rollout). An environment stays
+in this process (shared state, no pickling): one whose call ignores the timeout keeps its thread, and is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ..config.tools import ToolUse
 from ..data.formatting import encode
 from ..sampling import generate_ids
 from .formats import Call, ToolFormat, clean_text, data_ids
+from .openenv import OpenEnvSession, OpenEnvTool
 from .registry import Toolbox, check_arguments
 from .worker import WorkerTool
 
@@ -161,7 +162,8 @@ def rollout(
     """Run every trajectory to its end; returns them, filled in. A rollout ends when the model answers without a
     tool call (`stop_reason` "answer"), after `max_turns` turns ("max_turns": the calls of the last turn are not
     run), or when its tokens after the prompt would pass `max_completion_length` ("length": the turn is cut
-    there, or the tool result that would not fit is left off). A malformed call (bad JSON, no name), a call of
+    there, or the tool result that would not fit is left off), or when an OpenEnv environment's observation says
+    the episode is done ("done"). A malformed call (bad JSON, no name), a call of
     an unknown tool or with wrong arguments, a tool that raises or runs past `tool_timeout`, and calls after the
     rollout's `max_tool_time` or the batch's `max_step_tool_time` is spent all come back to the model as an
     `error: ...` result, counted; so do the calls past `max_tool_calls` in one turn, which are not run."""
@@ -199,6 +201,9 @@ def rollout(
                 continue
             t.add(suffix, False)
             t.turns += [{"role": "tool", "name": name, "content": content} for name, content in results]
+            if isinstance(t.environment, OpenEnvSession) and t.environment.done:
+                t.stop_reason = "done"  # the environment ended the episode: no turn after its last observation
+                continue
             still.append(t)
         active = still
         if not active:
@@ -268,6 +273,12 @@ def call_tool(t: Trajectory, call: Call, limits: RolloutLimits, clock: StepClock
         return False, f"this batch's tool time ({limits.max_step_tool_time:g} s, every rollout together) is spent"
     budget = min(limits.tool_timeout, limits.max_tool_time - t.tool_time, clock.left)
     began = time.monotonic()
+    if isinstance(fn, OpenEnvTool):  # a step of the rollout's session, which bounds its own wait
+        ok, output = fn.call(call.arguments, budget)
+        elapsed = time.monotonic() - began
+        t.tool_time += elapsed
+        clock.spent += elapsed
+        return ok, output
     if isinstance(fn, WorkerTool):
         ok, output = fn.worker.call(call.name, call.arguments, budget)
         elapsed = time.monotonic() - began
