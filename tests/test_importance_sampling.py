@@ -251,3 +251,154 @@ def test_policy_loss_with_weights_gives_the_corrected_gradient():
     loss, _ = rl.policy_loss(*args)
     (grad,) = torch.autograd.grad(loss, theta)
     assert (-grad - true).abs().max() > 1e-4
+
+
+# --------------------------------------------------------------------------------------------------
+# Wired into GRPO's loss (TRL's own `_compute_loss`) and PPO's loop
+# --------------------------------------------------------------------------------------------------
+
+
+def grpo_trainer(tiny_model, tmp_path):
+    """A real TRL GRPOTrainer on the tiny model; the tests below replace its log-prob function by a categorical."""
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=len(THETA),
+        num_generations=len(THETA),
+        max_completion_length=1,
+        loss_type="bnpo",
+        beta=0.0,
+        report_to="none",
+        use_cpu=True,
+    )
+    return GRPOTrainer(
+        model=load_policy(str(tiny_model)),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        processing_class=load_tokenizer(str(tiny_model)),
+        train_dataset=datasets.Dataset.from_list([{"prompt": "1+1="}] * 4),
+    )
+
+
+def test_grpo_loss_with_the_sampler_correction_has_the_true_gradient(tiny_model, tmp_path):
+    """TRL's GRPO loss (bnpo: sum of per-token terms x mask / sum of mask) on one completion token per row, row a
+    being action a of the categorical with the mask holding the sampler's probability q(a): the loss is then
+    -E_q[coef A] exactly, and its gradient at the first iteration (coef = 1) is -E_q[w A grad log pi]. With the
+    stage's `SamplerCorrection` (w = pi/q) that is -grad E_pi[A]; without it, biased (the bf16 sampler above)."""
+    from alignment.config.sampling import ImportanceSamplingSpec
+    from alignment.stages.rlvr import SamplerCorrection
+
+    theta, logpi, q, reward = categorical()
+    (true,) = torch.autograd.grad((logpi.exp() * reward).sum(), theta, retain_graph=True)
+    trainer = grpo_trainer(tiny_model, tmp_path)
+    actions = len(THETA)
+
+    def logps(_model, _ids, _attention, _keep, **_):  # the categorical as the trainer's per-token log-probs
+        return torch.log_softmax(theta, dim=0).float()[:, None], torch.zeros(actions, 1), None
+
+    trainer._get_per_token_logps_and_entropies = logps
+    output = {
+        "prompt_ids": torch.zeros(actions, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(actions, 1, dtype=torch.long),
+        "completion_ids": torch.arange(actions)[:, None],
+        "completion_mask": q.float()[:, None],
+        "advantages": reward.float(),
+        "num_items_in_batch": torch.tensor(1.0),
+        "sampling_per_token_logps": q.log().float()[:, None],
+    }
+    trainer._generate_and_score_completions = lambda inputs: dict(output)  # the rollout, with the sampler's q
+    correction = SamplerCorrection(trainer, ImportanceSamplingSpec(cap=1e6))
+    gradients = {}
+    for name, inputs in (("plain", dict(output)), ("corrected", correction([]))):
+        loss = trainer._compute_loss(trainer.model, inputs)
+        (gradients[name],) = torch.autograd.grad(loss, theta, retain_graph=True)
+    close(-gradients["corrected"], true, atol=1e-6)  # fp32 log-probs: exact to fp32 rounding
+    assert (-gradients["plain"] - true).abs().max() > 1e-4
+    logged = trainer._metrics["train" if trainer.model.training else "eval"]
+    assert logged["is_ratio_max"] and logged["sampler_kl"][-1] > 0 and logged["is_clipped_frac"] == [0.0]
+
+
+def test_grpo_correction_leaves_a_batch_without_sampler_logprobs_and_counts_it(tiny_model, tmp_path):
+    from alignment.config.sampling import ImportanceSamplingSpec
+    from alignment.stages.rlvr import SamplerCorrection
+
+    trainer = grpo_trainer(tiny_model, tmp_path)
+    batch = {"advantages": torch.ones(2), "completion_mask": torch.ones(2, 1)}
+    trainer._generate_and_score_completions = lambda inputs: batch
+    correction = SamplerCorrection(trainer, ImportanceSamplingSpec())
+    assert correction([]) is batch and correction.uncorrected == 1
+
+
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"importance_sampling": {"level": "word"}}, "level"),
+        ({"importance_sampling": {"mode": "truncate", "low": 0.5}}, "lower bound of `mode: mask`"),
+        ({"importance_sampling": {"cap": 0}}, "cap"),
+        ({"importance_sampling": {}, "tools": None}, "TRL samples with the trained policy itself"),
+        ({"importance_sampling": {}, "algorithm": "rloo", "tools": None}, "use algorithm: grpo"),
+        ({"importance_sampling": {}, "train": {"top_p": 0.9}}, "before truncation"),
+        ({"importance_sampling": {}, "train": {"use_vllm": True}}, "vllm_importance_sampling_mode"),
+    ],
+)
+def test_rlvr_config_refuses_what_the_correction_cannot_do(stage, message):
+    from pydantic import ValidationError
+
+    from alignment.config.stages.rlvr import Config
+
+    keys = {"data": {"task": "arithmetic", "n": 4}, "verifiers": ["arithmetic"], "tools": ["calculator"], **stage}
+    keys = {k: v for k, v in keys.items() if v is not None}
+    with pytest.raises(ValidationError, match=message.replace("(", r"\(").replace("`", ".")):
+        Config(kind="rlvr", **keys)
+
+
+def ppo_history(tmp_path, tiny_model, **ppo):
+    import json
+
+    from helpers import tiny_ppo_recipe, trainable_digest
+
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
+
+    path = tiny_ppo_recipe(tmp_path, tiny_model, **ppo)
+    metrics = run_recipe(load_recipe(path))["ppo"]["metrics"]
+    out = tmp_path / "out" / "ppo"
+    stage = json.loads((out / "stage.json").read_text())
+    history = json.loads((out / "log_history.json").read_text())
+    return history, metrics, stage, trainable_digest(out / "model.safetensors")
+
+
+def test_ppo_with_unit_weights_trains_exactly_as_without_the_correction(tmp_path, tiny_model, monkeypatch):
+    """The wiring changes nothing but the weights: with the sampler's log-probs replaced by the trainer's own
+    (every weight exactly 1), a run with `importance_sampling:` samples, trains and saves bit for bit as the
+    default run (no key: today's loop, whose seeded figures tests/test_rollout.py holds)."""
+    from alignment.stages import ppo
+
+    plain, _, stage, plain_weights = ppo_history(tmp_path / "plain", tiny_model)
+    assert stage["config"].get("importance_sampling") is None and "is_ratio_mean" not in plain[-1]
+    exact = ppo.importance_weights
+    monkeypatch.setattr(ppo, "importance_weights", lambda t, s, m, *a: exact(t, t, m, *a))
+    weighted, _, _, weighted_weights = ppo_history(tmp_path / "is", tiny_model, importance_sampling={})
+    assert [e["is_ratio_mean"] for e in weighted] == [1.0] * len(weighted)
+    timing = ("rollout_tokens_per_s", "train_tokens_per_s")
+    drop = lambda e: {k: v for k, v in e.items() if not k.startswith(("is_", "sampler_")) and k not in timing}  # noqa: E731
+    assert [drop(e) for e in weighted] == [drop(e) for e in plain]
+    assert weighted_weights.keys() == plain_weights.keys()
+    assert all(torch.equal(weighted_weights[k], plain_weights[k]) for k in plain_weights)
+
+
+def test_ppo_with_top_k_logs_a_ratio_below_one_and_the_sampler_kl(tmp_path, tiny_model):
+    """top-k sampling draws from pi / Z on the k kept tokens (Z < 1), so the ratio pi / pi_sampler of every sampled
+    token is Z <= 1 and the sampler-trainer KL is positive: both logged per update and in stage.json."""
+    history, metrics, stage, _ = ppo_history(
+        tmp_path, tiny_model, rollout={"top_k": 3}, importance_sampling={"mode": "mask", "cap": 2.0, "low": 0.2}
+    )
+    for entry in history:
+        assert 0 < entry["is_ratio_mean"] < 1 and entry["is_ratio_max"] <= 1 + 1e-5
+        assert entry["sampler_kl"] > 0 and 0 <= entry["is_clipped_frac"] <= 1
+    assert stage["metrics"]["sampler_kl"] == metrics["sampler_kl"] == history[-1]["sampler_kl"]

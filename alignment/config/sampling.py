@@ -59,6 +59,47 @@ class VllmSpec(Strict):
     )
 
 
+class ImportanceSamplingSpec(Strict):
+    """`importance_sampling:` correct the policy loss for tokens drawn by a sampler that is not the trainer's policy
+    (bf16 or vLLM sampling, top-k/top-p truncation, a stale policy): each token's (or sequence's) term is weighted by
+    w = f(pi_train / pi_sampler), the sampler's processed log-probs (after temperature and truncation) against the
+    trainer's own forward (`rl.importance_weights`). TRL's `vllm_importance_sampling_mode: token_truncate` is
+    `{level: token, mode: truncate}`, its `vllm_importance_sampling_clip_max` is `cap`, `clip_min` is `low`."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: each token's own ratio; sequence: the product of a completion's ratios for each of "
+        "its tokens (unbiased for a sequence-level objective, higher variance)",
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="truncate: w = min(ratio, cap) (TIS, Yao et al. 2025); mask: w = ratio inside [low, cap], "
+        "else 0 (MIS / IcePop)",
+    )
+    cap: float = Field(2.0, gt=0, description="the ratio's upper bound: truncated to it, or masked above it")
+    low: float | None = Field(
+        None, ge=0, description="mode mask: ratios below it are masked too (null: no lower bound)"
+    )
+
+    @model_validator(mode="after")
+    def _low_masks(self):
+        if self.low is not None and (self.mode != "mask" or self.low > self.cap):
+            raise ValueError(
+                f"`low: {self.low}` is the lower bound of `mode: mask` and must not exceed `cap: {self.cap}`; "
+                "`mode: truncate` only caps the ratio from above"
+            )
+        return self
+
+
+def importance_sampling_field():
+    return Field(
+        None,
+        description="weight the policy loss by the importance ratio of the trainer's policy to the sampler's "
+        "processed distribution (TIS / MIS, alignment/rl.py `importance_weights`); the ratio's statistics are logged "
+        "(is_ratio_mean, is_ratio_max, is_clipped_frac, sampler_kl). null (default): no correction",
+    )
+
+
 def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:
     """Why `setting` cannot work here, or None. Used by the sampling specs' validators (and rlvr's
     `use_vllm`), so that `align check` and the start of `align run` say so before any model is loaded."""

@@ -42,11 +42,15 @@ def generate_ids(
     settings: SamplingSpec,
     progress: str | None = None,
     logprobs: bool = False,
+    processed: bool = False,
 ) -> list[Sample]:
     """`generate` on prompts given as token ids, fed to the sampler as they are (multi-turn rollouts continue
-    the ids they hold), optionally with the sampler's log-prob of each sampled token (`Sample.logprobs`)."""
-    sampler = vllm_engine if settings.backend == "vllm" else hf
-    return sampler.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs)
+    the ids they hold), optionally with the sampler's log-prob of each sampled token (`Sample.logprobs`);
+    `processed`: also those after temperature and top-k/top-p (`Sample.processed_logprobs`, what importance
+    sampling divides by)."""
+    if settings.backend == "vllm":
+        return vllm_engine.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs, processed)
+    return hf.generate_ids(model, tokenizer, prompt_ids, settings, progress, logprobs or processed)
 
 
 def close() -> None:

@@ -203,13 +203,14 @@ def decode_batch(
     # Written on the device, read once at the end: no host round trip per row and step.
     ids = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    processed = torch.zeros((batch, steps), dtype=torch.float32, device=device) if truncates(settings) else logprobs
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     live = torch.arange(batch, device=device)  # batch row of each row still in the model's batch
     running = torch.ones(batch, dtype=torch.bool, device=device)  # over `live`: not finished yet
     for step in range(steps):
         rows = live[running]
-        tokens, drawn_logprobs = next_tokens(process, logits, rows, batch, settings, pad_id)
-        ids[rows, step], logprobs[rows, step] = tokens, drawn_logprobs
+        tokens, drawn_logprobs, drawn_processed = next_tokens(process, logits, rows, batch, settings, pad_id)
+        ids[rows, step], logprobs[rows, step], processed[rows, step] = tokens, drawn_logprobs, drawn_processed
         lengths[rows] += 1
         ended = torch.isin(tokens, stop_ids)
         running[running.clone()] = ~ended
@@ -241,7 +242,18 @@ def decode_batch(
         logits = last_logits(out.logits, running, every=still == len(live))
         del out
     counts = lengths.tolist()
-    return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
+    return rows_of(ids, counts), rows_of(logprobs, counts), rows_of(processed, counts)
+
+
+def rows_of(values: torch.Tensor, counts: list[int]) -> list[list]:
+    """Each row of [rows, steps] `values` cut to its length."""
+    return [row[:k] for row, k in zip(values.tolist(), counts)]
+
+
+def truncates(settings: SamplingSpec) -> bool:
+    """Whether top-k or top-p cut the distribution tokens are drawn from, so that the processed log-probs
+    (`Sample.processed_logprobs`) differ from log-softmax(logits / temperature)."""
+    return settings.temperature > 0 and (settings.top_k != 0 or settings.top_p < 1.0)
 
 
 def next_tokens(
@@ -251,12 +263,13 @@ def next_tokens(
     batch: int,
     settings: SamplingSpec,
     pad_id: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch), and its
-    log-prob under the distribution it was drawn from (`Sample.logprobs`: log-softmax of logits / temperature,
-    before top-k/top-p; temperature 1 when greedy). `draw: generate` draws over the whole batch's shape, finished
-    rows standing in as a one-hot on `pad_id`, so the running rows get the random numbers `generate` would have
-    given them; `draw: inverse_cdf` draws one uniform number per running row (`inverse_cdf`)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next token of each running row (`logits` [running, vocab], `rows` their places in the batch), its
+    log-prob before truncation (`Sample.logprobs`: log-softmax of logits / temperature, before top-k/top-p;
+    temperature 1 when greedy) and its processed log-prob (`Sample.processed_logprobs`: log-softmax of the warped
+    scores it was drawn from; the same tensor where nothing truncates). `draw: generate` draws over the whole
+    batch's shape, finished rows standing in as a one-hot on `pad_id`, so the running rows get the random numbers
+    `generate` would have given them; `draw: inverse_cdf` draws one uniform number per running row (`inverse_cdf`)."""
     scores = process(None, logits)
     if settings.temperature <= 0:
         tokens = first_argmax(scores)
@@ -271,7 +284,10 @@ def next_tokens(
         tokens = torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
     # x / 1.0 is x: the division is skipped where it changes nothing
     scaled = logits / settings.temperature if settings.temperature not in (0.0, 1.0) else logits
-    return tokens, torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    raw = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    if not truncates(settings):
+        return tokens, raw, raw
+    return tokens, raw, torch.log_softmax(scores, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def last_logits(logits: torch.Tensor, running: torch.Tensor, every: bool) -> torch.Tensor:

@@ -63,8 +63,9 @@ def generate_ids(
     """`generate` on prompts given as token ids (a multi-turn rollout continues the ids it holds, never
     re-tokenizing them). `logprobs`: each Sample's `logprobs` holds log p(token) of every sampled token under
     the distribution it was drawn from before top-k/top-p (log-softmax of logits / temperature, as TRL's GRPO
-    scores them); greedy decoding records the temperature-1 log-probs. `engine: loop` computes them on the way
-    whether asked or not."""
+    scores them); greedy decoding records the temperature-1 log-probs. `Sample.processed_logprobs` are those after
+    top-k/top-p (the distribution drawn from, what importance sampling divides by). `engine: loop` computes both on
+    the way whether asked or not."""
     stops = stop_token_ids(tokenizer, model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     jobs = [(i, j) for i in range(len(encoded)) for j in range(settings.n)]
@@ -90,20 +91,25 @@ def generate_ids(
     with torch.no_grad(), checkpoint_sampling_defaults_off(model), merged, weights_as(model, settings.dtype), packed:
         if looped and streamable(model, settings, len(jobs)):  # waiting rows take finished rows' places
             with counting(progress or "generating", len(jobs), disable=progress is None) as done:
-                rows, scores = decode_stream(model, [encoded[i] for i, _ in jobs], settings, stops, pad_id, done)
+                rows, scores, processed = decode_stream(
+                    model, [encoded[i] for i, _ in jobs], settings, stops, pad_id, done
+                )
             results = {
-                job: to_sample(job[0], ids, stops, tokenizer, score) for job, ids, score in zip(jobs, rows, scores)
+                job: to_sample(job[0], ids, stops, tokenizer, score, kept)
+                for job, ids, score, kept in zip(jobs, rows, scores, processed)
             }
         else:
             for batch in track(batches, description=progress or "generating", disable=progress is None):
                 if looped:
-                    rows, scores = via_loop(model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device)
+                    rows, scores, processed = via_loop(
+                        model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device
+                    )
                 else:
-                    rows, scores = via_generate(
+                    rows, scores, processed = via_generate(
                         model, [encoded[i] for i, _ in batch], settings, stops, pad_id, device, synced, logprobs
                     )
-                for (i, j), ids, score in zip(batch, rows, scores):
-                    results[(i, j)] = to_sample(i, ids, stops, tokenizer, score)
+                for (i, j), ids, score, kept in zip(batch, rows, scores, processed):
+                    results[(i, j)] = to_sample(i, ids, stops, tokenizer, score, kept)
     model.train(was_training)
     return [results[(i, j)] for i in range(len(encoded)) for j in range(settings.n)]
 
@@ -116,8 +122,9 @@ def prepacks(settings: SamplingSpec) -> bool:
 
 
 def token_logprobs(logits: tuple, sampled, temperature: float):
-    """[batch, steps] log-probs of the sampled ids from generate's per-step raw logits (one [batch, vocab] at a
-    time, so no [batch, steps, vocab] tensor is held)."""
+    """[batch, steps] log-probs of the sampled ids from generate's per-step logits (one [batch, vocab] at a
+    time, so no [batch, steps, vocab] tensor is held): raw logits divided by `temperature`, or generate's processed
+    scores (after its warpers) with `temperature` 1."""
     scale = temperature if temperature > 0 else 1.0
     columns = [
         torch.log_softmax(step.float() / scale, dim=-1).gather(-1, sampled[:, t : t + 1])
@@ -145,9 +152,9 @@ def via_generate(
     device,
     synced: bool,
     logprobs: bool = False,
-) -> tuple[list[list[int]], list]:
+) -> tuple[list[list[int]], list, list]:
     """`engine: generate`: one `model.generate` call on the whole batch; each row's generated ids (pad after a
-    stop) and, when asked, their log-probs (`token_logprobs`), else None per row.
+    stop) and, when asked, their log-probs before and after truncation (`token_logprobs`), else None per row.
 
     With `cache: static` the KV cache is preallocated (transformers' StaticCache) and prompt widths padded up
     to multiples of STATIC_WIDTH_STEP, so every decode step has the same shapes; on a GPU transformers then
@@ -170,12 +177,15 @@ def via_generate(
         pad_token_id=pad_id,
         synced_gpus=synced,
         **static,
-        **({"output_logits": True, "return_dict_in_generate": True} if logprobs else {}),
+        **({"output_logits": True, "output_scores": True, "return_dict_in_generate": True} if logprobs else {}),
     )
     sampled = (output.sequences if logprobs else output)[:, input_ids.shape[1] :]
     if not logprobs:
-        return sampled.tolist(), [None] * len(rows)
-    return sampled.tolist(), token_logprobs(output.logits, sampled, settings.temperature).tolist()
+        return sampled.tolist(), [None] * len(rows), [None] * len(rows)
+    raw = token_logprobs(output.logits, sampled, settings.temperature).tolist()
+    # greedy: the temperature-1 log-probs, as for `logprobs`; sampled: the scores the warpers left, drawn from
+    processed = raw if settings.temperature <= 0 else token_logprobs(output.scores, sampled, 1.0).tolist()
+    return sampled.tolist(), raw, processed
 
 
 def compile_everywhere(device) -> CompileConfig:

@@ -32,6 +32,11 @@ class Sample:
     # backend's (`vllm_engine.generate_ids(..., logprobs=True)`) are the temperature-1 ones at any temperature:
     # the same at temperature 1 and greedy (vllm_engine's docstring says why)
     logprobs: list[float] | None = None
+    # log p(token) under the distribution the token was actually drawn from: after temperature and top-k/top-p (the
+    # "processed" log-probs, vLLM's `processed_logprobs`), what an importance-sampling correction divides by (a
+    # truncated sampler's ratio is otherwise biased). Equal to `logprobs` without truncation; None where the sampler
+    # does not compute them
+    processed_logprobs: list[float] | None = None
 
 
 # What a plain generation config keeps of a checkpoint's generation_config.json: its token ids, nothing that
@@ -165,7 +170,12 @@ def weights_as(model, dtype: str):
 
 
 def to_sample(
-    prompt_index: int, ids: list[int], stops: list[int], tokenizer, logprobs: list[float] | None = None
+    prompt_index: int,
+    ids: list[int],
+    stops: list[int],
+    tokenizer,
+    logprobs: list[float] | None = None,
+    processed: list[float] | None = None,
 ) -> Sample:
     end = next((k for k, t in enumerate(ids) if t in stops), None)
     kept = ids if end is None else ids[: end + 1]
@@ -176,6 +186,7 @@ def to_sample(
         token_ids=kept,
         finished=end is not None,
         logprobs=None if logprobs is None else logprobs[: len(kept)],
+        processed_logprobs=None if processed is None else processed[: len(kept)],
     )
 
 

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..config.sampling import SamplingSpec
 from ..models.prefix import cache_name, shared_prefix, takes_position_ids
-from .decode import COMPACT_SHARE, last_logits, next_tokens, prefill_once, warpers
+from .decode import COMPACT_SHARE, last_logits, next_tokens, prefill_once, rows_of, truncates, warpers
 
 
 def streamable(model, settings: SamplingSpec, rows: int) -> bool:
@@ -51,12 +51,12 @@ def streamable(model, settings: SamplingSpec, rows: int) -> bool:
 
 def decode_stream(
     model, rows: list[list[int]], settings: SamplingSpec, stops: list[int], pad_id: int, done=None
-) -> tuple[list[list[int]], list[list[float]]]:
+) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
     """Completions of `rows` (prompt ids, admitted in this order: longest first keeps the middle narrow), at most
     `settings.batch_size` in the model's batch at a time, greedy or drawn by `decode.inverse_cdf`. Returns, per row,
     the ids up to and including its stop token (or `max_new_tokens` of them) and their log-probs under the
-    distribution drawn from (temperature 1 when greedy), as `decode.decode_batch` does. `done(k)` is called as k
-    more rows finish (a progress bar)."""
+    distribution drawn from (temperature 1 when greedy) before and after truncation, as `decode.decode_batch` does.
+    `done(k)` is called as k more rows finish (a progress bar)."""
     model = model.get_base_model() if isinstance(model, PeftModel) else model  # the model `generate` runs
     device, steps, width = next(model.parameters()).device, settings.max_new_tokens, settings.batch_size
     shared = shared_prefix(rows) if settings.share_prefix else 0
@@ -65,6 +65,7 @@ def decode_stream(
     process = warpers(settings)
     ids = torch.full((len(rows), steps), pad_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((len(rows), steps), dtype=torch.float32, device=device)
+    processed = torch.zeros_like(logprobs) if truncates(settings) else logprobs
     lengths = torch.zeros(len(rows), dtype=torch.long, device=device)
     waiting = deque(range(len(rows)))
 
@@ -80,8 +81,9 @@ def decode_stream(
     running = torch.ones(len(live), dtype=torch.bool, device=device)
     while True:
         rows_now = live[running]
-        tokens, drawn_logprobs = next_tokens(process, logits, rows_now, len(live), settings, pad_id)
-        ids[rows_now, lengths[rows_now]], logprobs[rows_now, lengths[rows_now]] = tokens, drawn_logprobs
+        tokens, drawn_logprobs, drawn_processed = next_tokens(process, logits, rows_now, len(live), settings, pad_id)
+        at = lengths[rows_now]
+        ids[rows_now, at], logprobs[rows_now, at], processed[rows_now, at] = tokens, drawn_logprobs, drawn_processed
         lengths[rows_now] += 1
         ended = torch.isin(tokens, stop_ids) | (lengths[rows_now] == steps)
         running[running.clone()] = ~ended
@@ -122,7 +124,7 @@ def decode_stream(
                 positions = torch.cat([positions, new_positions])
             running = torch.ones(len(live), dtype=torch.bool, device=device)
     counts = lengths.tolist()
-    return ([row[:k] for row, k in zip(ids.tolist(), counts)], [row[:k] for row, k in zip(logprobs.tolist(), counts)])
+    return rows_of(ids, counts), rows_of(logprobs, counts), rows_of(processed, counts)
 
 
 def prefilled(model, prompts: list[list[int]], shared: int, prefix: torch.Tensor | None, pad_id: int, device):

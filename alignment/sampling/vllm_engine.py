@@ -35,6 +35,7 @@ from ..config.sampling import TESTED_VERSIONS, SamplingSpec, VllmSpec
 from ..data.formatting import encode
 from ..errors import UserError
 from ..rl import prompt_completion_batch, sequence_logprobs
+from .decode import truncates, warpers
 from .samples import lora_merged, stop_token_ids, to_sample
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def generate_ids(
     settings: SamplingSpec,
     progress: str | None = None,
     logprobs: bool = False,
+    processed: bool = False,
 ) -> list:
     """`sampling.generate_ids` with vLLM doing the sampling: the prompts' ids go to the engine as they are (a
     multi-turn rollout continues the ids it holds, never re-tokenized: one call per turn, each with its push
@@ -78,10 +80,16 @@ def generate_ids(
     the HF sampler records them. The two agree at temperature 1 and when greedy (the HF sampler then records
     the temperature-1 log-probs too); at other temperatures these are the temperature-1 distribution's. No
     stage that samples with `backend: vllm` reads them (rsft and evaluation use the ids; rlvr, whose loss
-    would, samples its tool rollouts with transformers)."""
+    would, samples its tool rollouts with transformers).
+
+    `processed`: the engine runs with `logprobs_mode: processed_logprobs` (one mode per engine: another mode
+    restarts it), and each Sample's `processed_logprobs` are vLLM's log-probs after temperature and top-k/top-p,
+    the distribution it drew from (what an importance-sampling correction divides by); `logprobs` then hold the
+    same values where they coincide (temperature 1, nothing truncated), else None. The check compares them with
+    the policy's processed log-probs (`policy_processed_logprobs`)."""
     where = progress or "sampling"
     stops = stop_token_ids(tokenizer, model)
-    engine = _engine_for(model, settings.vllm, where)
+    engine = _engine_for(model, settings.vllm, where, "processed_logprobs" if processed else "raw_logprobs")
     _check_prompt_lengths(prompt_ids, engine, where)
     outputs = _sample(
         engine,
@@ -98,6 +106,8 @@ def generate_ids(
         for completion in request.outputs:
             ids, steps = list(completion.token_ids), completion.logprobs or []
             sample = to_sample(i, ids, stops, tokenizer, [_logprob_of(step, t) for step, t in zip(steps, ids)])
+            if processed:
+                sample.processed_logprobs = sample.logprobs
             if need and len(sample.logprobs) < len(sample.token_ids):
                 why = (
                     "the multi-turn rollout needs them; use `backend: transformers`"
@@ -111,10 +121,13 @@ def generate_ids(
                 )
             samples.append(sample)
     _report_cut_by_model_len(samples, settings, engine, where)
-    _check_against_policy(model, tokenizer, prompt_ids, samples, settings.vllm, where)
-    if not logprobs:
-        for sample in samples:
+    _check_against_policy(model, tokenizer, prompt_ids, samples, settings, where, processed)
+    raw_kept = logprobs and not (processed and (settings.temperature not in (0.0, 1.0) or truncates(settings)))
+    for sample in samples:
+        if not raw_kept:
             sample.logprobs = None
+        if not processed:
+            sample.processed_logprobs = None
     return samples
 
 
@@ -139,19 +152,25 @@ def _sample(
 
 
 def _check_against_policy(
-    model, tokenizer, prompt_ids: list[list[int]], samples: list, spec: VllmSpec, where: str
+    model, tokenizer, prompt_ids: list[list[int]], samples: list, settings: SamplingSpec, where: str, processed: bool
 ) -> None:
     """The first `spec.check_samples` samples' vLLM log-probs against the policy's: their mean absolute
     difference must stay within `vllm.logprob_tolerance`. A sampler that drifted from the policy (weights not
     pushed, a kernel or dtype mismatch, an architecture vLLM implements differently) would otherwise make PPO's
     importance ratios and the KL penalty silently wrong. Both sides use the raw distribution (log softmax of
     the logits, before temperature or top-p), so the check compares the models, not the settings (the gap
-    measured on vLLM's CPU build: docs/performance.md)."""
+    measured on vLLM's CPU build: docs/performance.md). An engine in processed mode is compared on the processed
+    distribution (temperature, top-k, top-p applied on both sides: `policy_processed_logprobs`)."""
+    spec = settings.vllm
     if not spec.check_samples:
         return
     checked = samples[: spec.check_samples]
     with torch.no_grad():
-        gap = logprob_gap(model, tokenizer, prompt_ids, checked, [s.logprobs for s in checked])
+        if processed:
+            ours = policy_processed_logprobs(model, tokenizer, prompt_ids, checked, settings)
+            gap = mean_gap(ours, [s.processed_logprobs for s in checked])
+        else:
+            gap = logprob_gap(model, tokenizer, prompt_ids, checked, [s.logprobs for s in checked])
     log.info("vLLM sampler vs policy: mean |log-prob difference| %.2g per token", gap)
     if gap > spec.logprob_tolerance:
         raise UserError(
@@ -226,7 +245,7 @@ def _report_cut_by_model_len(samples: list, settings: SamplingSpec, engine: _Eng
         )
 
 
-def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
+def _engine_for(model, spec: VllmSpec, where: str, logprobs_mode: str = "raw_logprobs") -> _Engine:
     """The process's engine, started on first use or when a model of another shape arrives.
 
     One engine serves every model of the same shape in the process (the stages of one recipe share a base
@@ -237,7 +256,7 @@ def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
     config = _base_model(model).config
     shape = (
         f"{config.to_json_string()}|{spec.gpu_memory_utilization}|{spec.max_model_len}|{spec.sleep}|"
-        f"{spec.kv_cache_gib}|{spec.enforce_eager}"
+        f"{spec.kv_cache_gib}|{spec.enforce_eager}|{logprobs_mode}"
     )
     if _engine is not None and _engine.shape == shape:
         return _engine
@@ -266,7 +285,7 @@ def _engine_for(model, spec: VllmSpec, where: str) -> _Engine:
                 # the worker in this process, one engine per training process (TRL's colocate mode)
                 distributed_executor_backend="external_launcher",
                 tensor_parallel_size=1,
-                logprobs_mode="raw_logprobs",
+                logprobs_mode=logprobs_mode,
                 enable_sleep_mode=spec.sleep,
                 # not "auto": no checkpoint's sampling defaults or EOS ids
                 generation_config="vllm",
@@ -463,3 +482,33 @@ def logprob_gap(model, tokenizer, prompt_ids: list[list[int]], samples: list, sa
     policy = sequence_logprobs(model, ids, attention, k).float()
     model.train(was_training)
     return float(((policy - sampler).abs() * mask).sum() / mask.sum())
+
+
+def policy_processed_logprobs(
+    model, tokenizer, prompt_ids: list[list[int]], samples: list, settings: SamplingSpec
+) -> list[list[float]]:
+    """The policy's log-probs of each sample's tokens under the processed distribution the settings sample from:
+    the logits through the HF sampler's warpers (temperature, top-k, top-p: `decode.warpers`), log-softmax. Holds a
+    [tokens, vocab] tensor per sample: for the check's few samples only."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    device = next(model.parameters()).device
+    process, out = warpers(settings), []
+    was_training = model.training
+    model.eval()
+    for s in samples:
+        if not s.token_ids:
+            out.append([])
+            continue
+        ids, attention, _ = prompt_completion_batch([prompt_ids[s.prompt_index]], [s.token_ids], pad, device)
+        k = len(s.token_ids)
+        logits = model(input_ids=ids, attention_mask=attention, logits_to_keep=k + 1).logits[0, -(k + 1) : -1]
+        scores = process(None, logits.float())
+        out.append(torch.log_softmax(scores, -1).gather(-1, ids[0, -k:, None]).squeeze(-1).tolist())
+    model.train(was_training)
+    return out
+
+
+def mean_gap(ours: list[list[float]], theirs: list[list[float]]) -> float:
+    """Mean |a - b| over the tokens of two lists of per-token log-probs (0 without tokens)."""
+    pairs = [(a, b) for x, y in zip(ours, theirs) for a, b in zip(x, y)]
+    return sum(abs(a - b) for a, b in pairs) / len(pairs) if pairs else 0.0

@@ -11,6 +11,8 @@ Contract: one process (`align run`) or `accelerate launch` under DDP, FSDP2 or D
 sizes are per process and only rank 0 writes files. Every `train.save_every` updates a checkpoint is written
 in the work folder and a rerun resumes from it, training exactly as an uninterrupted run would. The final
 policy is saved as merged weights + `adapter/`; the critic is not kept.
+`importance_sampling:` weights each token's policy-loss term by the trainer's over the sampler's processed
+log-probs (`rl.importance_weights`), logged as is_ratio_mean/max, is_clipped_frac, sampler_kl.
 Limits: one completion per prompt; `rollout.backend: vllm` only where the engine keeps the weights whole.
 """
 
@@ -36,6 +38,7 @@ from ..rl import (
     RunningMoments,
     explained_variance,
     gae_advantages,
+    importance_weights,
     make_kl_controller,
     masked_mean,
     masked_whiten,
@@ -47,7 +50,7 @@ from ..rl import (
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import PARTITIONED, check_engine
 from ..runtime.progress import track
-from ..sampling import generate
+from ..sampling import generate, generate_ids
 from ..training.actor_critic import (
     build_models,
     configure_deepspeed,
@@ -93,7 +96,10 @@ LOG_KEYS = [
     "explained_variance",
     "response_length",
     "eos_fraction",
-]  # shown in the log line (all are logged)
+    "is_ratio_mean",
+    "is_clipped_frac",
+    "sampler_kl",
+]  # shown in the log line (all are logged; the last three with importance_sampling only)
 
 
 def update_seed(seed: int, update: int, rank: int) -> int:
@@ -206,6 +212,7 @@ class PPOLoop:
         self.watch = self.setup_early_stop()
         self.best_policy: dict | None = None  # the policy state at the watch's best (main process, CPU)
         self.stopped_at: int | None = None
+        self.sampler_stats: dict[str, float] = {}  # this update's importance-sampling statistics, if corrected
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -360,6 +367,7 @@ class PPOLoop:
         if self.watch is not None and self.watch_gold(rollout_stats):
             return None
         rollout, stats = self.advantages(rollout)
+        stats.update(self.sampler_stats)
         started = time.time()
         stats.update(self.train_on(rollout))
         train_time = time.time() - started
@@ -389,13 +397,17 @@ class PPOLoop:
         indices = self.prompt_indices()
         rows, prompts = [self.rows[i] for i in indices], [self.prompts[i] for i in indices]
         sampling = spec if can_merge_lora(self.accelerator) else spec.model_copy(update={"merge_lora": False})
+        encoded = [encode(self.tokenizer, p) for p in prompts]
         with gathered(self.accelerator, self.wrapped) as call:
-            samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
+            if self.config.importance_sampling is None:
+                samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
+            else:  # the same samples, with the sampler's processed log-probs
+                samples = call(
+                    generate_ids, self.actor_critic.policy, self.tokenizer, encoded, sampling, processed=True
+                )
         sample_seconds = time.time() - started
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        ids, attention, mask = prompt_completion_batch(
-            [encode(self.tokenizer, p) for p in prompts], [s.token_ids for s in samples], pad, device
-        )
+        ids, attention, mask = prompt_completion_batch(encoded, [s.token_ids for s in samples], pad, device)
         scores, parts = self.reward(rows, samples, self.micro_batch_size)
         width = mask.shape[1]  # response columns
         chunks = length_chunks(attention, self.micro_batch_size)
@@ -431,8 +443,34 @@ class PPOLoop:
             entropy=entropy,
             scores=scores.to(device),
             finished=torch.tensor([s.finished for s in samples], device=device),
+            is_weights=self.sampler_correction(samples, logprobs, mask),
         )
         return rollout, RolloutStats(reward_means=parts, sample_seconds=sample_seconds)
+
+    def sampler_correction(self, samples: list, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+        """`importance_sampling:`'s weights [B, T] of the trainer's log-probs at sampling time (`logprobs`, the
+        policy the loss clips against) over the sampler's processed ones (`rl.importance_weights`), or None
+        without it. Their statistics, over every process (max: the largest), go into the update's log entry."""
+        spec = self.config.importance_sampling
+        if spec is None:
+            return None
+        width = mask.shape[1]
+        sampler = torch.tensor(
+            [(s.processed_logprobs or [])[:width] + [0.0] * (width - len(s.processed_logprobs or [])) for s in samples],
+            device=logprobs.device,
+        )
+        missing = sum(s.processed_logprobs is None or len(s.processed_logprobs) < len(s.token_ids) for s in samples)
+        if missing:
+            raise UserError(
+                f"{self.ctx.where}.importance_sampling: the sampler returned no processed log-probs for {missing} of "
+                f"{len(samples)} samples, so their importance weights cannot be computed; use `rollout.backend: "
+                "transformers` or `vllm`, or drop importance_sampling."
+            )
+        weights, stats = importance_weights(logprobs, sampler, mask, spec.level, spec.mode, spec.cap, spec.low)
+        everyone = self.accelerator.gather(torch.stack([stats["is_ratio_max"]]).float())
+        self.sampler_stats = {k: v.item() for k, v in stats.items() if k != "is_ratio_max"}
+        self.sampler_stats["is_ratio_max"] = everyone.max().item()
+        return weights
 
     def watch_gold(self, rollout_stats: RolloutStats) -> bool:
         """`early_stop`: record this rollout's gold mean (over all processes); on a new best window average keep a
@@ -549,7 +587,9 @@ class PPOLoop:
         logprobs, values, _ = self.wrapped(
             micro.query_responses, micro.attention_mask, micro.response_width, self.config.rollout.temperature
         )
-        pg, pg_stats = policy_loss(logprobs, micro.logprobs, micro.advantages, micro.response_mask, train.cliprange)
+        pg, pg_stats = policy_loss(
+            logprobs, micro.logprobs, micro.advantages, micro.response_mask, train.cliprange, weights=micro.is_weights
+        )
         vf, vf_stats = value_loss(values, micro.values, micro.returns, micro.response_mask, train.cliprange_value)
         stats = {"policy_loss": pg.item(), "value_loss": vf.item()}
         stats.update({name: value.item() for name, value in {**pg_stats, **vf_stats}.items()})

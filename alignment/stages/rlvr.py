@@ -33,6 +33,7 @@ from ..errors import UserError
 from ..models.loading import load_policy, load_reward_model
 from ..models.lora import peft_config
 from ..models.tokenizer import load_tokenizer
+from ..rl import importance_weights
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
@@ -309,6 +310,8 @@ def run(ctx: StageContext) -> dict:
     dynamic = ctx.config.dynamic_sampling and DynamicSampling(
         trainer, signal, ctx.config.dynamic_sampling.max_draws, ctx.seed, ctx.where
     )
+    if ctx.config.importance_sampling is not None:  # outermost: it weighs the batch dynamic sampling kept
+        SamplerCorrection(trainer, ctx.config.importance_sampling)
     with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
         train(ctx, trainer)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
@@ -325,6 +328,63 @@ def run(ctx: StageContext) -> dict:
     )
     trend = reward_trend(result["log_history"], "reward", "reward_std")
     return {**result, "metrics": report_health("rlvr", ctx.stage_id, {**result["metrics"], **trend})}
+
+
+class SamplerCorrection:
+    """`importance_sampling:` in GRPO's loss. Replaces the trainer instance's generate-and-score step (as
+    `DynamicSampling` does): after it, each token's weight w = f(pi_train / pi_sampler) (`rl.importance_weights`) of
+    the trainer's log-probs at sampling time (TRL's `old_per_token_logps`, else one no-grad forward through TRL's own
+    `_get_per_token_logps_and_entropies`) over the sampler's (`sampling_per_token_logps`, from the rollout) is folded
+    into the advantages, which become [B, T]: every GRPO loss TRL 1.16 computes here (grpo, bnpo, dr_grpo, dapo,
+    cispo, sapo) is A times a non-negative factor per token, so -min(c1 A w, c2 A w) = w (-min(c1 A, c2 A)): the
+    policy term weighted as TRL weighs it for its own vLLM sampler, the KL term not. Statistics go to TRL's log
+    (`is_ratio_mean`, `is_ratio_max`, `is_clipped_frac`, `is_nonfinite_frac`, `sampler_kl`). A batch without sampler
+    log-probs is left as it is and counted (`is_uncorrected_batches`)."""
+
+    def __init__(self, trainer, spec):
+        self.trainer, self.spec = trainer, spec
+        self.generate = trainer._generate_and_score_completions
+        self.uncorrected = 0
+        trainer._generate_and_score_completions = self
+
+    def __call__(self, inputs: list[dict]) -> dict:
+        output = self.generate(inputs)
+        sampler = output.get("sampling_per_token_logps")
+        if sampler is None:
+            self.uncorrected += 1
+            return output
+        mask = output["completion_mask"]
+        if "tool_mask" in output:  # tool results were not sampled: no ratio there
+            mask = mask * output["tool_mask"]
+        weights, stats = importance_weights(
+            self.trainer_logprobs(output), sampler, mask, self.spec.level, self.spec.mode, self.spec.cap, self.spec.low
+        )
+        advantages = output["advantages"]
+        output["advantages"] = (advantages[:, None] if advantages.dim() == 1 else advantages) * weights
+        mode = "train" if self.trainer.model.training else "eval"
+        gather = self.trainer.accelerator.gather
+        for key, value in stats.items():
+            everyone = gather(value.float().reshape(1))
+            value = everyone.max() if key == "is_ratio_max" else everyone.mean()
+            self.trainer._metrics[mode][key].append(value.item())
+        self.trainer._metrics[mode]["is_uncorrected_batches"].append(float(self.uncorrected))
+        return output
+
+    def trainer_logprobs(self, output: dict) -> torch.Tensor:
+        """The policy's log-probs of the completions at sampling time (temperature applied, as TRL's)."""
+        if output.get("old_per_token_logps") is not None:
+            return output["old_per_token_logps"]
+        trainer = self.trainer
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(
+                trainer.model,
+                ids,
+                attention,
+                output["completion_ids"].shape[1],
+                batch_size=trainer.args.per_device_train_batch_size,
+            )[0]
 
 
 def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -> int:

@@ -44,6 +44,8 @@ class Rollout:
       finished         [B]       True where the response ended with a stop token
       advantages       [B, T]    GAE advantages (whitened if asked); None until computed after the rollout
       returns          [B, T]    the value targets (advantages before whitening + values); None until then
+      is_weights       [B, T]    importance weights of the trainer's policy over the sampler's (`rl.importance_weights`,
+                                 ppo's `importance_sampling:`); None without that correction
     """
 
     # tokens
@@ -62,6 +64,7 @@ class Rollout:
     # computed after the rollout (`dataclasses.replace(rollout, advantages=..., returns=...)`)
     advantages: torch.Tensor | None = shaped("B", "T", optional=True)
     returns: torch.Tensor | None = shaped("B", "T", optional=True)
+    is_weights: torch.Tensor | None = shaped("B", "T", optional=True)
 
     def __post_init__(self):
         sizes: dict[str, tuple[int, str]] = {}  # named size -> (size, the first field that had it)

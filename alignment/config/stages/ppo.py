@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..base import Strict
 from ..data import DataSpec
-from ..sampling import SamplingSpec
+from ..sampling import ImportanceSamplingSpec, SamplingSpec, importance_sampling_field
 from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
@@ -242,6 +242,7 @@ class Config(StageConfig):
         "reference), so they are refused here",
     )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="how each update samples its completions")
+    importance_sampling: ImportanceSamplingSpec | None = importance_sampling_field()
     missing_eos_penalty: float | None = Field(
         None,
         description="subtracted from the score of unfinished completions "

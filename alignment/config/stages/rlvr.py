@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
+from ..sampling import ImportanceSamplingSpec, importance_sampling_field
 from ..signal import (
     DynamicSamplingSpec,
     PromptFilterSpec,
@@ -58,6 +59,7 @@ class Config(StageConfig, ToolUse):
     gold: list[VerifierSpec] = gold_field()
     prompt_filter: PromptFilterSpec | None = prompt_filter_field()
     _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
+    importance_sampling: ImportanceSamplingSpec | None = importance_sampling_field()
     dynamic_sampling: DynamicSamplingSpec | None = Field(
         None,
         description="drop the prompt groups whose rewards "
@@ -76,6 +78,35 @@ class Config(StageConfig, ToolUse):
                 "times (G-1)/G, a constant that Adam's step cancels; its KL term is in the loss, not "
                 "subtracted from the reward as RLOO's is"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _importance_sampling_in_grpo(self):
+        if self.importance_sampling is not None:
+            if self.algorithm != "grpo":
+                raise ValueError(
+                    "importance_sampling weighs GRPO's per-token loss (TRL 1.16's RLOOTrainer has no hook for "
+                    "it): use algorithm: grpo"
+                )
+            if self.train.get("use_vllm"):
+                raise ValueError(
+                    "importance_sampling with train.use_vllm: TRL corrects its own vLLM sampler "
+                    "(train.vllm_importance_sampling_mode, on by default); drop one of the two"
+                )
+            if not self.uses_tools:
+                raise ValueError(
+                    "importance_sampling corrects for a sampler other than the trained policy, and without "
+                    "tools: TRL samples with the trained policy itself (nothing to correct); it applies to the "
+                    "multi-turn rollouts of `tools:`/`environment:`, whose sampler records its log-probs"
+                )
+            if self.train.get("top_p", 1.0) < 1.0 or self.train.get("top_k"):
+                raise ValueError(
+                    "importance_sampling with train.top_p / train.top_k: the tool rollout records the sampler's "
+                    "log-probs before truncation, so the ratio would be biased "
+                    "(https://github.com/huggingface/trl/issues/6789); drop top_p/top_k"
+                )
+            if self.train.get("loss_type") == "vespo":
+                raise ValueError("importance_sampling: loss_type vespo weighs the ratio itself; use another loss")
         return self
 
     @model_validator(mode="after")
