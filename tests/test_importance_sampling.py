@@ -402,3 +402,38 @@ def test_ppo_with_top_k_logs_a_ratio_below_one_and_the_sampler_kl(tmp_path, tiny
         assert 0 < entry["is_ratio_mean"] < 1 and entry["is_ratio_max"] <= 1 + 1e-5
         assert entry["sampler_kl"] > 0 and 0 <= entry["is_clipped_frac"] <= 1
     assert stage["metrics"]["sampler_kl"] == metrics["sampler_kl"] == history[-1]["sampler_kl"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The samplers' processed log-probs (what the weights divide by)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["loop", "generate"])
+def test_hf_sampler_records_the_processed_logprobs_it_drew_from(tiny_model, engine):
+    """After temperature and top-k/top-p: the policy's log-softmax of the warped logits of each sampled token, above
+    the untruncated log-probs (`Sample.logprobs`) wherever truncation removed mass; equal to them without it."""
+    from alignment.config.sampling import SamplingSpec
+    from alignment.data.formatting import encode
+    from alignment.models.loading import load_policy
+    from alignment.models.tokenizer import load_tokenizer
+    from alignment.sampling import generate_ids
+    from alignment.sampling.vllm_engine import mean_gap, policy_processed_logprobs
+
+    tokenizer, model = load_tokenizer(str(tiny_model)), load_policy(str(tiny_model))
+    prompts = [encode(tokenizer, p) for p in ("12+7=", "3+40=", "8+8=")]
+    torch.manual_seed(0)
+    for settings in (
+        SamplingSpec(temperature=0.7, top_k=4, top_p=0.9, max_new_tokens=6, n=2, engine=engine),
+        SamplingSpec(temperature=1.3, max_new_tokens=6, engine=engine),
+    ):
+        samples = generate_ids(model, tokenizer, prompts, settings, processed=True)
+        assert all(len(s.processed_logprobs) == len(s.token_ids) == len(s.logprobs) for s in samples)
+        with torch.no_grad():
+            ours = policy_processed_logprobs(model, tokenizer, prompts, samples, settings)
+        assert mean_gap(ours, [s.processed_logprobs for s in samples]) < 1e-5
+        gaps = [p - r for s in samples for p, r in zip(s.processed_logprobs, s.logprobs)]
+        if settings.top_k:
+            assert min(gaps) >= -1e-6 and max(gaps) > 1e-3
+        else:
+            assert max(abs(g) for g in gaps) < 1e-6
