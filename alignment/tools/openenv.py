@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -137,12 +138,16 @@ def connect(spec: OpenEnvServer, search_dirs: list[Path], where: str) -> Connect
         return found
     server = None
     if spec.app:
-        target = load_app(spec, search_dirs, where)
-        server = Server.start(spec, search_dirs, scope.log_path(getattr(target, "__name__", "app")), where)
+        load_app(spec, search_dirs, where)
+        server = Server.start(spec, search_dirs, scope.log_path(spec.app.rpartition(":")[2]), where)
         scope.servers.append(server)
     connection = Connection(server.url if server else spec.url, spec, server, where)
+    try:
+        connection.list_tools()
+    except BaseException:
+        connection.close()
+        raise
     scope.connections[key] = connection
-    connection.list_tools()
     return connection
 
 
@@ -204,7 +209,9 @@ class Server:
         listener.bind(("127.0.0.1", 0))
         listener.listen(socket.SOMAXCONN)
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        settings = {"app": spec.app, "search_dirs": [str(d) for d in search_dirs], "max_sessions": spec.max_sessions}
+        # The folder this process imported the app's module from comes first: the server imports the same file.
+        folders = [*_import_root(spec.app.partition(":")[0]), *search_dirs]
+        settings = {"app": spec.app, "search_dirs": [str(d) for d in folders], "max_sessions": spec.max_sessions}
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with log.open("ab") as out:
             process = subprocess.Popen(
@@ -253,6 +260,15 @@ class Server:
         self.process.wait()
 
 
+def _import_root(name: str) -> list[Path]:
+    """[the sys.path entry module `name` was imported from], or [] when it was not imported from a file."""
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not file:
+        return []
+    depth = name.count(".") + (Path(file).name == "__init__.py")
+    return [Path(file).resolve().parents[depth]]
+
+
 def _healthy(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     try:
@@ -276,7 +292,7 @@ def _serve(fd: int, settings: dict) -> None:
             _checked_rewards(target), CallToolAction, CallToolObservation, max_concurrent_envs=settings["max_sessions"]
         )
     listener = socket.socket(fileno=fd)
-    uvicorn.Server(uvicorn.Config(target, log_level="warning", ws_max_size=1 << 26)).run(sockets=[listener])
+    uvicorn.Server(uvicorn.Config(target, log_level="warning", ws_max_size=1 << 26, timeout_graceful_shutdown=1)).run(sockets=[listener])
 
 
 def _checked_rewards(cls: type) -> type:
@@ -308,6 +324,7 @@ class Connection:
         self.url, self.spec, self.server, self.where = url, spec, server, where
         self.client_class, self.types = _library()
         self.schemas: list[dict] = []
+        self.closing: list = []  # the sessions' close requests still running on the loop
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="openenv-client", daemon=True)
         self.thread.start()
@@ -371,6 +388,9 @@ class Connection:
         return type("OpenEnvSession", (OpenEnvSession,), {"connection": self})
 
     def close(self) -> None:
+        """Wait (bounded) for the sessions still closing, then stop the loop."""
+        concurrent.futures.wait(self.closing, timeout=self.spec.timeout)
+        self.closing.clear()
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(STOP_GRACE)
@@ -455,10 +475,12 @@ class OpenEnvSession:
         return math.nan if self.broken or self.bad_reward else sum(self.rewards)
 
     def close(self) -> None:
+        """Close the session without waiting for it: the connection waits for every close when its scope ends."""
         client, self.client = self.client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                self.connection.run(client.close(), self.connection.spec.timeout)
+            c = self.connection
+            closing = asyncio.wait_for(client.close(), c.spec.timeout)
+            c.closing.append(asyncio.run_coroutine_threadsafe(_quietly(closing), c.loop))
 
 
 class OpenEnvTool:
@@ -475,6 +497,11 @@ class OpenEnvTool:
         if not ok:
             raise RuntimeError(output)
         return output
+
+
+async def _quietly(coroutine) -> None:
+    with contextlib.suppress(Exception):
+        await coroutine
 
 
 def _text(result: Any) -> tuple[bool, str]:
