@@ -156,13 +156,15 @@ def test_the_served_environments_tools_observations_and_rewards_reach_the_rollou
         "a": [call("calculator", expression="2*3"), "6"],
         "b": [call("submit", answer=5), "never sampled"],
         "c": [call("calculator", expression="2*4"), call("submit", answer=8)],
+        "d": ["6"],
     }
-    t = rollout_on(monkeypatch, env_dir, scripts, [{"answer": "6"}, {"answer": "6"}, {"answer": "8"}])
+    t = rollout_on(monkeypatch, env_dir, scripts, [{"answer": "6"}, {"answer": "6"}, {"answer": "8"}, {}])
     assert [m["content"] for m in t["a"].turns if m["role"] == "tool"] == ["6"]
     assert t["a"].reward == 1.0 and t["a"].stop_reason == "answer" and t["a"].answer == "6"
     assert t["b"].reward == 0.0 and t["b"].stop_reason == "done"  # the environment ended the episode
     assert t["c"].reward == 3.0 and t["c"].stop_reason == "done"  # the sum of its observations' rewards
     assert t["a"].environment is not t["c"].environment  # one session per rollout
+    assert t["d"].reward == 0.0 and t["d"].environment.client is None  # no call, no session opened
     assert all(x.counts["tool_errors"] == 0 and x.counts["reward_errors"] == 0 for x in t.values())
     assert t["c"].record()["environment_reward"] == 3.0
 
@@ -273,8 +275,9 @@ def test_a_server_that_ends_during_the_stage_is_an_error_naming_its_log(env_dir,
         server = scope.servers[0]
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
+        session, _ = box.new_environment({"answer": "6"})
         with pytest.raises(UserError, match=r"its process ended .* while the stage used it\. Its log: .*openenv-"):
-            box.new_environment({"answer": "6"})
+            box.bind(session)["calculator"].call({"expression": "2*3"}, 5.0)
     assert server.log.parent == tmp_path and not scope.servers
 
 
@@ -291,6 +294,33 @@ def stage_recipe(tmp_path: Path, env_dir: Path, stage: dict) -> Path:
     return write_recipe(tmp_path, recipe)
 
 
+RLVR = {
+    "kind": "rlvr",
+    "data": {"task": "tool_arithmetic", "split": "train", "n": 16},
+    "verifiers": ["arithmetic"],
+    "environment": {"openenv": {"app": "calc_env:Calculator"}},
+    "tool_format": "hermes",
+    "describe_tools": False,
+    "max_turns": 2,
+    "train": {**TRAIN, "max_steps": 1, "max_completion_length": 200},
+}
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({"openenv": {"url": "http//127.0.0.1:8000"}}, r"'stages.s.environment.openenv.url': 'http//127.0.0.1:8000'"),
+        ({"openenv": {"app": "calc_env:Calculater"}}, r"stages.s.environment.openenv.app: .*Did you mean 'Calculator'"),
+    ],
+)
+def test_align_check_refuses_a_bad_address_or_app(tmp_path, env_dir, environment, message):
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import check_recipe
+
+    with pytest.raises(UserError, match=message):
+        check_recipe(load_recipe(stage_recipe(tmp_path, env_dir, {**RLVR, "environment": environment})))
+
+
 def test_rlvr_trains_on_the_served_environment_and_gets_its_reward(tmp_path, env_dir, monkeypatch):
     from alignment.config.recipe import load_recipe
     from alignment.models.tiny import build_tokenizer
@@ -299,17 +329,7 @@ def test_rlvr_trains_on_the_served_environment_and_gets_its_reward(tmp_path, env
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
     started, start = [], openenv.Server.start
     monkeypatch.setattr(openenv.Server, "start", lambda *a, **k: started.append(start(*a, **k)) or started[-1])
-    stage = {
-        "kind": "rlvr",
-        "data": {"task": "tool_arithmetic", "split": "train", "n": 16},
-        "verifiers": ["arithmetic"],
-        "environment": {"openenv": {"app": "calc_env:Calculator"}},
-        "tool_format": "hermes",
-        "describe_tools": False,
-        "max_turns": 2,
-        "train": {**TRAIN, "max_steps": 1, "max_completion_length": 200},
-    }
-    loaded = load_recipe(stage_recipe(tmp_path, env_dir, stage))
+    loaded = load_recipe(stage_recipe(tmp_path, env_dir, RLVR))
     metrics = run_recipe(loaded)["s"]
     metrics = metrics.get("metrics", metrics)
     history = json.loads((loaded.stage_dir("s") / "log_history.json").read_text())
@@ -326,7 +346,7 @@ def test_rsft_and_an_evaluation_suite_run_on_the_served_environment(tmp_path, en
     from alignment.config.recipe import load_recipe
     from alignment.evaluation.evaluate import evaluate_checkpoints
     from alignment.models.tiny import build_tokenizer
-    from alignment.run.runner import run_recipe
+    from alignment.run.runner import check_recipe, run_recipe
 
     monkeypatch.setattr(rollout_module, "generate_ids", scripted_calculator_user(build_tokenizer()))
     tools = {"environment": {"openenv": {"app": "calc_env:Calculator"}}, "tool_format": "hermes"}
@@ -341,6 +361,7 @@ def test_rsft_and_an_evaluation_suite_run_on_the_served_environment(tmp_path, en
         "train": {"max_steps": 1, "per_device_train_batch_size": 4, "max_length": 256},
     }
     loaded = load_recipe(stage_recipe(tmp_path, env_dir, stage))
+    check_recipe(loaded)  # align check serves the environment, lists its tools and stops it
     metrics = run_recipe(loaded)["s"]
     metrics = metrics.get("metrics", metrics)
     assert metrics["round1/pass_rate"] == 1.0 and metrics["round1/tool_call_rate"] == 1.0

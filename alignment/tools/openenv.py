@@ -2,14 +2,14 @@
 
     with serving(stage_out_dir):                # one scope per stage (the runner's); its servers stop at its end
         connection = connect(OpenEnvServer(app="my_env:GuessEnv"), search_dirs, "stages.rlvr")
-        session = connection.session_class()()  # one per rollout; reset(row) opens it, the row's columns to reset()
-        ok, text = session.call("guess", {"number": 3}, timeout=10.0)   # a step with a CallToolAction
+        session = connection.session_class()()  # one per rollout; reset(row): the row's columns go to reset()
+        ok, text = session.call("guess", {"number": 3}, timeout=10.0)   # opens, resets (1st call), steps
         session.reward()                        # the sum of its observations' rewards; closes it
 
 Client and server are openenv-core's (`MCPToolClient` over its WebSocket; `create_fastapi_app` under uvicorn). An
 `app:` is served in its own process on a port bound on 127.0.0.1, health-checked for `start_timeout`, logged to
 `openenv-<name>.log` in the scope's folder; a server that fails to start or ends mid-stage is an error naming it.
-Bounds: a request waits at most its timeout (a call: the rollout's tool budget); after one passed, the session takes
+Bounds: a session opens at its first call; a request waits at most the call's tool budget; past it the session takes
 no calls and its reward is refused. An observation's `done` ends the rollout. openenv's JSON sends a non-finite reward
 as null, so a served class checks its own (the call fails, the reward is refused); a `url:` server's goes unseen.
 Limits: openenv-core is an optional extra; its gradio web UI is not imported; reset's observation is not shown.
@@ -292,7 +292,9 @@ def _serve(fd: int, settings: dict) -> None:
             _checked_rewards(target), CallToolAction, CallToolObservation, max_concurrent_envs=settings["max_sessions"]
         )
     listener = socket.socket(fileno=fd)
-    uvicorn.Server(uvicorn.Config(target, log_level="warning", ws_max_size=1 << 26, timeout_graceful_shutdown=1)).run(sockets=[listener])
+    # large messages in (64 MiB); a stop waits at most a second for calls still running (a hung tool)
+    config = uvicorn.Config(target, log_level="warning", ws_max_size=1 << 26, timeout_graceful_shutdown=1)
+    uvicorn.Server(config).run(sockets=[listener])
 
 
 def _checked_rewards(cls: type) -> type:
@@ -397,13 +399,14 @@ class Connection:
 
 
 class OpenEnvSession:
-    """One rollout's session: opened and reset by `reset(row)`, a step per `call`, the rewards of its observations
-    summed by `reward()`, which closes it. A failure is a reason in `broken`: later calls fail with it."""
+    """One rollout's session: reset to `reset(row)`'s row at its first call, a step per `call`, the rewards of its
+    observations summed by `reward()`, which closes it. A failure is a reason in `broken`: later calls fail with it."""
 
     connection: Connection
 
     def __init__(self):
         self.client = None
+        self.arguments: dict = {}
         self.rewards: list[float] = []
         self.done = False
         self.broken: str | None = None
@@ -413,38 +416,48 @@ class OpenEnvSession:
         return {name: OpenEnvTool(self, name) for name in names}
 
     def reset(self, row: dict) -> None:
+        """Keep the row; the session is opened and reset at the rollout's first call, within that call's time, so a
+        hung server costs no more than the tool bounds allow (and a rollout that calls no tool opens none)."""
+        self.arguments = json.loads(json.dumps(row, default=str))  # the columns as JSON gives them to reset()
+
+    def _open(self, timeout: float) -> None:
         c = self.connection
         self.client = c.client()
-        arguments = json.loads(json.dumps(row, default=str))  # the row's columns as JSON gives them to reset()
 
         async def opened():
             await self.client.connect()
-            return await self.client.reset(**arguments)
+            return await self.client.reset(**self.arguments)
 
         try:
-            self._observe(c.run(opened(), c.spec.timeout))
+            self._observe(c.run(opened(), timeout))
         except TimeoutError:
-            self.broken = f"opening and resetting its session took more than {c.spec.timeout:g} s"
+            self.broken = f"opening and resetting its session took more than {timeout:g} s"
         except (ConnectionError, OSError) as error:
             raise c.failed(error) from None
         except Exception as error:  # noqa: BLE001 - the environment's reset raised on the server
             if "CAPACITY" in str(error).upper():
                 raise c.failed(error) from None
             self.broken = f"its reset failed: {error}"
-        return None
 
     def call(self, name: str, arguments: dict, timeout: float) -> tuple[bool, str]:
-        """(ok, the observation's text or why it failed) of one step calling tool `name`."""
+        """(ok, the observation's text or why it failed) of one step calling tool `name`, within `timeout` seconds
+        (the session's opening included, at the first call)."""
+        c, budget = self.connection, timeout
+        if self.client is None and not self.broken:
+            began = time.monotonic()
+            self._open(min(timeout, c.spec.timeout))
+            timeout -= time.monotonic() - began
         if self.broken:
             return False, f"the environment's session takes no calls: {self.broken}"
         if self.done:
             return False, "the environment's episode is over"
-        c = self.connection
+        if timeout <= 0:
+            return False, f"opening the environment's session left no time for '{name}'"
         try:
             result = c.run(self.client.step(c.types.CallToolAction(tool_name=name, arguments=arguments)), timeout)
         except TimeoutError:
             self.broken = f"'{name}' passed its timeout, and the session may still answer it"
-            return False, f"'{name}' did not finish within {timeout:g} s"
+            return False, f"'{name}' did not finish within {budget:g} s"
         except (ConnectionError, OSError) as error:
             raise c.failed(error) from None
         except Exception as error:  # noqa: BLE001 - the server's error reply
