@@ -134,7 +134,9 @@ def connect(spec: OpenEnvServer, search_dirs: list[Path], where: str) -> Connect
     scope = _scope()
     key = (spec.model_dump_json(), tuple(str(d) for d in search_dirs))
     found = scope.connections.get(key)
-    if found is not None and (found.server is None or found.server.running):
+    if found is not None:
+        if found.server is not None:
+            found.server.check()  # one that ended is an error, never silently served again
         return found
     server = None
     if spec.app:
@@ -213,26 +215,31 @@ class Server:
         folders = [*_import_root(spec.app.partition(":")[0]), *search_dirs]
         settings = {"app": spec.app, "search_dirs": [str(d) for d in folders], "max_sessions": spec.max_sessions}
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(listener.fileno()), json.dumps(settings)],
-                pass_fds=[listener.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=environment,
-                start_new_session=True,
-            )
-        listener.close()
+        try:
+            with log.open("ab") as out:
+                process = subprocess.Popen(
+                    [sys.executable, "-m", __name__, str(listener.fileno()), json.dumps(settings)],
+                    pass_fds=[listener.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=environment,
+                    start_new_session=True,
+                )
+        finally:
+            listener.close()  # the server holds its own copy
         server = cls(process, url, log, spec.app, where)
         deadline = time.monotonic() + spec.start_timeout
-        while not _healthy(url):
-            if not server.running:
-                server.fail(f"it ended (exit code {process.returncode}) before it answered")
-            if time.monotonic() > deadline:
-                server.stop()
-                server.fail(f"it did not answer {url}/health within start_timeout ({spec.start_timeout:g} s)")
-            time.sleep(0.1)
+        try:
+            while not _healthy(url):
+                if not server.running:
+                    server.fail(f"it ended (exit code {process.returncode}) before it answered")
+                if time.monotonic() > deadline:
+                    server.fail(f"it did not answer {url}/health within start_timeout ({spec.start_timeout:g} s)")
+                time.sleep(0.1)
+        except BaseException:  # the error above, or an interrupt: nothing is left running
+            server.stop()
+            raise
         return server
 
     def fail(self, why: str):
