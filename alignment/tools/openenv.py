@@ -160,10 +160,9 @@ def connect(spec: OpenEnvServer, search_dirs: list[Path], where: str) -> Connect
 def load_app(spec: OpenEnvServer, search_dirs: list[Path], where: str) -> Any:
     """The `app:` target imported here, so a wrong name is an error before a server starts: an OpenEnv MCP
     environment class (`MCPEnvironment`), or a FastAPI app (as `create_app` builds one) served as it is."""
-    _library()
+    _library()  # openenv-core first, without gradio: the app's own imports of it then find it loaded
     try:
-        with _without_gradio():
-            target = _load_target(spec.app, spec.app, search_dirs)
+        target = _load_target(spec.app, spec.app, search_dirs)
     except UserError as error:
         message = str(error).replace("Verifier ", "OpenEnv app ", 1)
         raise UserError(f"{where}.environment.openenv.app: {message}") from None
@@ -287,11 +286,12 @@ def _healthy(url: str) -> bool:
 
 def _serve(fd: int, settings: dict) -> None:
     """The server process: import the app as the parent did, serve it with uvicorn on the socket it was handed."""
-    sys.modules["gradio"] = None  # see _without_gradio: create_fastapi_app serves no web UI
     import uvicorn
-    from openenv.core.env_server.http_server import create_fastapi_app
-    from openenv.core.env_server.interfaces import Environment
-    from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+
+    with _without_gradio():  # create_fastapi_app serves no web UI; the app may still import gradio itself
+        from openenv.core.env_server.http_server import create_fastapi_app
+        from openenv.core.env_server.interfaces import Environment
+        from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
 
     target = _load_target(settings["app"], settings["app"], settings["search_dirs"])
     if isinstance(target, type) and issubclass(target, Environment):
