@@ -229,6 +229,7 @@ def test_no_server_at_the_url_is_an_error_naming_it(env_dir):
         ({"openenv": {}}, r"give exactly one of `url:`"),
         ({"openenv": {"url": "http://h:1", "max_sessions": 2}}, r"max_sessions only apply with `app:`"),
         ({"openenv": {"app": "calc_env"}}, r"not of the form module:Class"),
+        ({"openenv": {"urll": "http://h:1"}}, r"unknown key 'environment.openenv.urll' \(did you mean 'url'\?\)"),
         (3, r"expected module:Class or \{openenv"),
     ],
 )

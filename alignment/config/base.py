@@ -9,6 +9,7 @@ reference, which names another stage's output.
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,14 +45,24 @@ def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
     """Field names of the (nested) pydantic model that owns the location `loc`."""
     current: Any = model
     for part in loc[:-1]:
+        if part == "":  # a discriminated union's empty tag (config/tools.py's `environment:`)
+            continue
         fields = getattr(current, "model_fields", None)
         if not fields or part not in fields:
             return []
-        annotation = fields[part].annotation
-        current = next((a for a in getattr(annotation, "__args__", (annotation,)) if hasattr(a, "model_fields")), None)
+        current = next(_models_in(fields[part].annotation), None)
         if current is None:
             return []
     return sorted(getattr(current, "model_fields", {}))
+
+
+def _models_in(annotation: Any):
+    """The pydantic models a type names, through unions and `Annotated` (whose first argument is the type)."""
+    if hasattr(annotation, "model_fields"):
+        yield annotation
+        return
+    for arg in typing.get_args(annotation):
+        yield from _models_in(arg)
 
 
 def explain(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
