@@ -52,6 +52,17 @@ class VllmSpec(Strict):
         "token accepted (see alignment/sampling/vllm_engine.py)",
     )
     check_samples: int = Field(8, ge=0, description="samples re-scored by the policy after every call (0: no check)")
+    server_python: str | None = Field(
+        None,
+        description="`server: local`: the python that runs vLLM's server (default: this one, which then needs "
+        "vLLM; `bash scripts/vllm_env.sh` prints one that has it)",
+    )
+    server_start_timeout: float = Field(
+        600, gt=0, description="`server:` seconds to wait for the server's /health before giving up (an error)"
+    )
+    server_timeout: float = Field(
+        600, gt=0, description="`server:` seconds one request (a batch's completions, a LoRA load) may take"
+    )
     sleep: bool = Field(
         False,
         description="give the engine's GPU memory (weights and KV cache) back between calls, "

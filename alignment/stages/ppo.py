@@ -10,17 +10,18 @@ the models in `training/actor_critic.py`, one update's tensors in `training/roll
 Contract: one process (`align run`) or `accelerate launch` under DDP, FSDP2 or DeepSpeed ZeRO-1/2/3; batch
 sizes are per process and only rank 0 writes files. Every `train.save_every` updates a checkpoint is written
 in the work folder and a rerun resumes from it, training exactly as an uninterrupted run would. The final
-policy is saved as merged weights + `adapter/`; the critic is not kept.
-`importance_sampling:` weights each token's policy-loss term by the trainer's over the sampler's processed
-log-probs (`rl.importance_weights`), logged as is_ratio_mean/max, is_clipped_frac, sampler_kl.
+policy is saved as merged weights + `adapter/`; the critic is not kept. `importance_sampling:` weighs each token's
+policy term by trainer over sampler log-probs (`rl.importance_weights`); `rollout.server` samples on vLLM's server.
 Limits: one completion per prompt; `rollout.backend: vllm` only where the engine keeps the weights whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -50,7 +51,8 @@ from ..rl import (
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import PARTITIONED, check_engine
 from ..runtime.progress import track
-from ..sampling import generate, generate_ids
+from ..sampling import generate, generate_ids, server
+from ..sampling.samples import stop_token_ids
 from ..training.actor_critic import (
     build_models,
     configure_deepspeed,
@@ -213,6 +215,7 @@ class PPOLoop:
         self.best_policy: dict | None = None  # the policy state at the watch's best (main process, CPU)
         self.stopped_at: int | None = None
         self.sampler_stats: dict[str, float] = {}  # this update's importance-sampling statistics, if corrected
+        self.server: server.RolloutServer | None = None  # `rollout.server`'s, while `run` runs
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -319,6 +322,24 @@ class PPOLoop:
         """Resume if a loop checkpoint exists, run the remaining updates, save the policy; the stage's metrics
         (the last update's, plus the run's) and log history."""
         self.resume()
+        with self.open_server():
+            return self.train_and_save()
+
+    def open_server(self):
+        """`rollout.server`'s vLLM server (started, or connected to), stopped when the run ends, failed or not
+        (`sampling/server.py`); a no-op context without it. Its log: logs/rollout_server.log in the output."""
+        spec = self.config.rollout
+        if spec.server is None:
+            return contextlib.nullcontext()
+        dtype = str(next(self.actor_critic.parameters()).dtype).removeprefix("torch.")
+        where = f"{self.ctx.where}.rollout"
+        self.server = server.open_server(
+            spec.server, str(self.ctx.start_model), spec.vllm, self.ctx.lora.r, dtype, self.ctx.out_dir / "logs", where
+        )
+        return self.server
+
+    def train_and_save(self) -> dict:
+        """The updates left, the saved policy, the metrics (`run`)."""
         if self.accelerator.trackers:
             self.accelerator.init_trackers(f"{self.ctx.recipe.name}-{self.ctx.stage_id}")
         for _ in track(
@@ -399,7 +420,12 @@ class PPOLoop:
         sampling = spec if can_merge_lora(self.accelerator) else spec.model_copy(update={"merge_lora": False})
         encoded = [encode(self.tokenizer, p) for p in prompts]
         with gathered(self.accelerator, self.wrapped) as call:
-            if self.config.importance_sampling is None:
+            if self.server is not None:
+                stops = stop_token_ids(self.tokenizer, self.actor_critic.policy)
+                samples = server.sample_policy(
+                    self.server, self.actor_critic.policy, self.tokenizer, encoded, sampling, stops
+                )
+            elif self.config.importance_sampling is None:
                 samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
             else:  # the same samples, with the sampler's processed log-probs
                 samples = call(
@@ -732,6 +758,9 @@ def check(ctx: StageContext) -> None:
     )
     if ctx.config.early_stop is not None:
         gold_key(ctx, build_gold(ctx.config.gold, [ctx.recipe.base_dir], ctx.where))
+    if ctx.config.rollout.server is not None:
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        server.check_settings(ctx.config.rollout.server, ctx.config.rollout.vllm, ctx.lora, processes, ctx.where)
     ref = ctx.config.reward_model
     if ref is not None:
         check_reward_model(ref, ctx.resolve_model(ref), f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)

@@ -3,6 +3,7 @@ alignment/stages/ppo.py)."""
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -45,6 +46,29 @@ class RolloutSpec(SamplingSpec):
         description="drop prompts longer than this many tokens "
         "(rendered; the count is logged); default: keep every prompt",
     )
+    server: str | None = Field(
+        None,
+        description="sample through a vLLM server (alignment/sampling/server.py): `local` starts vLLM's "
+        "OpenAI-compatible server in its own process on 127.0.0.1 (its log: logs/rollout_server.log in the "
+        "stage's output), "
+        "`http://host:port` uses one you run; the policy's LoRA adapter is pushed after every update "
+        "(LoRA only); settings under `vllm:` (server_python, server_start_timeout, server_timeout)",
+    )
+
+    @field_validator("server")
+    @classmethod
+    def _local_or_url(cls, server):
+        if server is not None and server != "local" and not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", server):
+            raise ValueError(f"server: {server!r} is neither `local` nor a URL like http://127.0.0.1:8000")
+        return server
+
+    @model_validator(mode="after")
+    def _server_is_the_sampler(self):
+        if self.server is not None and self.backend != "transformers":
+            raise ValueError(
+                "`server:` samples through vLLM's server; `backend: vllm` is an engine in this process: give one"
+            )
+        return self
 
 
 class TrainSpec(Strict):

@@ -1,0 +1,99 @@
+"""`rollout: {server: ...}` without vLLM: the config's checks, and the server's error paths (a start that fails, a
+server that never answers, one that crashes mid-request) against stand-in executables: each error names the
+server's log and leaves no process behind. The real server: tests/vllm_cpu/test_rollout_server.py.
+
+Run: python -m pytest tests/test_rollout_server.py -q   (CPU, seconds)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+from pydantic import ValidationError
+
+from alignment.config.model import LoraSpec
+from alignment.config.sampling import SamplingSpec, VllmSpec
+from alignment.config.stages.ppo import RolloutSpec
+from alignment.errors import UserError
+from alignment.sampling import server
+
+# A stand-in "python" for `vllm.server_python`: runs the script its body names, whatever arguments vLLM would get.
+STAND_IN = """#!{python}
+import sys
+{body}
+"""
+
+HEALTHY_THEN_CRASH = """
+import os, http.server, socketserver
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        print("crashing on the first request", flush=True)
+        os._exit(3)
+socketserver.TCPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def stand_in(tmp_path, body: str) -> str:
+    path = tmp_path / "fake_python"
+    path.write_text(STAND_IN.format(python=sys.executable, body=textwrap.dedent(body)))
+    path.chmod(0o755)
+    return str(path)
+
+
+def started(tmp_path, body: str, **spec):
+    vllm = VllmSpec(server_python=stand_in(tmp_path, body), **spec)
+    return server.start_local("/no/model", vllm, 4, "float32", tmp_path / "logs", "stages.ppo.rollout")
+
+
+def test_rollout_spec_takes_local_or_a_url_and_not_with_the_vllm_backend(monkeypatch):
+    monkeypatch.setattr("alignment.config.sampling.vllm_missing", lambda *a: None)  # as where vLLM is installed
+    assert RolloutSpec(server="local").server == "local"
+    assert RolloutSpec(server="http://10.1.2.3:8000").server == "http://10.1.2.3:8000"
+    with pytest.raises(ValidationError, match="neither `local` nor a URL"):
+        RolloutSpec(server="localhost")
+    with pytest.raises(ValidationError, match="`backend: vllm` is an engine in this process"):
+        RolloutSpec(server="local", backend="vllm", vllm={"check_samples": 0})
+
+
+def test_check_refuses_full_finetuning_several_processes_and_a_missing_python(tmp_path):
+    spec = VllmSpec()
+    with pytest.raises(UserError, match=r"(?s)stages.ppo.server: the policy's weights reach the server as LoRA.*lora:"):
+        server.check_settings("local", spec, None, 1, "stages.ppo")
+    with pytest.raises(UserError, match="2 processes"):
+        server.check_settings("local", spec, LoraSpec(), 2, "stages.ppo")
+    with pytest.raises(UserError, match="server_python: /nowhere/python is not a file"):
+        server.check_settings("local", VllmSpec(server_python="/nowhere/python"), LoraSpec(), 1, "stages.ppo")
+    server.check_settings("http://127.0.0.1:1", spec, LoraSpec(), 1, "stages.ppo")  # a URL needs no local vLLM
+
+
+def test_a_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path):
+    with pytest.raises(UserError) as error:
+        started(tmp_path, 'print("vllm: no such model /no/model", flush=True); sys.exit(7)')
+    message = str(error.value)
+    assert "exited with code 7 before it answered /health" in message
+    assert str(tmp_path / "logs" / "rollout_server.log") in message and "no such model" in message
+
+
+def test_a_server_that_never_answers_is_stopped_and_named(tmp_path):
+    with pytest.raises(UserError, match=r"did not answer /health within 1 s.*rollout_server.log") as error:
+        started(tmp_path, 'import time; print("loading", flush=True); time.sleep(600)', server_start_timeout=1)
+    assert "loading" in str(error.value)
+    assert not any("fake_python" in line for line in os.popen("ps -eo args").read().splitlines()), "left running"
+
+
+def test_a_crash_mid_request_is_an_error_naming_the_log(tmp_path):
+    running = started(tmp_path, HEALTHY_THEN_CRASH)
+    with running, pytest.raises(UserError, match=r"(?s)exited with code 3.*rollout_server.log.*crashing"):
+        running.generate_ids(None, [[1, 2]], SamplingSpec(), [0], model="policy-v1")
+    assert running.process is None
+
+
+def test_an_unreachable_url_is_an_error_naming_it(tmp_path):
+    with pytest.raises(UserError, match=r"did not answer /health within 1 s.*http://127.0.0.1:9"):
+        server.connect("http://127.0.0.1:9", VllmSpec(server_start_timeout=1), "stages.ppo.rollout")
