@@ -268,11 +268,17 @@ def test_a_server_that_fails_to_start_is_an_error_naming_its_log(env_dir, tmp_pa
     assert f"Its log: {log}" in str(error.value) and "the database is not there" in log.read_text()
 
 
-def test_a_server_that_ends_during_the_stage_is_an_error_naming_its_log(env_dir, tmp_path):
+def test_a_full_server_and_one_that_ends_during_the_stage_are_errors(env_dir, tmp_path):
+    """A session past the served environment's `max_sessions` is an error naming the key; a server that ended is
+    an error naming its log."""
     from alignment.tools.registry import resolve_tools
 
     with openenv.serving(tmp_path) as scope:
-        box = resolve_tools([], OpenEnvironment(**APP), [env_dir], "stages.rlvr")
+        box = resolve_tools([], OpenEnvironment(openenv={"app": "calc_env:Lonely", "max_sessions": 1}), [env_dir], "s")
+        first, second = (box.bind(box.new_environment({})[0])["calculator"] for _ in range(2))
+        assert first.call({"expression": "2*3"}, 5.0) == (True, "6")
+        with pytest.raises(UserError, match=r"s.environment: .* refused a session .* raise `max_sessions`"):
+            second.call({"expression": "2*3"}, 5.0)
         server = scope.servers[0]
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()

@@ -44,7 +44,10 @@ class OpenEnvServer(Strict):
         "served on 127.0.0.1 in its own process for the stage",
     )
     max_sessions: int = Field(
-        256, ge=1, description="`app:` only: sessions the served environment holds at once (one per rollout of a batch)"
+        1024,
+        ge=1,
+        description="`app:` only: sessions the served environment holds at once (one per rollout of a batch that "
+        "calls a tool)",
     )
     start_timeout: float = Field(
         180.0, gt=0, description="`app:` only: seconds the served environment may take to start"

@@ -351,13 +351,19 @@ class Connection:
         # Our own wait_for bounds each request, so the client's own receive timeout is set out of its way.
         return self.client_class(base_url=self.url, connect_timeout_s=self.spec.timeout, message_timeout_s=1e6)
 
-    def failed(self, error: BaseException) -> UserError:
+    def failed(self, error: BaseException, refused: bool = False) -> UserError:
         """The error for a server that cannot be reached or refuses a session (a served one's log is named)."""
         if self.server is not None:
             self.server.check()
         detail = f"{type(error).__name__}: {error}"
-        if "CAPACITY" in detail.upper():
-            detail += ". A batch holds one session per rollout at once: allow the server more sessions"
+        if refused:  # every rollout of a batch that calls a tool holds a session until the batch ends
+            more = "`max_sessions`" if self.server is not None else "its sessions (max_concurrent_envs)"
+            log = f" (its log: {self.server.log})" if self.server is not None else ""
+            return UserError(
+                f"{self.where}.environment: the OpenEnv server at {self.url} refused a session ({detail}){log}. A "
+                f"batch holds one session per rollout that calls a tool, all at once: raise {more}, or sample fewer "
+                "rollouts at once; or the environment could not be built."
+            )
         return UserError(
             f"{self.where}.environment: the OpenEnv server at {self.url} could not be used ({detail}). Start it "
             "(or check the address), or let the stage serve the environment with `openenv: {app: module:Class}`."
@@ -435,15 +441,19 @@ class OpenEnvSession:
             await self.client.connect()
             return await self.client.reset(**self.arguments)
 
+        from websockets.exceptions import ConnectionClosed
+
         try:
             self._observe(c.run(opened(), timeout))
         except TimeoutError:
             self.broken = f"opening and resetting its session took more than {timeout:g} s"
         except (ConnectionError, OSError) as error:
             raise c.failed(error) from None
+        except ConnectionClosed as error:  # closed as it opened: the server is full or cannot build the environment
+            raise c.failed(error, refused=True) from None
         except Exception as error:  # noqa: BLE001 - the environment's reset raised on the server
             if "CAPACITY" in str(error).upper():
-                raise c.failed(error) from None
+                raise c.failed(error, refused=True) from None
             self.broken = f"its reset failed: {error}"
 
     def call(self, name: str, arguments: dict, timeout: float) -> tuple[bool, str]:
@@ -467,7 +477,9 @@ class OpenEnvSession:
             return False, f"'{name}' did not finish within {budget:g} s"
         except (ConnectionError, OSError) as error:
             raise c.failed(error) from None
-        except Exception as error:  # noqa: BLE001 - the server's error reply
+        except Exception as error:  # noqa: BLE001 - the server's error reply, or the session closed
+            if c.server is not None:
+                c.server.check()  # a closed session of a served environment that ended: the error naming its log
             if NON_FINITE in str(error):
                 self.bad_reward = str(error)
                 return False, f"the environment's reward after '{name}' was no finite number"
