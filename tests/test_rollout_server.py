@@ -97,3 +97,78 @@ def test_a_crash_mid_request_is_an_error_naming_the_log(tmp_path):
 def test_an_unreachable_url_is_an_error_naming_it(tmp_path):
     with pytest.raises(UserError, match=r"did not answer /health within 1 s.*http://127.0.0.1:9"):
         server.connect("http://127.0.0.1:9", VllmSpec(server_start_timeout=1), "stages.ppo.rollout")
+
+
+# --------------------------------------------------------------------------------------------------
+# async: {max_staleness: k}
+# --------------------------------------------------------------------------------------------------
+
+
+def test_prefetch_hands_each_update_its_samples_and_drops_those_too_old():
+    prefetch = server.Prefetch(max_staleness=2)
+    try:
+        prefetch.submit(1, 0, lambda: ["a", "b"])  # drawn by version 0 for update 1
+        prefetch.submit(1, 0, lambda: ["never"])  # an update already queued is not drawn twice
+        prefetch.submit(5, 1, lambda: ["c", "d", "e"])
+        assert prefetch.versions() == {0, 1}
+        assert prefetch.take(1, 1) == (["a", "b"], 1)  # one version behind: kept
+        assert prefetch.take(2, 2) == (None, 0)  # nothing drawn ahead for it
+        assert prefetch.take(5, 4) == (None, 0) and prefetch.dropped == 3  # 3 versions behind k = 2: dropped, counted
+    finally:
+        prefetch.close()
+
+
+def test_prefetch_raises_a_failed_request_in_the_training_thread():
+    prefetch = server.Prefetch(max_staleness=1)
+
+    def failing():
+        raise UserError("stages.ppo.rollout: the vLLM rollout server did not answer")
+
+    try:
+        prefetch.submit(1, 0, failing)
+        with pytest.raises(UserError, match="did not answer"):
+            prefetch.take(1, 1)
+    finally:
+        prefetch.close()
+
+
+def ppo_keys(**stage):
+    from alignment.config.stages.ppo import Config
+
+    return Config(kind="ppo", data={"task": "arithmetic", "n": 4}, verifiers=["arithmetic"], **stage)
+
+
+def test_async_needs_the_server_and_the_correction_beyond_zero():
+    assert ppo_keys(**{"async": {"max_staleness": 0}}).async_.max_staleness == 0  # synchronous: anything goes
+    with pytest.raises(ValidationError, match="set rollout.server"):
+        ppo_keys(**{"async": {"max_staleness": 1}, "importance_sampling": {}})
+    with pytest.raises(ValidationError, match="without importance_sampling"):
+        ppo_keys(**{"async": {"max_staleness": 1}, "rollout": {"server": "local"}})
+    keys = ppo_keys(**{"async": {"max_staleness": 2}, "rollout": {"server": "local"}, "importance_sampling": {}})
+    assert keys.async_.max_staleness == 2
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        ppo_keys(**{"async": {"max_staleness": -1}})
+
+
+def test_async_zero_is_todays_loop_bit_for_bit(tmp_path, tiny_model):
+    import json
+
+    import torch
+    from helpers import tiny_ppo_recipe, trainable_digest
+
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import run_recipe
+
+    runs = {}
+    for name, stage in (("plain", {}), ("async0", {"async": {"max_staleness": 0}})):
+        run_recipe(load_recipe(tiny_ppo_recipe(tmp_path / name, tiny_model, **stage)))
+        out = tmp_path / name / "out" / "ppo"
+        history = json.loads((out / "log_history.json").read_text())
+        timing = ("rollout_tokens_per_s", "train_tokens_per_s")
+        runs[name] = (
+            [{k: v for k, v in e.items() if k not in timing} for e in history],
+            trainable_digest(out / "model.safetensors"),
+        )
+    (plain, plain_weights), (async0, async0_weights) = runs["plain"], runs["async0"]
+    assert async0 == plain and "policy_lag" not in async0[-1]
+    assert all(torch.equal(async0_weights[k], plain_weights[k]) for k in plain_weights)

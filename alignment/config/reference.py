@@ -109,7 +109,7 @@ def walk(root: type[BaseModel], key: str) -> dict[type[BaseModel], list[str]]:
         if first:
             for name, field in model.model_fields.items():
                 for nested, suffix in nested_models(field.annotation):
-                    visit(nested, dotted([at, name]) + suffix)
+                    visit(nested, dotted([at, field.alias or name]) + suffix)
 
     visit(root, key)
     return places
@@ -243,7 +243,7 @@ def markdown() -> str:
             lines += ["", "| key | type | default | description |", "|---|---|---|---|"]
             for name, field in model.model_fields.items():
                 lines.append(
-                    f"| `{name}` | {_escape(type_of(field, link))} | `{default_of(field)}` | "
+                    f"| `{field.alias or name}` | {_escape(type_of(field, link))} | `{default_of(field)}` | "
                     f"{_escape(field.description or '')} |"
                 )
     return "\n".join(lines) + "\n"
@@ -270,7 +270,7 @@ def text(name: str | None = None, width: int | None = None) -> str:
             label = "" if model is t.root else f"  ({model.__name__})"
             lines += ["", ", ".join(k or "(top level)" for k in keys) + label]
             for field_name, field in model.model_fields.items():
-                lines.append(f"  {field_name}: {type_of(field)} = {default_of(field)}")
+                lines.append(f"  {field.alias or field_name}: {type_of(field)} = {default_of(field)}")
                 lines += textwrap.wrap(
                     field.description or "", width, initial_indent=" " * 6, subsequent_indent=" " * 6
                 )

@@ -28,13 +28,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ..config.sampling import SamplingSpec, VllmSpec
 from ..errors import UserError
-from .samples import Sample, to_sample
+from .samples import Sample, stop_token_ids, to_sample
 from .vllm_engine import mean_gap, policy_processed_logprobs
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class RolloutServer:
         self.process, self.log_path = process, log_path
         self.adapters = tempfile.TemporaryDirectory(prefix="align-adapters-")
         self.version = 0
-        self.model: str | None = None  # the served name of the current policy (None: the base model)
+        self.loaded: list[str] = []  # the served names of the policy versions loaded, oldest first
 
     # -- lifecycle ------------------------------------------------------------------------------------
 
@@ -139,9 +141,14 @@ class RolloutServer:
                 f"{self.log_tail() if exited else ''}"
             ) from error
 
-    def push_adapter(self, policy) -> str:
-        """Save the policy's active LoRA adapter under a fresh name and load it into the server (the previous one is
-        unloaded); returns the served name."""
+    @property
+    def model(self) -> str | None:
+        """The served name of the newest policy version (None before the first push: the base model)."""
+        return self.loaded[-1] if self.loaded else None
+
+    def push_adapter(self, policy, keep: int = 1) -> str:
+        """Save the policy's active LoRA adapter under a fresh name and load it into the server; versions older than
+        the newest `keep` are unloaded (requests still queued for them need them). Returns the served name."""
         self.version += 1
         name = f"policy-v{self.version}"
         folder = Path(self.adapters.name) / name
@@ -150,19 +157,34 @@ class RolloutServer:
         if adapter != "default":  # peft writes a non-default adapter into a subfolder of its name
             folder = folder / adapter
         self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
-        if self.model is not None:
-            self.post("/v1/unload_lora_adapter", {"lora_name": self.model})
-        self.model = name
+        self.loaded.append(name)
+        while len(self.loaded) > keep:
+            self.post("/v1/unload_lora_adapter", {"lora_name": self.loaded.pop(0)})
         return name
 
     def generate_ids(
-        self, tokenizer, prompt_ids: list[list[int]], settings: SamplingSpec, stops: list[int], model: str | None = None
+        self,
+        tokenizer,
+        prompt_ids: list[list[int]],
+        settings: SamplingSpec,
+        stops: list[int],
+        model: str | None = None,
+        seed: int | None = None,
     ) -> list[Sample]:
         """`settings.n` samples of each prompt (ids in, ids out) from `model` (a served adapter name; default: the
         current policy), in the caller's order, with vLLM's processed log-probs (`Sample.processed_logprobs`;
-        `Sample.logprobs` too where they coincide: temperature 1, nothing truncated)."""
+        `Sample.logprobs` too where they coincide: temperature 1, nothing truncated). `seed`: the request's (default:
+        drawn from torch's generator, which a caller on another thread must not touch: it passes one)."""
         if not prompt_ids:
             return []
+        return self.samples(
+            self.request(prompt_ids, settings, stops, model, seed), tokenizer, len(prompt_ids), settings, stops
+        )
+
+    def request(
+        self, prompt_ids: list[list[int]], settings: SamplingSpec, stops: list[int], model=None, seed=None
+    ) -> list[dict]:
+        """The completions request of `generate_ids`, its choices in order (no tokenizer: safe on another thread)."""
         greedy = settings.temperature == 0
         body = {
             "model": model or self.model or self.served_base(),
@@ -177,17 +199,20 @@ class RolloutServer:
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            "seed": int(torch.randint(0, 2**30, ()).item()),
+            "seed": int(torch.randint(0, 2**30, ()).item()) if seed is None else seed,
             "stop_token_ids": stops,
             "ignore_eos": False,
             "logprobs": 0,
             "return_token_ids": True,
         }
-        choices = sorted(json.loads(self.post("/v1/completions", body))["choices"], key=lambda c: c["index"])
-        if len(choices) != len(prompt_ids) * settings.n:
+        return sorted(json.loads(self.post("/v1/completions", body))["choices"], key=lambda c: c["index"])
+
+    def samples(self, choices: list[dict], tokenizer, prompts: int, settings: SamplingSpec, stops) -> list[Sample]:
+        """`request`'s choices as Samples (sample j of prompt i at i*n+j), checked complete."""
+        if len(choices) != prompts * settings.n:
             raise UserError(
                 f"{self.where}: the vLLM rollout server returned {len(choices)} completions for "
-                f"{len(prompt_ids)} prompts x n={settings.n}; see {self.where_to_look()}."
+                f"{prompts} prompts x n={settings.n}; see {self.where_to_look()}."
             )
         same = settings.temperature in (0.0, 1.0) and settings.top_k == 0 and settings.top_p == 1.0
         samples = []
@@ -311,10 +336,9 @@ def open_server(server: str, base: str, spec: VllmSpec, lora_rank: int, dtype: s
 
 
 def sample_policy(server: RolloutServer, policy, tokenizer, prompt_ids, settings: SamplingSpec, stops) -> list:
-    """Push the policy's adapter, sample through the server, and check the first `vllm.check_samples` samples'
-    processed log-probs against the policy's own (`vllm.logprob_tolerance`): an adapter the server did not apply,
-    another base model or another dtype would otherwise bias every ratio silently."""
-    server.push_adapter(policy)
+    """Sample the newest pushed policy version through the server, and check the first `vllm.check_samples`
+    samples' processed log-probs against the policy's own (`vllm.logprob_tolerance`): an adapter the server did
+    not apply, another base model or another dtype would otherwise bias every ratio silently."""
     samples = server.generate_ids(tokenizer, prompt_ids, settings, stops)
     checked = samples[: settings.vllm.check_samples]
     if checked:
@@ -330,3 +354,84 @@ def sample_policy(server: RolloutServer, policy, tokenizer, prompt_ids, settings
                 f"not applied); see {server.where_to_look()}."
             )
     return samples
+
+
+class Prefetch:
+    """`async: {max_staleness: k}`: the samples of later updates drawn on the server (a worker thread waiting on
+    HTTP, so the trainer keeps the CPU) while this update trains. Each entry records the policy version that drew
+    it; `take` hands an update its entry, or None when it has none or it is more than `max_staleness` versions old
+    (dropped, its samples counted in `dropped`)."""
+
+    def __init__(self, max_staleness: int):
+        self.max_staleness = max_staleness
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-prefetch")
+        self.pending: dict[int, tuple[int, object]] = {}  # update -> (policy version, future of its samples)
+        self.dropped = 0
+
+    def submit(self, update: int, version: int, draw) -> None:
+        """Draw `update`'s samples with `draw()` (no arguments, run on the worker thread) from policy `version`."""
+        if update not in self.pending:
+            self.pending[update] = (version, self.pool.submit(draw))
+
+    def take(self, update: int, version: int) -> tuple[list | None, int]:
+        """(samples, their staleness: `version` minus the version that drew them) of `update`, or (None, 0)."""
+        entry = self.pending.pop(update, None)
+        if entry is None:
+            return None, 0
+        drawn_by, future = entry
+        samples = future.result()  # a failed request raises here, in the training thread
+        if version - drawn_by > self.max_staleness:
+            self.dropped += len(samples)
+            return None, 0
+        return samples, version - drawn_by
+
+    def versions(self) -> set[int]:
+        return {version for version, _ in self.pending.values()}
+
+    def close(self) -> None:
+        for _, future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)
+
+
+class ServerRollouts:
+    """A training loop's rollouts through a `RolloutServer`, with `async: {max_staleness: k}`'s sampling ahead
+    (`Prefetch`); a context manager that stops the prefetch, then the server."""
+
+    def __init__(self, server: RolloutServer, staleness: int):
+        self.server, self.staleness = server, staleness
+        self.prefetch = Prefetch(staleness) if staleness else None
+
+    def __enter__(self) -> ServerRollouts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.prefetch is not None:
+                self.prefetch.close()
+        finally:
+            self.server.close()
+
+    def draw(self, policy, tokenizer, prompt_ids, settings: SamplingSpec, progress: tuple[int, int], prompts_of):
+        """(samples of `prompt_ids` for update `progress[0]` of `progress[1]`, async statistics). The policy's adapter
+        is pushed as the newest version (the last k + 1 kept loaded); samples drawn ahead for this update (at most k
+        versions old) are taken, else drawn now and checked against the policy (`sample_policy`: only samples of the
+        current version can be); then updates +1..+k, whose prompt ids `prompts_of(update)` gives, are queued from
+        this version, their seeds drawn here (the worker thread must not touch torch's generator). Statistics:
+        `policy_lag` (versions behind) and `stale_dropped` (samples dropped over the run); none when synchronous."""
+        update, total = progress
+        stops = stop_token_ids(tokenizer, policy)
+        name = self.server.push_adapter(policy, keep=self.staleness + 1)
+        choices, lag = self.prefetch.take(update, update) if self.prefetch else (None, 0)
+        if choices is None:
+            samples = sample_policy(self.server, policy, tokenizer, prompt_ids, settings, stops)
+        else:
+            samples = self.server.samples(choices, tokenizer, len(prompt_ids), settings, stops)
+        if self.prefetch is None:
+            return samples, {}
+        for ahead in range(update + 1, min(update + self.staleness, total - 1) + 1):
+            seed = int(torch.randint(0, 2**30, ()).item())
+            request = partial(self.server.request, prompts_of(ahead), settings, stops, name, seed)
+            self.prefetch.submit(ahead, update, request)
+        return samples, {"policy_lag": float(lag), "stale_dropped": float(self.prefetch.dropped)}

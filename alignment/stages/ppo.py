@@ -52,7 +52,6 @@ from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import PARTITIONED, check_engine
 from ..runtime.progress import track
 from ..sampling import generate, generate_ids, server
-from ..sampling.samples import stop_token_ids
 from ..training.actor_critic import (
     build_models,
     configure_deepspeed,
@@ -215,7 +214,8 @@ class PPOLoop:
         self.best_policy: dict | None = None  # the policy state at the watch's best (main process, CPU)
         self.stopped_at: int | None = None
         self.sampler_stats: dict[str, float] = {}  # this update's importance-sampling statistics, if corrected
-        self.server: server.RolloutServer | None = None  # `rollout.server`'s, while `run` runs
+        self.server: server.ServerRollouts | None = None  # `rollout.server`'s, while `run` runs
+        self.async_stats: dict[str, float] = {}
 
     # -- setup --------------------------------------------------------------------------------------
 
@@ -326,17 +326,30 @@ class PPOLoop:
             return self.train_and_save()
 
     def open_server(self):
-        """`rollout.server`'s vLLM server (started, or connected to), stopped when the run ends, failed or not
-        (`sampling/server.py`); a no-op context without it. Its log: logs/rollout_server.log in the output."""
-        spec = self.config.rollout
+        """`rollout.server`'s vLLM server (started, or connected to) with `async`'s sampling ahead, stopped when the
+        run ends, failed or not (`sampling/server.py`); a no-op context without it. Its log: logs/ in the output."""
+        spec, staleness = self.config.rollout, self.config.async_.max_staleness if self.config.async_ else 0
         if spec.server is None:
             return contextlib.nullcontext()
         dtype = str(next(self.actor_critic.parameters()).dtype).removeprefix("torch.")
-        where = f"{self.ctx.where}.rollout"
-        self.server = server.open_server(
-            spec.server, str(self.ctx.start_model), spec.vllm, self.ctx.lora.r, dtype, self.ctx.out_dir / "logs", where
+        where, logs = f"{self.ctx.where}.rollout", self.ctx.out_dir / "logs"
+        opened = server.open_server(
+            spec.server, str(self.ctx.start_model), spec.vllm, self.ctx.lora.r, dtype, logs, where
         )
+        self.server = server.ServerRollouts(opened, staleness)
         return self.server
+
+    def server_samples(self, encoded: list[list[int]], sampling) -> list:
+        """This update's samples from the rollout server (`server.ServerRollouts.draw`), with `async`'s statistics."""
+        samples, self.async_stats = self.server.draw(
+            self.actor_critic.policy,
+            self.tokenizer,
+            encoded,
+            sampling,
+            (self.update, self.total),
+            lambda update: [encode(self.tokenizer, self.prompts[i]) for i in self.prompt_indices(update)],
+        )
+        return samples
 
     def train_and_save(self) -> dict:
         """The updates left, the saved policy, the metrics (`run`)."""
@@ -388,7 +401,7 @@ class PPOLoop:
         if self.watch is not None and self.watch_gold(rollout_stats):
             return None
         rollout, stats = self.advantages(rollout)
-        stats.update(self.sampler_stats)
+        stats.update(self.sampler_stats, **self.async_stats)
         started = time.time()
         stats.update(self.train_on(rollout))
         train_time = time.time() - started
@@ -398,11 +411,12 @@ class PPOLoop:
 
     # -- rollout ------------------------------------------------------------------------------------
 
-    def prompt_indices(self) -> list[int]:
-        """This process's prompts for the current update: consecutive slices of seeded permutations,
-        one permutation per pass over the data, so any update's prompts follow from its number."""
+    def prompt_indices(self, update: int | None = None) -> list[int]:
+        """This process's prompts for `update` (default: the current one): consecutive slices of seeded
+        permutations, one permutation per pass over the data, so any update's prompts follow from its number."""
         n, per = len(self.rows), self.config.rollout.batch_size
-        start = (self.update * self.accelerator.num_processes + self.accelerator.process_index) * per
+        update = self.update if update is None else update
+        start = (update * self.accelerator.num_processes + self.accelerator.process_index) * per
         picked = []
         for pos in range(start, start + per):
             epoch = pos // n
@@ -421,10 +435,7 @@ class PPOLoop:
         encoded = [encode(self.tokenizer, p) for p in prompts]
         with gathered(self.accelerator, self.wrapped) as call:
             if self.server is not None:
-                stops = stop_token_ids(self.tokenizer, self.actor_critic.policy)
-                samples = server.sample_policy(
-                    self.server, self.actor_critic.policy, self.tokenizer, encoded, sampling, stops
-                )
+                samples = self.server_samples(encoded, sampling)
             elif self.config.importance_sampling is None:
                 samples = call(generate, self.actor_critic.policy, self.tokenizer, prompts, sampling)
             else:  # the same samples, with the sampler's processed log-probs

@@ -196,6 +196,18 @@ class EarlyStopSpec(Strict):
     )
 
 
+class AsyncSpec(Strict):
+    """`async:` generation of the next updates' rollouts on the rollout server while this update trains."""
+
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="how many updates ahead the server samples (batch t+1..t+k while t trains), so how many "
+        "policy versions old a sample may be when trained on; an older one is dropped and counted "
+        "(stale_dropped). 0: synchronous, today's loop",
+    )
+
+
 class Config(StageConfig):
     kind: Literal["ppo"] = Field(
         "ppo",
@@ -267,6 +279,13 @@ class Config(StageConfig):
     )
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="how each update samples its completions")
     importance_sampling: ImportanceSamplingSpec | None = importance_sampling_field()
+    async_: AsyncSpec | None = Field(
+        None,
+        alias="async",
+        description="sample ahead on the rollout server while training (needs rollout.server and "
+        "importance_sampling, which corrects for the older policy that drew the samples); logged: policy_lag "
+        "(mean versions behind), stale_dropped. null: synchronous",
+    )
     missing_eos_penalty: float | None = Field(
         None,
         description="subtracted from the score of unfinished completions "
@@ -325,6 +344,17 @@ class Config(StageConfig):
             )
         if t.total_updates is not None and t.total_episodes is not None:
             raise ValueError("give train.total_updates or train.total_episodes, not both")
+        if self.async_ is not None and self.async_.max_staleness > 0:
+            if self.rollout.server is None:
+                raise ValueError(
+                    "async.max_staleness > 0 samples ahead on the rollout server while the trainer trains: set "
+                    "rollout.server (local or a URL), or max_staleness: 0"
+                )
+            if self.importance_sampling is None:
+                raise ValueError(
+                    "async.max_staleness > 0 trains on samples drawn by an older policy; without "
+                    "importance_sampling they would be taken as on-policy: set importance_sampling (e.g. {})"
+                )
         if self.early_stop is not None and self.early_stop.gold not in [g.name for g in self.gold]:
             raise ValueError(
                 f"early_stop.gold '{self.early_stop.gold}' is not one of the stage's `gold:` verifiers "
