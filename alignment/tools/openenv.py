@@ -22,6 +22,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -39,6 +40,8 @@ from ..config.tools import OpenEnvServer
 from ..errors import UserError
 from ..verifiers.registry import _load_target
 
+# The toolkit's logger (runtime.dist.get_logger names the same one; importing it would bring torch into the server).
+log = logging.getLogger(__name__)
 INSTALL = 'pip install -e ".[tasks]" (or pip install openenv-core)'
 NON_FINITE = "non-finite reward"  # the served environment's error for a reward that is no finite number
 STOP_GRACE = 5.0  # seconds a served environment has to exit on SIGTERM before it is killed
@@ -150,6 +153,8 @@ def connect(spec: OpenEnvServer, search_dirs: list[Path], where: str) -> Connect
         connection.close()
         raise
     scope.connections[key] = connection
+    served = f" (served; its log: {server.log})" if server else ""
+    log.info(f"[{where}] OpenEnv environment at {connection.url}{served}: tools {', '.join(connection.names)}")
     return connection
 
 
@@ -397,6 +402,10 @@ class Connection:
             }
             for tool in tools
         ]
+
+    @property
+    def names(self) -> list[str]:
+        return [schema["function"]["name"] for schema in self.schemas]
 
     def session_class(self) -> type:
         """A class built without arguments, one instance per rollout, as the toolbox's environment."""
