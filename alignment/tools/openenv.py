@@ -304,7 +304,7 @@ def _serve(fd: int, settings: dict) -> None:
             _checked_rewards(target), CallToolAction, CallToolObservation, max_concurrent_envs=settings["max_sessions"]
         )
     listener = socket.socket(fileno=fd)
-    # large messages in (64 MiB); a stop waits at most a second for calls still running (a hung tool)
+    # large messages are let in; a stop waits at most a second for calls still running (a hung tool)
     config = uvicorn.Config(target, log_level="warning", ws_max_size=1 << 26, timeout_graceful_shutdown=1)
     uvicorn.Server(config).run(sockets=[listener])
 
