@@ -172,3 +172,52 @@ def test_async_zero_is_todays_loop_bit_for_bit(tmp_path, tiny_model):
     (plain, plain_weights), (async0, async0_weights) = runs["plain"], runs["async0"]
     assert async0 == plain and "policy_lag" not in async0[-1]
     assert all(torch.equal(async0_weights[k], plain_weights[k]) for k in plain_weights)
+
+
+# --------------------------------------------------------------------------------------------------
+# rlvr's rollout: {server: ...}
+# --------------------------------------------------------------------------------------------------
+
+
+def rlvr_keys(**stage):
+    from alignment.config.stages.rlvr import Config
+
+    return Config(kind="rlvr", data={"task": "arithmetic", "n": 4}, verifiers=["arithmetic"], **stage)
+
+
+def test_rlvr_server_takes_plain_turns_and_lets_the_correction_apply():
+    keys = rlvr_keys(rollout={"server": "local"}, importance_sampling={"level": "sequence"})
+    assert keys.rollout.server == "local" and keys.importance_sampling.level == "sequence"
+    with pytest.raises(ValidationError, match="neither `local` nor a URL"):
+        rlvr_keys(rollout={"server": "ftp://x"})
+    with pytest.raises(ValidationError, match="multi-turn rollouts of tools"):
+        rlvr_keys(rollout={"server": "local"}, tools=["calculator"])
+    with pytest.raises(ValidationError, match="two vLLM samplers"):
+        rlvr_keys(rollout={"server": "local"}, train={"use_vllm": True})
+
+
+def test_rlvr_sampler_asks_for_each_group_in_one_request():
+    """TRL hands the rollout_func each prompt num_generations times in a row: one prompt with n = group size goes
+    to the server (which seeds a request's prompts alike), and every completion comes back beside its prompt ids."""
+    from types import SimpleNamespace
+
+    from alignment.sampling.samples import Sample
+    from alignment.stages.rlvr import ServerSampler
+
+    asked = {}
+
+    def draw(model, tokenizer, ids, settings, progress, prompts_of):
+        asked.update(ids=ids, n=settings.n, temperature=settings.temperature)
+        return [
+            Sample(i // settings.n, "", [7, i], True, None, [-0.5, -0.25]) for i in range(len(ids) * settings.n)
+        ], {}
+
+    tokenizer = lambda text: {"input_ids": [ord(c) for c in text]}  # noqa: E731
+    sampler = ServerSampler(None, tokenizer, VllmSpec())
+    sampler.rollouts = SimpleNamespace(draw=draw)
+    args = SimpleNamespace(max_completion_length=8, temperature=0.7, top_p=1.0, top_k=None)
+    trainer = SimpleNamespace(args=args, accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=None)
+    out = sampler(["ab", "ab", "ab", "cd", "cd", "cd"], trainer)
+    assert asked == {"ids": [[97, 98], [99, 100]], "n": 3, "temperature": 0.7}
+    assert out["prompt_ids"] == [[97, 98]] * 3 + [[99, 100]] * 3
+    assert out["completion_ids"][4] == [7, 4] and out["logprobs"][0] == [-0.5, -0.25]

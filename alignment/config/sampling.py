@@ -6,6 +6,7 @@ ppo's `rollout:` (RolloutSpec extends it), rsft's `sampling:`, on-policy prefere
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -109,6 +110,25 @@ def importance_sampling_field():
         "processed distribution (TIS / MIS, alignment/rl.py `importance_weights`); the ratio's statistics are logged "
         "(is_ratio_mean, is_ratio_max, is_clipped_frac, sampler_kl). null (default): no correction",
     )
+
+
+def check_server(server: str | None) -> str | None:
+    """A `server:` value: `local` or an http(s) URL."""
+    if server is not None and server != "local" and not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", server):
+        raise ValueError(f"server: {server!r} is neither `local` nor a URL like http://127.0.0.1:8000")
+    return server
+
+
+class ServerRolloutSpec(Strict):
+    """rlvr's `rollout:` sample GRPO's completions through a vLLM server instead of TRL's own sampler."""
+
+    server: str = Field(
+        description="`local` starts vLLM's OpenAI-compatible server in its own process on 127.0.0.1 (its log: "
+        "logs/rollout_server.log in the stage's output); `http://host:port` uses one you run; the policy's LoRA "
+        "adapter is pushed at every generation (LoRA only; alignment/sampling/server.py)"
+    )
+    vllm: VllmSpec = Field(default_factory=VllmSpec, description="the server's settings (server_python, timeouts)")
+    _server_value = field_validator("server")(classmethod(lambda cls, v: check_server(v)))
 
 
 def vllm_missing(setting: str = "`backend: vllm`", instead: str = "use `backend: transformers`") -> str | None:

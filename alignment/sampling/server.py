@@ -205,6 +205,9 @@ class RolloutServer:
             "logprobs": 0,
             "return_token_ids": True,
         }
+        if len({tuple(p) for p in prompt_ids}) < len(prompt_ids):
+            # vLLM seeds every prompt of a request alike, so equal prompts would get equal samples: unseeded then
+            del body["seed"]
         return sorted(json.loads(self.post("/v1/completions", body))["choices"], key=lambda c: c["index"])
 
     def samples(self, choices: list[dict], tokenizer, prompts: int, settings: SamplingSpec, stops) -> list[Sample]:

@@ -6,10 +6,10 @@ them; the weighted sum is the reward; `gold:` verifiers are only logged. GRPO no
 prompt's group (Shao et al. 2024, eq. 3), only centring them when a reward model is in the reward
 (`stage_defaults` says why); `algorithm: rloo` uses the leave-one-out baseline (Ahmadian et al. 2024). Both
 keep a KL penalty to the starting policy (on by default; with LoRA the reference is the adapter disabled).
-Data: prompts plus the columns the verifiers read, rendered by `formatting.render_prompt`, given to TRL as
-text. `train:` goes verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`. With `tools:` / `environment:` the
-completions are multi-turn rollouts (training/tool_rollouts.py). vLLM sampling is TRL's (`check_vllm`);
-what the rewards taught, and what was cut, is counted in stage.json (`run`).
+Data: prompts plus the columns the verifiers read, rendered by `formatting.render_prompt`, given to TRL as text;
+`train:` goes verbatim to `trl.GRPOConfig` / `trl.RLOOConfig`. `tools:` make multi-turn rollouts
+(training/tool_rollouts.py); vLLM sampling is TRL's (`check_vllm`) or vLLM's server (`rollout:`, `ServerSampler`);
+`importance_sampling:` weighs GRPO's loss (`SamplerCorrection`); stage.json counts what was taught and cut (`run`).
 
     stages: {rlvr: {model: "${sft}", data: {task: arithmetic, split: train, n: 2000}, verifiers: [arithmetic],
                     train: {max_steps: 200, num_generations: 8, max_completion_length: 256}}}
@@ -17,6 +17,8 @@ what the rewards taught, and what was cut, is counted in stage.json (`run`).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import os
 
@@ -26,7 +28,7 @@ from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ..config.data import DataSpec
-from ..config.sampling import vllm_missing
+from ..config.sampling import SamplingSpec, vllm_missing
 from ..config.stages.rlvr import Config
 from ..data.formatting import render_prompt
 from ..errors import UserError
@@ -36,6 +38,7 @@ from ..models.tokenizer import load_tokenizer
 from ..rl import importance_weights
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.dist import log_share
+from ..sampling import server
 from ..sampling.samples import checkpoint_sampling_defaults_off, stop_token_ids
 from ..training.buckets import LENGTH_SAMPLERS
 from ..training.context import StageContext
@@ -242,6 +245,9 @@ def check(ctx: StageContext) -> None:
         rows += prompt_rows(ctx, tokenizer, cfg.eval_data, "eval_data", verifiers, gold)
     if tools:
         tools.prepare(rows)
+    if cfg.rollout is not None:
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        server.check_settings(cfg.rollout.server, cfg.rollout.vllm, ctx.lora, processes, f"{ctx.where}.rollout")
     if cfg.reward_model is not None:
         check_reward_model(
             cfg.reward_model,
@@ -288,6 +294,11 @@ def run(ctx: StageContext) -> dict:
         train_rows, eval_rows = tools.prepare(train_rows), eval_rows and tools.prepare(eval_rows)
         reward_funcs = tools.rewards(reward_funcs)
         args.reward_weights = [*args.reward_weights, 1.0] if tools.has_environment_reward else args.reward_weights
+    sampler = server_sampler(ctx, tokenizer, model)  # None unless `rollout: {server: ...}`; starts with training
+    if sampler is not None:
+        rollout_kwargs = {"rollout_func": sampler}
+    else:
+        rollout_kwargs = {"rollout_func": tools} if tools else {}
     over = prompts_over_context(train_rows + (eval_rows or []), tokenizer, model, args, ctx.where)
     signal = GroupSignal(
         [*rewards, *(tools.extra_rewards if tools else [])],
@@ -304,7 +315,7 @@ def run(ctx: StageContext) -> dict:
         eval_dataset=datasets.Dataset.from_list(eval_rows) if eval_rows else None,
         peft_config=peft_config(ctx.lora) if ctx.lora else None,
         callbacks=trainer_callbacks(ctx),
-        **({"rollout_func": tools} if tools else {}),
+        **rollout_kwargs,
     )
     signal.training = lambda: trainer.model.training
     dynamic = ctx.config.dynamic_sampling and DynamicSampling(
@@ -312,8 +323,8 @@ def run(ctx: StageContext) -> dict:
     )
     if ctx.config.importance_sampling is not None:  # outermost: it weighs the batch dynamic sampling kept
         SamplerCorrection(trainer, ctx.config.importance_sampling)
-    with checkpoint_sampling_defaults_off(trainer.model):  # TRL leaves min_p etc. to the checkpoint's defaults
-        train(ctx, trainer)
+    with checkpoint_sampling_defaults_off(trainer.model), sampler or contextlib.nullcontext():
+        train(ctx, trainer)  # (TRL leaves min_p etc. to the checkpoint's defaults; the server stops on leaving)
     save_model(trainer, tokenizer, ctx.out_dir, ctx.save_dtype())
     totals = {k: v for r in verifier_rewards + gold for k, v in r.totals().items()}
     if tools:
@@ -385,6 +396,62 @@ class SamplerCorrection:
                 output["completion_ids"].shape[1],
                 batch_size=trainer.args.per_device_train_batch_size,
             )[0]
+
+
+def server_sampler(ctx: StageContext, tokenizer, model) -> ServerSampler | None:
+    """`rollout: {server: ...}`'s sampler (its server started or connected to when training starts), or None."""
+    spec = ctx.config.rollout
+    if spec is None:
+        return None
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    where, logs = f"{ctx.where}.rollout", ctx.out_dir / "logs"
+    return ServerSampler(
+        lambda: server.open_server(spec.server, str(ctx.start_model), spec.vllm, ctx.lora.r, dtype, logs, where),
+        tokenizer,
+        spec.vllm,
+    )
+
+
+class ServerSampler:
+    """rlvr's `rollout: {server: ...}` as TRL's rollout_func: the policy's adapter pushed, each prompt's group of
+    num_generations completions sampled through vLLM's server in one request (n per prompt: the server seeds a
+    request's prompts alike), their processed log-probs returned as TRL's `logprobs` (what `importance_sampling`
+    divides by). A context manager: the server runs (`opener()`) inside it, stopped on leaving, failed or not."""
+
+    def __init__(self, opener, tokenizer, vllm):
+        self.opener, self.tokenizer, self.vllm = opener, tokenizer, vllm
+        self.rollouts = None
+
+    def __enter__(self):
+        self.rollouts = server.ServerRollouts(self.opener(), 0)
+        return self
+
+    def __exit__(self, *exc):
+        rollouts, self.rollouts = self.rollouts, None
+        if rollouts is not None:
+            rollouts.__exit__(*exc)
+
+    def __call__(self, prompts: list[str], trainer) -> dict:
+        args = trainer.args
+        groups = [(p, sum(1 for _ in run)) for p, run in itertools.groupby(prompts)]
+        n = groups[0][1] if len({size for _, size in groups}) == 1 else 1
+        distinct = [p for p, _ in groups] if n > 1 else list(prompts)
+        settings = SamplingSpec(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            n=n,
+            vllm=self.vllm,
+        )
+        ids = [self.tokenizer(p)["input_ids"] for p in distinct]  # as TRL tokenizes a text prompt
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        samples, _ = self.rollouts.draw(model, self.tokenizer, ids, settings, (0, 1), None)
+        return {
+            "prompt_ids": [ids[s.prompt_index] for s in samples],
+            "completion_ids": [s.token_ids for s in samples],
+            "logprobs": [s.processed_logprobs for s in samples],
+        }
 
 
 def prompts_over_context(rows: list[dict], tokenizer, model, args, where: str) -> int:

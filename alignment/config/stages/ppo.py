@@ -3,14 +3,13 @@ alignment/stages/ppo.py)."""
 
 from __future__ import annotations
 
-import re
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ..base import Strict
 from ..data import DataSpec
-from ..sampling import ImportanceSamplingSpec, SamplingSpec, importance_sampling_field
+from ..sampling import ImportanceSamplingSpec, SamplingSpec, check_server, importance_sampling_field
 from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
@@ -55,12 +54,7 @@ class RolloutSpec(SamplingSpec):
         "(LoRA only); settings under `vllm:` (server_python, server_start_timeout, server_timeout)",
     )
 
-    @field_validator("server")
-    @classmethod
-    def _local_or_url(cls, server):
-        if server is not None and server != "local" and not re.fullmatch(r"https?://[^/\s]+(:\d+)?/?", server):
-            raise ValueError(f"server: {server!r} is neither `local` nor a URL like http://127.0.0.1:8000")
-        return server
+    _server_value = field_validator("server")(classmethod(lambda cls, v: check_server(v)))
 
     @model_validator(mode="after")
     def _server_is_the_sampler(self):

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
-from ..sampling import ImportanceSamplingSpec, importance_sampling_field
+from ..sampling import ImportanceSamplingSpec, ServerRolloutSpec, importance_sampling_field
 from ..signal import (
     DynamicSamplingSpec,
     PromptFilterSpec,
@@ -60,6 +60,11 @@ class Config(StageConfig, ToolUse):
     prompt_filter: PromptFilterSpec | None = prompt_filter_field()
     _prompt_filter_needs = model_validator(mode="after")(check_prompt_filter)
     importance_sampling: ImportanceSamplingSpec | None = importance_sampling_field()
+    rollout: ServerRolloutSpec | None = Field(
+        None,
+        description="sample through a vLLM server (`{server: local}` or a URL) instead of TRL's own sampler, "
+        "the policy's LoRA adapter pushed at every generation; null: TRL samples",
+    )
     dynamic_sampling: DynamicSamplingSpec | None = Field(
         None,
         description="drop the prompt groups whose rewards "
@@ -93,11 +98,11 @@ class Config(StageConfig, ToolUse):
                     "importance_sampling with train.use_vllm: TRL corrects its own vLLM sampler "
                     "(train.vllm_importance_sampling_mode, on by default); drop one of the two"
                 )
-            if not self.uses_tools:
+            if not self.uses_tools and self.rollout is None:
                 raise ValueError(
                     "importance_sampling corrects for a sampler other than the trained policy, and without "
-                    "tools: TRL samples with the trained policy itself (nothing to correct); it applies to the "
-                    "multi-turn rollouts of `tools:`/`environment:`, whose sampler records its log-probs"
+                    "tools or rollout.server TRL samples with the trained policy itself (nothing to correct); it "
+                    "applies to the multi-turn rollouts of `tools:`/`environment:` and to `rollout: {server: ...}`"
                 )
             if self.train.get("top_p", 1.0) < 1.0 or self.train.get("top_k"):
                 raise ValueError(
@@ -107,6 +112,18 @@ class Config(StageConfig, ToolUse):
                 )
             if self.train.get("loss_type") == "vespo":
                 raise ValueError("importance_sampling: loss_type vespo weighs the ratio itself; use another loss")
+        return self
+
+    @model_validator(mode="after")
+    def _server_samples_plain_turns(self):
+        if self.rollout is not None:
+            if self.uses_tools:
+                raise ValueError(
+                    "rollout.server samples single-turn completions; the multi-turn rollouts of tools sample "
+                    "with this toolkit's sampler: drop one of the two"
+                )
+            if self.train.get("use_vllm"):
+                raise ValueError("rollout.server and train.use_vllm are two vLLM samplers: drop one")
         return self
 
     @model_validator(mode="after")
