@@ -10,8 +10,9 @@ process group (terminate, then kill) on success and on error alike. Weights trav
 policy's adapter is saved into a folder the server reads (a server the user runs must see this machine's temporary
 folder: same host or a shared file system). Full fine-tuning through a server is refused (ppo's `check`): vLLM's
 CPU build cannot reload whole weights over HTTP.
-Limits: tested against vLLM 0.32's CPU build on loopback (tests/vllm_cpu/test_rollout_server.py); one server per
-training process; several processes sharing one server are not supported yet.
+Under several processes one server serves them all: process 0 starts it (or connects) and pushes each version, the
+others connect and sample from the version it pushed. Limits: tested against vLLM 0.32's CPU build on loopback
+(tests/vllm_cpu/); whole weights and partitioned engines (FSDP2, ZeRO-3) not supported.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config.sampling import SamplingSpec, VllmSpec
 from ..errors import UserError
@@ -305,7 +307,8 @@ def connect(url: str, spec: VllmSpec, where: str) -> RolloutServer:
 
 def check_settings(server: str, spec: VllmSpec, lora, processes: int, where: str) -> None:
     """What a stage refuses before it loads anything: full fine-tuning (weights go as LoRA adapters only), several
-    processes, and `server: local` without a python that has vLLM."""
+    processes (`processes` > 1: a stage that shares one server among them passes 1), and `server: local` without a
+    python that has vLLM."""
     if lora is None:
         raise UserError(
             f"{where}.server: the policy's weights reach the server as LoRA adapters (vLLM's runtime LoRA loading); "
@@ -331,11 +334,32 @@ def check_settings(server: str, spec: VllmSpec, lora, processes: int, where: str
         raise UserError(f"{where}.vllm.server_python: {spec.server_python} is not a file.")
 
 
-def open_server(server: str, base: str, spec: VllmSpec, lora_rank: int, dtype: str, log_dir: Path, where: str):
-    """`server: local` started, or `server: URL` connected to; a `RolloutServer` (a context manager)."""
+def open_one(server: str, base: str, spec: VllmSpec, lora_rank: int, dtype: str, log_dir: Path, where: str):
     if server == "local":
         return start_local(base, spec, lora_rank, dtype, log_dir, where)
     return connect(server, spec, where)
+
+
+def open_server(server: str, base: str, spec: VllmSpec, lora_rank: int, dtype: str, log_dir: Path, where: str):
+    """`server: local` started, or `server: URL` connected to; a `RolloutServer` (a context manager). Under several
+    processes (torch.distributed initialised) one server serves them all: process 0 starts or connects to it and
+    hands the URL to the others, which connect (a failed start on process 0 is an error on every process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return open_one(server, base, spec, lora_rank, dtype, log_dir, where)
+    message = [None, None]  # [url, error] from process 0
+    opened = None
+    if dist.get_rank() == 0:
+        try:
+            opened = open_one(server, base, spec, lora_rank, dtype, log_dir, where)
+            message[0] = opened.url
+        except UserError as error:
+            message[1] = str(error)
+    dist.broadcast_object_list(message, src=0)
+    if message[1] is not None:
+        if opened is None and dist.get_rank() == 0:
+            raise UserError(message[1])
+        raise UserError(f"{where}: process 0 could not open the rollout server every process shares: {message[1]}")
+    return opened if opened is not None else connect(message[0], spec, where)
 
 
 def sample_policy(server: RolloutServer, policy, tokenizer, prompt_ids, settings: SamplingSpec, stops) -> list:
@@ -405,6 +429,9 @@ class ServerRollouts:
     def __init__(self, server: RolloutServer, staleness: int):
         self.server, self.staleness = server, staleness
         self.prefetch = Prefetch(staleness) if staleness else None
+        # several processes share one server: process 0 pushes each version, the others name it after a barrier
+        self.shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.pusher = not self.shared or dist.get_rank() == 0
 
     def __enter__(self) -> ServerRollouts:
         return self
@@ -413,8 +440,23 @@ class ServerRollouts:
         try:
             if self.prefetch is not None:
                 self.prefetch.close()
+            if self.shared and exc[0] is None:
+                dist.barrier()  # process 0 stops the server after every process's last request
         finally:
             self.server.close()
+
+    def push(self, policy) -> str:
+        """The policy's adapter as the newest version, the last k + 1 kept loaded (process 0 under several)."""
+        keep = self.staleness + 1
+        if self.pusher:
+            name = self.server.push_adapter(policy, keep=keep)
+        else:  # the same version's name, loaded by process 0 (every process pushes at the same update)
+            self.server.version += 1
+            name = f"policy-v{self.server.version}"
+            self.server.loaded = [*self.server.loaded, name][-keep:]
+        if self.shared:
+            dist.barrier()
+        return name
 
     def draw(self, policy, tokenizer, prompt_ids, settings: SamplingSpec, progress: tuple[int, int], prompts_of):
         """(samples of `prompt_ids` for update `progress[0]` of `progress[1]`, async statistics). The policy's adapter
@@ -425,7 +467,7 @@ class ServerRollouts:
         `policy_lag` (versions behind) and `stale_dropped` (samples dropped over the run); none when synchronous."""
         update, total = progress
         stops = stop_token_ids(tokenizer, policy)
-        name = self.server.push_adapter(policy, keep=self.staleness + 1)
+        name = self.push(policy)
         choices, lag = self.prefetch.take(update, update) if self.prefetch else (None, 0)
         if choices is None:
             samples = sample_policy(self.server, policy, tokenizer, prompt_ids, settings, stops)

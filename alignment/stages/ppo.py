@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -231,6 +230,12 @@ class PPOLoop:
             gradient_accumulation_steps=self.train_spec.gradient_accumulation_steps,
         )
         engine = check_engine(accelerator.state, self.ctx.where)
+        if engine in PARTITIONED and self.config.rollout.server is not None:
+            raise UserError(
+                f"{self.ctx.where}.rollout.server: the server is sent the policy's LoRA adapter whole after every "
+                f"update, which {engine} partitions across processes; run under DDP or ZeRO-1/2, or sample with "
+                "backend: transformers."
+            )
         if engine in PARTITIONED and self.config.rollout.backend == "vllm":
             raise UserError(
                 f"{self.ctx.where}.rollout.backend: vllm takes the policy's weights whole for every "
@@ -769,9 +774,8 @@ def check(ctx: StageContext) -> None:
     )
     if ctx.config.early_stop is not None:
         gold_key(ctx, build_gold(ctx.config.gold, [ctx.recipe.base_dir], ctx.where))
-    if ctx.config.rollout.server is not None:
-        processes = int(os.environ.get("WORLD_SIZE", "1"))
-        server.check_settings(ctx.config.rollout.server, ctx.config.rollout.vllm, ctx.lora, processes, ctx.where)
+    if ctx.config.rollout.server is not None:  # every process shares one server (`server.open_server`)
+        server.check_settings(ctx.config.rollout.server, ctx.config.rollout.vllm, ctx.lora, 1, ctx.where)
     ref = ctx.config.reward_model
     if ref is not None:
         check_reward_model(ref, ctx.resolve_model(ref), f"{ctx.where}.reward_model", ctx.recipe.trust_remote_code)

@@ -60,3 +60,26 @@ def test_ppo_uses_a_server_the_user_runs(tmp_path, tiny32, caplog):
             run_recipe(load_recipe(recipe))
         assert running.process.poll() is None  # a server the user runs is left running
     assert caplog.text.count("vLLM rollout server vs policy") == 2
+
+
+def test_two_processes_share_one_server(tmp_path, tiny32):
+    """`accelerate launch` with 2 CPU processes (DDP, gloo): process 0 starts the one server and pushes each version,
+    process 1 connects and samples from it; both train on their own prompts and the run ends cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    rollout = {"server": "local", "vllm": ENGINE}
+    recipe = tiny_ppo_recipe(tmp_path, tiny32, rollout=rollout, train=TWO_UPDATES)
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["-m", "alignment", "run", str(recipe)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=850, env=env, cwd=repo)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert output.count("starting the vLLM rollout server") == 1  # one server for both processes
+    history = json.loads((tmp_path / "out" / "ppo" / "log_history.json").read_text())
+    assert len(history) == 2 and history[-1]["episodes"] == 2 * 2 * 8  # both processes sampled 8 prompts per update
+    assert "Traceback" not in output, output[-4000:]
