@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..models.prefix import shared_prefix, takes_position_ids
 from ..runtime.cpu import warn_slow_bf16
 from ..runtime.progress import counting, track
-from .decode import decode_batch
+from .decode import decode_batch, truncates
 from .samples import (
     Sample,
     checkpoint_sampling_defaults_off,
@@ -177,14 +177,18 @@ def via_generate(
         pad_token_id=pad_id,
         synced_gpus=synced,
         **static,
-        **({"output_logits": True, "output_scores": True, "return_dict_in_generate": True} if logprobs else {}),
+        **(
+            {"output_logits": True, "output_scores": truncates(settings), "return_dict_in_generate": True}
+            if logprobs
+            else {}
+        ),
     )
     sampled = (output.sequences if logprobs else output)[:, input_ids.shape[1] :]
     if not logprobs:
         return sampled.tolist(), [None] * len(rows), [None] * len(rows)
     raw = token_logprobs(output.logits, sampled, settings.temperature).tolist()
-    # greedy: the temperature-1 log-probs, as for `logprobs`; sampled: the scores the warpers left, drawn from
-    processed = raw if settings.temperature <= 0 else token_logprobs(output.scores, sampled, 1.0).tolist()
+    # untruncated (greedy: the temperature-1 log-probs, as for `logprobs`): the same; else the warped scores drawn from
+    processed = token_logprobs(output.scores, sampled, 1.0).tolist() if truncates(settings) else raw
     return sampled.tolist(), raw, processed
 
 
