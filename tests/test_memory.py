@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_MODEL, write_recipe
+from conftest import TINY_MODEL, recipe_dict, write_recipe
 from helpers import patch_everywhere, tiny_ppo_recipe, trainable_digest
 
 from alignment.training import memory
@@ -286,3 +286,84 @@ def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp
     exact, checkpointed = runs["exact"][1], runs["checkpointed"][1]
     assert all(torch.allclose(exact[k], checkpointed[k], atol=1e-6) for k in exact)
     assert any(t.abs().sum() > 0 for n, t in checkpointed.items() if "lora_B" in n)
+
+
+# TRL's fused LM head fitted to a CPU (`training/fused_head.py`): small tiles, labelled positions only.
+
+
+@pytest.fixture
+def trl_head(monkeypatch):
+    """TRL's fused-head globals, restored after the test whatever it sets."""
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as utils
+
+    for module, name in ((utils, "_CHUNKED_LOGPROB_CHUNK_SIZE"), (utils, "_use_triton"), (kernels, "TOKEN_CHUNK_SIZE")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # the installed TRL still has every name we set
+    return utils, kernels
+
+
+def fused_step(utils, seed: int = 0):
+    """Loss and LoRA-free gradients of one fused-head pass of a tiny Llama, and the rows each tile fold saw."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = LlamaForCausalLM(config)
+    utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(0, 1000, (3, 21))
+    labels = ids.clone()
+    labels[:, :15] = -100
+    labels[2, 17:] = -100  # a shorter answer: padding
+    rows = []
+    apply = utils._ChunkedLogProbFunction.apply
+
+    def spy(hidden, *args):
+        rows.append(hidden.shape[0])
+        return apply(hidden, *args)
+
+    utils._ChunkedLogProbFunction.apply = spy
+    try:
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    finally:
+        utils._ChunkedLogProbFunction.apply = apply
+    (out.loss + out.entropy.sum() * 0.01).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads, rows, int((labels[:, 1:] != -100).sum())
+
+
+def test_fused_head_fitted_to_cpu_scores_labelled_positions_in_small_tiles(trl_head, monkeypatch):
+    from alignment.training import fused_head
+
+    utils, kernels = trl_head
+    before, grads_before, rows_before, labelled = fused_step(utils)
+    assert rows_before == [3 * 20]  # TRL's CPU default: every position, prompts and padding included
+    monkeypatch.setattr(fused_head, "CPU_TOKEN_TILE", 4)  # several token and vocabulary tiles on a tiny model
+    monkeypatch.setattr(fused_head, "CPU_VOCAB_TILE", 300)
+    assert fused_head.fit_fused_head_to_cpu()
+    assert fused_head.fit_fused_head_to_cpu()  # idempotent: wrapped once
+    assert kernels.TOKEN_CHUNK_SIZE == 4 and utils._CHUNKED_LOGPROB_CHUNK_SIZE == 300
+    assert utils._use_triton(torch.device("cpu")) and not kernels._use_triton(torch.device("cpu"))
+    after, grads_after, rows_after, _ = fused_step(utils)
+    assert rows_after == [labelled]  # the memory-saving path: only the labelled positions reach the tiles
+    assert abs(float(after.loss) - float(before.loss)) < 1e-6
+    for field in ("log_probs", "entropy"):
+        torch.testing.assert_close(getattr(after, field), getattr(before, field), atol=1e-6, rtol=0)
+    assert torch.equal(after.is_top1, before.is_top1)
+    assert grads_after.keys() == grads_before.keys()
+    for name, grad in grads_before.items():
+        torch.testing.assert_close(grads_after[name], grad, atol=1e-6, rtol=1e-5)
+
+
+def test_trl_args_fit_the_fused_head(trl_head, tmp_path):
+    """Every TRL-backed stage builds its config through `StageContext.trl_args`, which fits the head first."""
+    from alignment.config.recipe import load_recipe
+    from alignment.run.runner import make_context
+    from alignment.stages import sft
+
+    utils, kernels = trl_head
+    recipe = load_recipe(write_recipe(tmp_path, recipe_dict(tmp_path, "sft", {"data": {"task": "arithmetic", "n": 8}})))
+    sft.trl_config(make_context(recipe, "sft"))
+    assert getattr(utils._use_triton, "fitted_to_cpu", False)
+    assert kernels.TOKEN_CHUNK_SIZE <= 512

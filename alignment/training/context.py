@@ -27,6 +27,7 @@ from ..models.loading import checkpoint_dtype, is_cuda
 from ..models.tokenizer import load_tokenizer
 from ..runtime.dist import keeps_configured_state
 from ..runtime.files import write_atomic
+from .fused_head import fit_fused_head_to_cpu
 from .memory import needs_gradient_checkpointing
 from .prompts import check_prompt_rows, prompt_data_format
 
@@ -126,7 +127,9 @@ class StageContext:
         """The TRL config: device-aware defaults, then the stage's defaults, then the recipe's `train:`
         (`work_dir`: where the trainer checkpoints, by default the stage's).
         Unless the recipe sets it, gradient checkpointing is on only where the stage would not fit on its
-        GPU without it (`memory.py`); TRL turns it on always."""
+        GPU without it (`memory.py`); TRL turns it on always. On a CPU, TRL's fused LM head is fitted to it first
+        (`fused_head.py`: small tiles, labelled positions only)."""
+        fit_fused_head_to_cpu()
 
         def build(checkpointing: bool):
             return build_trl_config(
