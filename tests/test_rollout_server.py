@@ -221,3 +221,18 @@ def test_rlvr_sampler_asks_for_each_group_in_one_request():
     assert asked == {"ids": [[97, 98], [99, 100]], "n": 3, "temperature": 0.7}
     assert out["prompt_ids"] == [[97, 98]] * 3 + [[99, 100]] * 3
     assert out["completion_ids"][4] == [7, 4] and out["logprobs"][0] == [-0.5, -0.25]
+
+
+def test_rsft_server_is_local_only_and_takes_plain_turns():
+    from alignment.config.stages.rsft import Config
+
+    def rsft(**stage):
+        return Config(kind="rsft", data={"task": "arithmetic", "n": 4}, verifiers=["arithmetic"], **stage)
+
+    assert rsft(sampling={"server": "local"}).sampling.server == "local"
+    with pytest.raises(ValidationError, match="local"):
+        rsft(sampling={"server": "http://127.0.0.1:8000"})  # a user's server cannot load each round's policy
+    with pytest.raises(ValidationError, match="multi-turn rollouts of tools"):
+        rsft(sampling={"server": "local"}, tools=["calculator"])
+    whole = VllmSpec(server_python=sys.executable)
+    server.check_settings("local", whole, None, 1, "stages.rsft.sampling", adapters=False)  # whole weights: fine

@@ -305,11 +305,11 @@ def connect(url: str, spec: VllmSpec, where: str) -> RolloutServer:
     return server
 
 
-def check_settings(server: str, spec: VllmSpec, lora, processes: int, where: str) -> None:
+def check_settings(server: str, spec: VllmSpec, lora, processes: int, where: str, adapters: bool = True) -> None:
     """What a stage refuses before it loads anything: full fine-tuning (weights go as LoRA adapters only), several
     processes (`processes` > 1: a stage that shares one server among them passes 1), and `server: local` without a
-    python that has vLLM."""
-    if lora is None:
+    python that has vLLM. `adapters: False`: the server is started on the policy's whole weights (rsft's rounds)."""
+    if adapters and lora is None:
         raise UserError(
             f"{where}.server: the policy's weights reach the server as LoRA adapters (vLLM's runtime LoRA loading); "
             "full fine-tuning would need the whole weights reloaded over HTTP, which vLLM's CPU build cannot do. "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from ..models.tokenizer import load_tokenizer, pad_token_id
 from ..rl import completion_logprob_sums
 from ..runtime.cpu import refuse_slow_bf16
 from ..runtime.files import write_atomic
-from ..sampling import generate
+from ..sampling import generate, server
+from ..sampling.samples import stop_token_ids
 from ..tools.rollout import COUNTS
 from ..training.context import StageContext
 from ..training.health import report as report_health
@@ -176,6 +178,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     if cfg.uses_tools:  # multi-turn rollouts; each keeps its token row, tool results masked out of the loss
         tools = ToolRollouts(cfg, tokenizer, [ctx.recipe.base_dir], ctx.where)
         samples, token_rows_of = sample_trajectories(model, tokenizer, tools, prompts, batch, cfg.sampling, progress)
+    elif cfg.sampling.server:
+        samples = sample_on_server(ctx, policy, model, tokenizer, prompts)
     else:
         samples = generate(
             model, tokenizer, [render_prompt(tokenizer, p) for p in prompts], cfg.sampling, progress=progress
@@ -258,6 +262,17 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
 # Rounds
 
 
+def sample_on_server(ctx: StageContext, policy: str, model, tokenizer, prompts: list) -> list:
+    """`sampling.server: local`: vLLM's server started on this round's policy (its merged weights, so no adapter is
+    pushed), the round's samples drawn and checked against the policy (`server.sample_policy`), the server stopped."""
+    settings = ctx.config.sampling
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    ids = [encode(tokenizer, render_prompt(tokenizer, p)) for p in prompts]  # as `generate` feeds the HF sampler
+    logs, where = ctx.out_dir / "logs", f"{ctx.where}.sampling"
+    with server.start_local(str(policy), settings.vllm, 1, dtype, logs, where) as running:
+        return server.sample_policy(running, model, tokenizer, ids, settings, stop_token_ids(tokenizer, model))
+
+
 def cached_selection(ctx, round_index, policy, tokenizer, rows, scorer, gold=()) -> tuple[list[dict], dict]:
     """The round's selection, sampled once and kept in the work folder (`StageContext.computed_once`), so
     every process trains on the same data and a crash during training does not resample."""
@@ -304,6 +319,10 @@ def check(ctx: StageContext) -> None:
     sft_args(ctx, ctx.work_dir)
     if ctx.config.uses_tools:
         ToolRollouts(ctx.config, ctx.load_tokenizer(), [ctx.recipe.base_dir], ctx.where)
+    if ctx.config.sampling.server:
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        spec = ctx.config.sampling.vllm
+        server.check_settings("local", spec, ctx.lora, processes, f"{ctx.where}.sampling", adapters=False)
     verifiers = resolve_all(ctx.config.verifiers, [ctx.recipe.base_dir], ctx.where)
     gold = resolve_all(ctx.config.gold, [ctx.recipe.base_dir], ctx.where, entry="gold")
     rows = ctx.load_prompt_rows(ctx.config.data, "data", verifiers, gold)

@@ -17,6 +17,22 @@ from .base import StageConfig
 
 class RsftSampling(SamplingSpec):
     n: int = Field(8, gt=0, description="completions sampled per prompt (the N of best-of-N)")
+    server: Literal["local"] | None = Field(
+        None,
+        description="`local`: each round samples through vLLM's OpenAI-compatible server in its own process, "
+        "started on the round's policy (its merged weights) and stopped after the round's sampling "
+        "(alignment/sampling/server.py; log: logs/rollout_server.log in the stage's output). A server you run "
+        "cannot load each round's policy, so no URL here",
+    )
+
+    @model_validator(mode="after")
+    def _server_is_the_sampler(self):
+        if self.server is not None and self.backend != "transformers":
+            raise ValueError(
+                "`server:` samples through vLLM's server; `backend: vllm` is an engine in this process: give one"
+            )
+        return self
+
     max_new_tokens: int = Field(
         256,
         gt=0,
@@ -101,6 +117,15 @@ class Config(StageConfig, ToolUse):
             raise ValueError(
                 "'kl_coef' is not implemented for rollouts with tools (their log-probs cover the model's "
                 "own turns only); leave it at 0 there"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _server_samples_plain_turns(self):
+        if self.sampling.server is not None and self.uses_tools:
+            raise ValueError(
+                "sampling.server samples single-turn completions; the multi-turn rollouts of tools sample with "
+                "this toolkit's sampler: drop one of the two"
             )
         return self
 
