@@ -80,6 +80,18 @@ def test_a_server_that_exits_at_start_is_an_error_naming_its_log(tmp_path):
     assert str(tmp_path / "logs" / "rollout_server.log") in message and "no such model" in message
 
 
+def test_the_server_is_bound_to_its_cores_and_given_runtime_lora(tmp_path):
+    body = """
+        import os
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-")
+        print("bind=" + bind, os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"], sys.argv[1:], flush=True)
+        sys.exit(1)
+    """
+    with pytest.raises(UserError) as error:
+        started(tmp_path, body, server_cpus="0")
+    assert "bind=0 True" in str(error.value) and "'--logprobs-mode', 'processed_logprobs'" in str(error.value)
+
+
 def test_a_server_that_never_answers_is_stopped_and_named(tmp_path):
     with pytest.raises(UserError, match=r"did not answer /health within 1 s.*rollout_server.log") as error:
         started(tmp_path, 'import time; print("loading", flush=True); time.sleep(600)', server_start_timeout=1)

@@ -58,6 +58,12 @@ class VllmSpec(Strict):
         description="`server: local`: the python that runs vLLM's server (default: this one, which then needs "
         "vLLM; `bash scripts/vllm_env.sh` prints one that has it)",
     )
+    server_cpus: str | None = Field(
+        None,
+        description="`server: local` on vLLM's CPU build: the cores its threads are bound to "
+        "(VLLM_CPU_OMP_THREADS_BIND, e.g. `0` or `0-7`), so that the server and the trainer (bind it with taskset "
+        "and OMP_NUM_THREADS) split the machine under `async:`; default: vLLM's own choice",
+    )
     server_start_timeout: float = Field(
         600, gt=0, description="`server:` seconds to wait for the server's /health before giving up (an error)"
     )

@@ -275,6 +275,8 @@ def start_local(base: str, spec: VllmSpec, lora_rank: int, dtype: str, log_dir: 
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     if spec.kv_cache_gib is not None:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(spec.kv_cache_gib))))
+    if spec.server_cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.server_cpus
     command = server_command(server_python(spec), base, port, spec, lora_rank, dtype)
     with open(log_path, "ab") as out:
         try:
