@@ -204,3 +204,34 @@ def logged(caplog):
         return text
 
     return read
+
+
+def run_cli_here(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`run_cli` inside this process (`alignment.cli.main`): the same exit code, stdout and stderr, without a
+    fresh interpreter's imports. For tests of what a command says; every command keeps real `run_cli` tests.
+    An exception the CLI lets through (a traceback) is raised here, so it fails the test."""
+    import contextlib
+    import io
+    import warnings
+
+    from alignment.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    logger = logging.getLogger("alignment")
+    level, handlers, environ = logger.level, list(logger.handlers), dict(os.environ)
+    code = 0
+    try:
+        os.environ.update(env or {})
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([str(a) for a in args])
+            except SystemExit as exit:
+                if isinstance(exit.code, str):
+                    print(exit.code, file=sys.stderr)
+                code = 1 if isinstance(exit.code, str) else exit.code or 0
+    finally:
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["align", *map(str, args)], code, out.getvalue(), err.getvalue())
