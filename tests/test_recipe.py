@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import SMALLEST_MODEL, run_cli, write_recipe
+from conftest import SMALLEST_MODEL, run_cli, run_cli_here, write_recipe
 
 from alignment.config.recipe import load_recipe
 from alignment.errors import UserError
@@ -190,11 +190,11 @@ def test_check_cli_reports_missing_column_and_missing_file(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "a", "completion": "b"}\n')
     recipe = base_recipe(tmp_path, sft={"data": {"dataset": str(data)}})
-    result = run_cli("check", write_recipe(tmp_path, recipe))
+    result = run_cli_here("check", write_recipe(tmp_path, recipe))
     assert result.returncode == 2, result.stderr
     assert "missing column(s) 'prompt'" in result.stderr and "Columns present: question, completion" in result.stderr
     recipe = base_recipe(tmp_path, sft={"data": {"dataset": str(tmp_path / "absent.jsonl")}})
-    result = run_cli("check", write_recipe(tmp_path, recipe, "r2.yaml"))
+    result = run_cli_here("check", write_recipe(tmp_path, recipe, "r2.yaml"))
     assert result.returncode == 2 and "absent.jsonl' does not exist" in result.stderr
     assert "Traceback" not in result.stderr
 

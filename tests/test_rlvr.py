@@ -23,7 +23,7 @@ from conftest import (
     heldout_accuracy,
     recipe_dict,
     run,
-    run_cli,
+    run_cli_here,
     write_recipe,
 )
 from helpers import patch_everywhere
@@ -162,7 +162,7 @@ def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
     recipe = recipe_dict(
         tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "per_device_train_batch_size": 6, "num_generations": 4}}
     )
-    done = run_cli("check", write_recipe(tmp_path, recipe))
+    done = run_cli_here("check", write_recipe(tmp_path, recipe))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
     assert "num_generations=4" in message and "per_device_train_batch_size=6" in message
@@ -172,7 +172,7 @@ def test_check_rejects_batch_not_divisible_by_num_generations(tmp_path):
 @pytest.mark.parametrize("strategy", ["bucket_by_length", "group_by_length"])
 def test_check_refuses_a_length_sampler_grpo_would_ignore(tmp_path, strategy):
     recipe = recipe_dict(tmp_path, "rlvr", {**FAST, "train": {**FAST_TRAIN, "train_sampling_strategy": strategy}})
-    done = run_cli("check", write_recipe(tmp_path, recipe))
+    done = run_cli_here("check", write_recipe(tmp_path, recipe))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
     assert f"train.train_sampling_strategy: {strategy} is not supported here" in message

@@ -127,10 +127,10 @@ def test_trls_vllm_engine_is_refused_with_tools_and_the_vllm_backend_named_where
 def test_smollm2_tools_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_model):
     """recipes/smollm2-135m/tools.yaml on the tiny model (the real model is the slow suite's): data, verifiers,
     tools, tool format, TRL configs and the evaluate block."""
-    from conftest import REPO, run_cli
+    from conftest import REPO, run_cli_here
 
     recipe = REPO / "recipes" / "smollm2-135m" / "tools.yaml"
-    result = run_cli("check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}")
+    result = run_cli_here("check", recipe, f"model={tiny_model}", f"output_dir={tmp_path / 'out'}")
     assert result.returncode == 0, result.stderr[-2000:]
 
 
