@@ -2,9 +2,10 @@
 
 import importlib.util
 import json
+import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli_here
 
 spec = importlib.util.spec_from_file_location("seeds", REPO / "scripts" / "seeds.py")
 seeds = importlib.util.module_from_spec(spec)
@@ -37,9 +38,20 @@ def test_the_table_has_mean_min_max_per_stage_and_every_seeds_gain(tmp_path):
     assert json.loads((tmp_path / "seeds.json").read_text())["gains_points"]["1"]["rlvr"] == pytest.approx(35.0)
 
 
-def test_a_seed_that_fails_stops_the_script_naming_its_log(tmp_path):
+def test_a_seed_that_fails_stops_the_script_naming_its_log(tmp_path, monkeypatch):
+    """The script's `align run` command, run in this process (the CLI's own tests run it in a fresh one)."""
+
+    def align_here(command, env, stdout, stderr):
+        assert command[:3] == [sys.executable, "-m", "alignment"], command
+        done = run_cli_here(*command[3:], env=env)
+        with stdout:
+            stdout.write(done.stdout + done.stderr)
+        return done
+
+    monkeypatch.setattr(seeds.subprocess, "run", align_here)
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nstages: {}\nunknown_key: 1\n")
     with pytest.raises(SystemExit) as stop:
         seeds.main([str(bad), "--seeds", "4", "--out", str(tmp_path / "out")])
-    assert "seed 4 failed" in str(stop.value) and "seed-4.log" in str(stop.value)
+    assert "seed 4 failed (exit 2)" in str(stop.value) and "seed-4.log" in str(stop.value)
+    assert "unknown key 'unknown_key'" in (tmp_path / "out" / "seed-4.log").read_text()
