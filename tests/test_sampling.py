@@ -268,6 +268,9 @@ def test_the_decode_loops_logprobs_are_generates_raw_logits(
         monkeypatch.setattr(decode, "COMPACT_SHARE", 2.0)  # a share of the rows no batch reaches: none leaves
     tokenizer = load_tokenizer(str(tiny_model))
     torch.manual_seed(0)
+    # share_prefix off: the prompts share "<|user|>What is " (9 tokens), and a prefix run once on one row sums in
+    # another order than generate's whole-prompt prefill (test_a_shared_prefix_is_prefilled_once_... covers that)
+    spec = {"share_prefix": False, **spec}
     looped = generate(varied_model, tokenizer, varied_prompts, SamplingSpec(max_new_tokens=24, engine="loop", **spec))
     assert len({len(s.token_ids) for s in looped}) > 1  # rows stop at different steps (and leave, with compaction)
     stops = stop_token_ids(tokenizer, varied_model)
@@ -316,7 +319,7 @@ def test_the_decode_loop_prefills_each_prompt_once_and_drops_finished_rows(
 
     monkeypatch.setattr(varied_model, "forward", counting)
     torch.manual_seed(0)
-    spec = SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop")
+    spec = SamplingSpec(temperature=1.0, n=4, max_new_tokens=24, engine="loop", share_prefix=False)
     samples = generate(varied_model, tokenizer, varied_prompts, spec)
     assert batches[0][0] == len(set(varied_prompts)) and batches[0][1] > 1  # the prefill: one row per distinct prompt
     assert logits[0] == 1  # the prefill runs the LM head on the last position only, as generate does

@@ -172,7 +172,9 @@ def test_the_prefill_hands_a_bf16_lm_head_a_compact_input_and_an_fp32_one_genera
     (decode.contiguous_head_input).
     bf16 prefills get a compact input; fp32 ones keep generate's strided view, so its logits stay generate's."""
     model = params_in_bf16(copy.deepcopy(varied_model)) if bf16 else varied_model
-    seen = [compact for _, compact in head_inputs(model, load_tokenizer(str(tiny_model)), varied_prompts)]
+    tokenizer = load_tokenizer(str(tiny_model))
+    # whole prompts prefilled (a shared prefix's rest is a separate forward, whatever the dtype)
+    seen = [compact for _, compact in head_inputs(model, tokenizer, varied_prompts, share_prefix=False)]
     assert len(seen) >= 2  # the prefill, then a decode step per token after the first
     assert seen[0] is bf16  # the prefill's last positions: a strided view unless copied
     assert all(seen[1:])  # decode steps feed one position: compact either way

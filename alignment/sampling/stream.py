@@ -102,6 +102,7 @@ def decode_stream(
             keep = running.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             live, feed, attention, positions = live[keep], feed[keep], attention[keep], positions[keep]
+            attention = trim(cache, attention, shared)  # the columns only the dropped rows attended
             running = torch.ones(len(live), dtype=torch.bool, device=device)
         if still:
             out = model(
