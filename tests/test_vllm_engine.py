@@ -70,6 +70,7 @@ def test_samples_follow_the_policy_through_every_update(tiny_model, prompts, fak
     ]
     assert all(torch.equal(before[n], t) for n, t in base_weights(model).items()), "the base (the reference) drifted"
 
+    torch.manual_seed(0)  # a step that moves the greedy answers whatever ran before this test
     with torch.no_grad():  # an optimizer step on the adapter
         for name, param in model.named_parameters():
             if "lora_B" in name:
