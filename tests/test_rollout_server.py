@@ -184,6 +184,8 @@ def test_async_zero_is_todays_loop_bit_for_bit(tmp_path, tiny_model):
     (plain, plain_weights), (async0, async0_weights) = runs["plain"], runs["async0"]
     assert async0 == plain and "policy_lag" not in async0[-1]
     assert all(torch.equal(async0_weights[k], plain_weights[k]) for k in plain_weights)
+    recorded = json.loads((tmp_path / "async0" / "out" / "ppo" / "stage.json").read_text())["config"]
+    assert recorded["async"] == {"max_staleness": 0} and "async_" not in recorded  # the recipe's key names
 
 
 # --------------------------------------------------------------------------------------------------

@@ -328,8 +328,9 @@ def memory_errors_explained(ctx: StageContext):
 
 def stage_record(ctx: StageContext, record: dict) -> dict:
     lora = ctx.lora.model_dump(mode="json") if ctx.lora else None
-    # The stage's own `lora` is unset when it inherits the recipe-level one; show what it trained with.
-    config = {**ctx.config.model_dump(mode="json"), "lora": lora}
+    # The stage's own `lora` is unset when it inherits the recipe-level one; show what it trained with. Keys by
+    # their recipe names (`async`, not the field's `async_`), so the record reads as the recipe did.
+    config = {**ctx.config.model_dump(mode="json", by_alias=True), "lora": lora}
     return redact(
         {
             "stage": ctx.stage_id,
