@@ -293,12 +293,14 @@ def test_ppo_stage_checkpoints_when_the_gpu_is_too_small_and_trains_the_same(tmp
 
 @pytest.fixture
 def trl_head(monkeypatch):
-    """TRL's fused-head globals, restored after the test whatever it sets."""
+    """TRL's fused-head globals at TRL's own values (an earlier test's stage may have fitted them: the fit is
+    process-wide), restored after the test whatever it sets; the installed TRL must still have every name."""
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as utils
 
-    for module, name in ((utils, "_CHUNKED_LOGPROB_CHUNK_SIZE"), (utils, "_use_triton"), (kernels, "TOKEN_CHUNK_SIZE")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # the installed TRL still has every name we set
+    monkeypatch.setattr(utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", 32768, raising=True)
+    monkeypatch.setattr(utils, "_use_triton", kernels._use_triton, raising=True)  # TRL's: imported from the kernels
+    monkeypatch.setattr(kernels, "TOKEN_CHUNK_SIZE", 4096, raising=True)
     return utils, kernels
 
 
