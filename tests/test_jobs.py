@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SMALLEST_MODEL, run_cli, write_recipe
+from conftest import REPO, SMALLEST_MODEL, run_cli, run_cli_here, write_recipe
 from safetensors.torch import load_file
 
 from alignment.config.recipe import load_recipe
@@ -78,11 +78,42 @@ def test_dependencies_include_the_previous_policy_stage(tmp_path):
     assert recipe.dependencies("dpo") == ["sft"]
 
 
-def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
+@pytest.fixture(scope="module")
+def branching_run(tmp_path_factory):
+    """One `align run --jobs 2` of the branching recipe with an evaluate block, then its two reruns: `--only a
+    --no-eval`, and the first command with nothing left to train. Run once; the tests below read what they did."""
+    tmp_path = tmp_path_factory.mktemp("branching")
+    recipe = branching_recipe(tmp_path, "par")
+    recipe["stages"]["sft"]["data"]["n"] = 64
+    recipe["evaluate"] = {
+        "include_base": True,
+        "reference": "sft",
+        "suites": [
+            {
+                "name": "arith",
+                "data": {"task": "arithmetic", "split": "test", "n": 12},
+                "verifier": "arithmetic",
+                "sampling": {"temperature": 0, "max_new_tokens": 6},
+            }
+        ],
+    }
+    path = write_recipe(tmp_path / "p", recipe)
+    out = tmp_path / "par"
+    run = {"tmp_path": tmp_path, "path": path, "out": out, "recipe": recipe}
+    run["first"] = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # one thread per child
+    assert run["first"].returncode == 0, run["first"].stderr[-3000:]
+    run["eval_logs"] = sorted(p.name for p in (out / "logs").glob("eval-*.log"))
+    run["work_eval_left"] = (out / ".work" / "eval").exists()
+    run["metrics"] = json.loads((out / "eval" / "metrics.json").read_text())
+    run["weights"] = {s: weights(out / s) for s in ("sft", "a", "b")}
+    run["only_a"] = run_cli("run", path, "--jobs", "2", "--only", "a", "--no-eval", env={"OMP_NUM_THREADS": "2"})
+    run["rerun"] = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # nothing to train: scored again
+    return run
+
+
+def test_parallel_branches_train_the_same_weights_as_a_sequential_run(branching_run):
     """The branches overlap in time, write logs, and end bit-identical to running the stages in order."""
-    path = write_recipe(tmp_path / "p", branching_recipe(tmp_path, "par"))
-    result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # one thread per child
-    assert result.returncode == 0, result.stderr[-3000:]
+    result, out, tmp_path = branching_run["first"], branching_run["out"], branching_run["tmp_path"]
     lines = result.stdout.splitlines()
     position = {
         text: i
@@ -93,16 +124,18 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     assert "[sft] started in its own process (2 CPU threads)" in result.stdout  # nothing can run beside it
     assert position["[sft] done"] < position["[a] started"]
     assert max(position["[a] started"], position["[b] started"]) < min(position["[a] done"], position["[b] done"])
-    out = tmp_path / "par"
     assert all((out / s / "stage.json").exists() and (out / "logs" / f"{s}.log").exists() for s in ("sft", "a", "b"))
     assert "[b] done in" in (out / "logs" / "b.log").read_text()
-    first = weights(out / "a")
-    rerun = run_cli("run", path, "--jobs", "2", "--only", "a", env={"OMP_NUM_THREADS": "2"})
+    first = branching_run["weights"]
+    rerun = branching_run["only_a"]
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "[a] started in its own process (1 CPU thread)" in rerun.stdout  # alone, still on its share
-    assert all(torch.equal(first[k], v) for k, v in weights(out / "a").items())
+    assert all(torch.equal(first["a"][k], v) for k, v in weights(out / "a").items())
 
     threads = torch.get_num_threads()
-    sequential = load_recipe(write_recipe(tmp_path / "s", branching_recipe(tmp_path, "seq")))
+    sequential_dir = tmp_path / "seq"
+    seq_recipe = {**branching_run["recipe"], "name": "seq", "output_dir": str(sequential_dir)}
+    sequential = load_recipe(write_recipe(tmp_path / "s", seq_recipe))
     try:
         torch.set_num_threads(2)  # sft: the whole machine
         run_recipe(sequential, only=["sft"])
@@ -111,16 +144,29 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(tmp_path):
     finally:
         torch.set_num_threads(threads)
     for stage in ("sft", "a", "b"):
-        ours, reference = weights(out / stage), weights(tmp_path / "seq" / stage)
+        ours, reference = first[stage], weights(sequential_dir / stage)
         assert all(torch.equal(ours[k], reference[k]) for k in reference), stage
-    assert not torch.equal(weights(out / "a")["model.norm.weight"], weights(out / "sft")["model.norm.weight"])
+    assert not torch.equal(first["a"]["model.norm.weight"], first["sft"]["model.norm.weight"])
 
 
 def test_a_failed_stage_names_itself_and_its_log_and_the_other_branch_is_kept(tmp_path):
+    """Two branches from the base model at once (a reward model and an SFT policy read nothing from each other):
+    the SFT stage's data is missing its columns."""
     rows = tmp_path / "no_prompts.jsonl"  # found only when the stage loads it, inside its own process
     rows.write_text('{"question": "1+1=", "reply": "2"}\n' * 8)
-    recipe = branching_recipe(tmp_path, "fail", data={"dataset": str(rows)})
-    result = run_cli("run", write_recipe(tmp_path, recipe), "--jobs", "2", "--no-eval")
+    recipe = {
+        "name": "fail",
+        "model": SMALLEST_MODEL,
+        "output_dir": str(tmp_path / "fail"),
+        "seed": 3,
+        "stages": {
+            "a": {"kind": "reward", "data": {"task": "arithmetic", "n": 32}, "train": TRAIN},
+            "b": {"kind": "sft", "data": {"dataset": str(rows)}, "train": TRAIN},
+        },
+    }
+    path = write_recipe(tmp_path, recipe)
+    assert load_recipe(path).dependencies("b") == []  # b runs beside a
+    result = run_cli("run", path, "--jobs", "2", "--no-eval")
     assert result.returncode == 2, result.stderr[-3000:]
     error = " ".join(result.stderr.split())
     log_path = tmp_path / "fail" / "logs" / "b.log"
@@ -254,44 +300,27 @@ def test_a_failed_evaluation_process_stops_nothing_and_its_checkpoints_are_score
     assert any("failed (exit code 3" in m and "scores these checkpoints itself" in m for m in caplog.messages)
 
 
-def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(tmp_path):
+def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(branching_run):
     """A recipe with an evaluate block under --jobs 2: its checkpoints are scored in evaluation processes, the
     report reads their results, and they equal an evaluation in one process on the same thread count."""
-    recipe = branching_recipe(tmp_path, "ev")
-    recipe["stages"]["sft"]["data"]["n"] = 64
-    recipe["evaluate"] = {
-        "include_base": True,
-        "reference": "sft",
-        "suites": [
-            {
-                "name": "arith",
-                "data": {"task": "arithmetic", "split": "test", "n": 12},
-                "verifier": "arithmetic",
-                "sampling": {"temperature": 0, "max_new_tokens": 6},
-            }
-        ],
-    }
-    path = write_recipe(tmp_path, recipe)
-    result = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = tmp_path / "ev"
-    scored = [label for p in (out / "logs").glob("eval-*.log") for label in p.stem.split("-")[1:]]
+    result, path = branching_run["first"], branching_run["path"]
+    scored = [label for name in branching_run["eval_logs"] for label in name[: -len(".log")].split("-")[1:]]
     assert sorted(scored) == ["a", "b", "base", "sft"]  # each checkpoint in one evaluation process
     assert "scored by this run's evaluation process" in result.stdout
-    assert not (out / ".work" / "eval").exists()  # the handed-on results are gone once the report is written
-    parallel = json.loads((out / "eval" / "metrics.json").read_text())
+    assert not branching_run["work_eval_left"]  # the handed-on results are gone once the report is written
+    parallel = branching_run["metrics"]
     assert sorted(parallel["checkpoints"]) == ["a", "b", "base", "sft"]
     assert parallel["checkpoints"]["sft"]["arith/kl"] == 0.0 and parallel["checkpoints"]["a"]["arith/kl"] != 0.0
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)  # what each evaluation process had
-        alone = block.run_evaluate_block(load_recipe(path))
+        alone = block.run_evaluate_block(load_recipe(path))  # a was retrained by the last rerun: the same weights
     finally:
         torch.set_num_threads(threads)
     assert alone == parallel["checkpoints"]
 
-    rerun = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # nothing to train: scored again
+    rerun = branching_run["rerun"]
     assert rerun.returncode == 0 and "finished earlier" in rerun.stdout and "[eval base" in rerun.stdout
 
 
@@ -310,7 +339,7 @@ def test_a_handed_on_result_is_read_only_by_its_own_run_and_for_the_checkpoint_a
 
 
 def test_eval_only_outside_a_jobs_run_is_refused(tmp_path):
-    result = run_cli("run", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path}", "--eval-only", "sft")
+    result = run_cli_here("run", REPO / "recipes" / "quickstart.yaml", f"output_dir={tmp_path}", "--eval-only", "sft")
     assert result.returncode == 2 and "--eval-only is the evaluation process of `align run --jobs N`" in result.stderr
 
 
