@@ -1,6 +1,6 @@
 """`rollout: {server: ...}` without vLLM: the config's checks, and the server's error paths (a start that fails, a
 server that never answers, one that crashes mid-request) against stand-in executables: each error names the
-server's log and leaves no process behind. The real server: tests/vllm_cpu/test_rollout_server.py.
+server's log and leaves no process behind. The real server: tests/vllm_cpu/test_server_engine.py.
 
 Run: python -m pytest tests/test_rollout_server.py -q   (CPU, seconds)
 """

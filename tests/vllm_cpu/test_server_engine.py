@@ -2,7 +2,7 @@
 tiny model saved to disk, its LoRA adapter pushed after every update under a fresh name, every rollout's processed
 log-probs checked against the policy's (tolerance 1e-3), the server stopped when the run ends.
 
-    python=$(bash scripts/vllm_env.sh | tail -1) && $python -m pytest -q -m vllm tests/vllm_cpu/test_rollout_server.py
+    python=$(bash scripts/vllm_env.sh | tail -1) && $python -m pytest -q -m vllm tests/vllm_cpu/test_server_engine.py
 """
 
 from __future__ import annotations
