@@ -59,7 +59,7 @@ def tool_learning_recipe(tmp_path: Path, seed: int) -> dict:
                     "max_steps": RL_STEPS,
                     "num_generations": 8,
                     "per_device_train_batch_size": 16,
-                    "learning_rate": 1.0e-3,
+                    "learning_rate": 5.0e-4,
                     "lr_scheduler_type": "constant",
                     "beta": 0.0,
                     "temperature": 1.0,
@@ -88,14 +88,14 @@ def mean(values: list[float]) -> float:
 
 def test_a_tiny_model_learns_to_call_the_tool_it_needs(tmp_path):
     """The SFT policy (the first 3 steps) against the policy of the second half (steps 16-30, 240 rollouts): a
-    window, not the last few steps, because at a constant learning rate of 1e-3 and no KL penalty a run that has
-    learned the tool can drop for a few steps and recover, and where that happens moves with the float ordering
-    of the machine's kernels. Seeds 1, 2, 3 on a 2-core AVX2 host: call rate 0.31 -> 0.78, 0.10 -> 0.78,
-    0.27 -> 0.68; reward 0.35 -> 0.73, 0.21 -> 0.78, 0.33 -> 0.70 (seed 1 learned by step 12, dropped to 0.25 at
-    steps 25-27, back to 0.81 at step 30). The margins (0.3) are below the smallest rise (0.37)."""
+    window, not the last few steps, because at a constant learning rate and no KL penalty a run that has learned the
+    tool can drop for a few steps and recover, and where that happens moves with the float ordering of the machine's
+    kernels (at 1e-3, seed 1 learned the tool by step 6 and had lost it by the second half on one float ordering).
+    Seeds 1-5 at 5e-4 on a 2-core AVX2 host: call rate +0.53, +0.51, +0.34, +0.58, +0.26; reward +0.48, +0.47,
+    +0.31, +0.53, +0.17. The margins (0.2 and 0.12) are below the smallest rises."""
     calls, rewards = learning_curve(tmp_path, seed=1)
     start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2 :])
     start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2 :])
     assert start_calls < 0.6, f"the SFT policy already calls in {start_calls:.0%} of rollouts: no room to learn"
-    assert end_calls >= start_calls + 0.3, (calls, rewards)
-    assert end_reward >= start_reward + 0.3, (calls, rewards)
+    assert end_calls >= start_calls + 0.2, (calls, rewards)
+    assert end_reward >= start_reward + 0.12, (calls, rewards)
