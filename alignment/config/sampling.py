@@ -260,6 +260,19 @@ class SamplingSpec(Strict):
         return backend
 
 
+class ServerSampling(SamplingSpec):
+    """A sampling block whose `server:` (declared by the subclass: ppo's rollout, rsft's sampling) samples through
+    vLLM's server, which then stands for the in-process engine: `backend:` stays `transformers`."""
+
+    @model_validator(mode="after")
+    def _server_is_the_sampler(self):
+        if getattr(self, "server", None) is not None and self.backend != "transformers":
+            raise ValueError(
+                "`server:` samples through vLLM's server; `backend: vllm` is an engine in this process: give one"
+            )
+        return self
+
+
 class OnPolicySpec(SamplingSpec):
     """`on_policy:` — build pairs from the start policy's own samples graded by a verifier."""
 

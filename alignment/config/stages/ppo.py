@@ -9,14 +9,14 @@ from pydantic import Field, field_validator, model_validator
 
 from ..base import Strict
 from ..data import DataSpec
-from ..sampling import ImportanceSamplingSpec, SamplingSpec, check_server, importance_sampling_field
+from ..sampling import ImportanceSamplingSpec, ServerSampling, check_server, importance_sampling_field
 from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import LORA_KNOB, StageConfig
 
 
-class RolloutSpec(SamplingSpec):
+class RolloutSpec(ServerSampling):
     """`rollout:` the one sampling spec, with PPO's sizes: `batch_size` prompts per update on each process
     (sampled in one generate call), one completion each."""
 
@@ -55,14 +55,6 @@ class RolloutSpec(SamplingSpec):
     )
 
     _server_value = field_validator("server")(classmethod(lambda cls, v: check_server(v)))
-
-    @model_validator(mode="after")
-    def _server_is_the_sampler(self):
-        if self.server is not None and self.backend != "transformers":
-            raise ValueError(
-                "`server:` samples through vLLM's server; `backend: vllm` is an engine in this process: give one"
-            )
-        return self
 
 
 class TrainSpec(Strict):

@@ -8,14 +8,14 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from ..data import DataSpec
-from ..sampling import SamplingSpec
+from ..sampling import ServerSampling
 from ..signal import PromptFilterSpec, check_prompt_filter, prompt_filter_field
 from ..tools import ToolUse
 from ..verifier import VerifierSpec, gold_field
 from .base import StageConfig
 
 
-class RsftSampling(SamplingSpec):
+class RsftSampling(ServerSampling):
     n: int = Field(8, gt=0, description="completions sampled per prompt (the N of best-of-N)")
     server: Literal["local"] | None = Field(
         None,
@@ -24,14 +24,6 @@ class RsftSampling(SamplingSpec):
         "(alignment/sampling/server.py; log: logs/rollout_server.log in the stage's output). A server you run "
         "cannot load each round's policy, so no URL here",
     )
-
-    @model_validator(mode="after")
-    def _server_is_the_sampler(self):
-        if self.server is not None and self.backend != "transformers":
-            raise ValueError(
-                "`server:` samples through vLLM's server; `backend: vllm` is an engine in this process: give one"
-            )
-        return self
 
     max_new_tokens: int = Field(
         256,
