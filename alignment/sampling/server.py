@@ -288,19 +288,19 @@ def start_local(base: str, spec: VllmSpec, lora_rank: int, dtype: str, log_dir: 
             ) from error
     server = RolloutServer(f"http://127.0.0.1:{port}", spec, where, process, log_path)
     log.info(f"[{where}] starting the vLLM rollout server on 127.0.0.1:{port} (log: {log_path})")
-    try:
-        server.wait_healthy(spec.server_start_timeout)
-    except BaseException:
-        server.close()
-        raise
-    return server
+    return healthy(server)
 
 
 def connect(url: str, spec: VllmSpec, where: str) -> RolloutServer:
     """A server the user runs at `url`, checked healthy (bounded by `vllm.server_start_timeout`)."""
-    server = RolloutServer(url, spec, where)
+    return healthy(RolloutServer(url, spec, where))
+
+
+def healthy(server: RolloutServer) -> RolloutServer:
+    """`server` once it answers healthy within `vllm.server_start_timeout`; closed (its process stopped, if it
+    started one) when it does not or the wait is interrupted."""
     try:
-        server.wait_healthy(spec.server_start_timeout)
+        server.wait_healthy(server.spec.server_start_timeout)
     except BaseException:
         server.close()
         raise
