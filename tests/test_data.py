@@ -4,6 +4,7 @@ their file and line as written."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,30 @@ def test_in_memory_rows_keep_their_index():
     import datasets
 
     assert file_rows(datasets.Dataset.from_list(rows_of("m", 3)).select([2, 0])) == [2, 0]
+
+
+def test_rows_read_a_batch_at_a_time_are_the_rows_one_at_a_time_and_errors_name_the_line(tmp_path, monkeypatch):
+    """`dataset_rows`/`column_values` (what the checks read rows with) give what row iteration gives, in the
+    shuffled order across batches, and a bad row in a later batch is named by its line in the file."""
+    from alignment.data import loading
+    from alignment.training.pairs import normalize_pairs
+    from alignment.training.prompts import check_prompt_rows
+
+    monkeypatch.setattr(loading, "ROWS_PER_READ", 4)
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": f"q {i}", "completion": "a", "chosen": "yes", "rejected": f"no {i}"} for i in range(30)]
+    spec = DataSpec(dataset=str(path), limit=20)  # shuffled by default, then limited: an indices mapping
+    write_rows(path, rows)
+    dataset = load_rows(spec, seed=1)
+    assert list(loading.dataset_rows(dataset)) == [dict(row) for row in dataset]
+    assert list(loading.column_values(dataset, "prompt")) == list(dataset["prompt"])
+    line = int(file_rows(dataset)[9].split()[1])  # the row read tenth: in the third batch
+    bad = re.escape(f"line {line} of {path}")
+    for column, value, check, message in [
+        ("completion", 7, lambda d: loading.check_strings(d, ["prompt", "completion"], "data"), "'completion' is int"),
+        ("prompt", " ", lambda d: check_prompt_rows(d, [], "data"), "the prompt is empty"),
+        ("rejected", 5, lambda d: normalize_pairs(d, "data"), "column 'rejected'"),
+    ]:
+        write_rows(path, [{**r, column: value} if i == line - 1 else r for i, r in enumerate(rows)])
+        with pytest.raises(UserError, match=rf"data: {bad}[,:] .*{message}"):
+            check(load_rows(spec, seed=1))

@@ -19,7 +19,7 @@ import logging
 
 from ..config.data import DataSpec
 from ..data.formatting import prompt_and_completion, render_example
-from ..data.loading import check_columns, check_strings, file_rows
+from ..data.loading import check_columns, check_strings, column_values, dataset_rows, file_rows
 from ..errors import UserError
 from ..models.loading import load_policy
 from ..runtime.cpu import refuse_slow_bf16
@@ -57,7 +57,7 @@ def rendered(ctx: StageContext, tokenizer, spec: DataSpec, key: str, max_length:
         return text_rows(ctx, dataset, key)
     rows, ways = [], {"pair": 0, "turns": 0, "per_turn": 0}
     try:
-        for i, row in zip(file_rows(dataset), dataset):
+        for i, row in zip(file_rows(dataset), dataset_rows(dataset)):
             if not _empty_answer(row):
                 example, how = render_example(tokenizer, row, i)
                 rows += example
@@ -93,7 +93,7 @@ def text_rows(ctx: StageContext, dataset, key: str) -> list[dict]:
             f"{ctx.where}.train.assistant_only_loss: the data of {ctx.where}.{key} is plain `text` rows, "
             "which have no assistant turns; give `messages` or `prompt`/`completion` rows, or drop the key."
         )
-    rows = [{"text": text} for text in dataset["text"] if text.strip()]
+    rows = [{"text": text} for text in column_values(dataset, "text") if text.strip()]
     if not rows:
         raise UserError(f"{ctx.where}.{key}: every 'text' value is empty.")
     if len(rows) < len(dataset):

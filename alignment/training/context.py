@@ -21,7 +21,7 @@ from ..config.base import did_you_mean
 from ..config.data import DataSpec
 from ..config.model import LoraSpec
 from ..config.stages.base import StageConfig
-from ..data.loading import load_rows
+from ..data.loading import dataset_rows, load_rows
 from ..errors import UserError
 from ..models.loading import checkpoint_dtype, is_cuda
 from ..models.tokenizer import load_tokenizer
@@ -83,7 +83,7 @@ class StageContext:
         for entry, listed in (("verifiers", verifiers), ("gold", gold)):
             if listed or entry == "verifiers":
                 check_prompt_rows(dataset, list(listed), f"{self.where}.{key}", spec, provided=("prompt",), entry=entry)
-        rows = [dict(row) for row in dataset]
+        rows = list(dataset_rows(dataset))
         self.record_data(key, **prompt_data_format(rows, dataset.column_names, [*verifiers, *gold]))
         return rows
 

@@ -25,7 +25,7 @@ from accelerate import PartialState
 
 from ..config.sampling import OnPolicySpec
 from ..data.formatting import encode_prompt_completion, render_completion, render_prompt
-from ..data.loading import check_columns, file_rows, messages_problem
+from ..data.loading import check_columns, dataset_rows, file_rows, messages_problem
 from ..errors import UserError, row_name
 from ..runtime.dist import get_logger
 from ..sampling import generate
@@ -125,7 +125,7 @@ def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter
     check_columns(dataset, PAIR_COLUMNS, where, spec)
     hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
-    for index, row in zip(file_rows(dataset), dataset):
+    for index, row in zip(file_rows(dataset), dataset_rows(dataset)):
         row = hh_chats(dict(row), index, where) if hh else dict(row)
         result = normalize_row(row, index, where)
         if isinstance(result, str):
@@ -325,7 +325,7 @@ def cached_on_policy_pairs(ctx, make_model, tokenizer, spec: OnPolicySpec) -> tu
         check_prompt_rows(dataset, [verifier], f"{ctx.where}.data", ctx.config.data)
         model = make_model().to(PartialState().device)
         torch.manual_seed(ctx.seed)  # the same pairs on a rerun from scratch
-        return on_policy_pairs(model, tokenizer, [dict(r) for r in dataset], spec, verifier, ctx.where)
+        return on_policy_pairs(model, tokenizer, list(dataset_rows(dataset)), spec, verifier, ctx.where)
 
     return ctx.computed_once(
         f"on_policy_pairs-{hashlib.sha256(settings.encode()).hexdigest()[:12]}.jsonl", sample_pairs
@@ -350,10 +350,11 @@ TRAINED_ON = {
 
 def pair_data_format(ctx, dataset, pairs: list[dict]) -> dict:
     """What a preference stage made of its data, for stage.json and the model card (`record_data`)."""
-    layouts = Counter(pair_layout(row) for row in dataset)
+    rows = list(dataset_rows(dataset))
+    layouts = Counter(pair_layout(row) for row in rows)
     # The prompt column is read unless every row's chosen chat carries its own prompt (the turns before the answer).
     reads_prompt = any(
-        row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1) for row in dataset
+        row.get("prompt") is not None and not (_is_chat(row["chosen"]) and len(row["chosen"]) > 1) for row in rows
     )
     used = ["prompt", "chosen", "rejected"] if reads_prompt else ["chosen", "rejected"]
     info = {
@@ -380,7 +381,7 @@ def stage_pairs(ctx, tokenizer, make_model=None) -> tuple[list[dict], dict]:
         pairs, stats = cached_on_policy_pairs(ctx, make_model, tokenizer, spec)
         dataset = ctx.load_data(ctx.config.data, "data")
         verifier = resolve(spec.verifier, options=spec.verifier_options, search_dirs=[ctx.recipe.base_dir])
-        info = prompt_data_format([dict(r) for r in dataset], dataset.column_names, [verifier])
+        info = prompt_data_format(list(dataset_rows(dataset)), dataset.column_names, [verifier])
         fmt = f"on-policy pairs: {info['format']}, the start policy's samples graded by `{spec.verifier}`"
         if spec.with_data_pairs:
             data_pairs, dropped = normalize_pairs(dataset, f"{ctx.where}.data", ctx.config.data)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..data.loading import check_columns, check_strings, file_rows, messages_problem
+from ..data.loading import check_columns, check_strings, dataset_rows, file_rows, messages_problem
 from ..errors import UserError, row_name
 from .rewards import check_verifier_columns
 
@@ -39,7 +39,7 @@ def check_prompt_rows(dataset, verifiers: list, where: str, spec=None, provided=
     check_strings(dataset, check_columns(dataset, PROMPT_COLUMNS, where, spec), where)
     check_verifier_columns(verifiers, dataset.column_names, where, provided=provided, entry=entry)
     needed = {c: v.name for v in verifiers for c in v.required_columns if c in dataset.column_names}
-    for index, row in zip(file_rows(dataset), dataset):
+    for index, row in zip(file_rows(dataset), dataset_rows(dataset)):
         if problem := prompt_problem(prompt_of(row)):
             raise UserError(f"{where}: {row_name(index)}: {problem}.")
         if empty := [c for c in needed if row[c] is None]:
