@@ -302,7 +302,7 @@ def file_rows(dataset) -> list:
 
 
 # Rows converted from Arrow to Python at a time by `dataset_rows` and `column_values`: one batch's objects
-# are held, not the dataset's. `for row in dataset` (and `dataset[column]`, a lazy column in datasets 4)
+# are held, not the dataset's. `for row in dataset` (and `dataset[column]`, a lazy column since datasets 4)
 # slices and formats every row on its own, which is most of what reading a few thousand rows costs.
 ROWS_PER_READ = 1024
 
