@@ -27,7 +27,7 @@ from ..config.evaluate import PassAtKSpec, SuiteSpec
 from ..config.model import gguf_spec
 from ..config.sampling import SamplingSpec
 from ..data.formatting import encode, render_prompt
-from ..data.loading import load_rows
+from ..data.loading import dataset_rows, load_rows
 from ..errors import UserError
 from ..models.gguf import convert_gguf
 from ..models.loading import check_model_source, load_policy, load_reward_model
@@ -179,7 +179,7 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
         )
         dataset = load_rows(spec.data, seed, base_dir, where=where)
         check_prompt_rows(dataset, [v for v in (verifier, gold) if v], where, spec.data)
-        rows = [dict(r) for r in dataset]
+        rows = list(dataset_rows(dataset))
         toolbox = (
             resolve_tools(
                 spec.tools, spec.environment, [base_dir] if base_dir else [], f"evaluate.suites.{index} ({spec.name})"

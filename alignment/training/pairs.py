@@ -126,7 +126,8 @@ def normalize_pairs(dataset, where: str, spec=None) -> tuple[list[dict], Counter
     hh = uses_hh(dataset, spec, where)
     pairs, dropped = [], Counter()
     for index, row in zip(file_rows(dataset), dataset_rows(dataset)):
-        row = hh_chats(dict(row), index, where) if hh else dict(row)
+        if hh:
+            row = hh_chats(row, index, where)
         result = normalize_row(row, index, where)
         if isinstance(result, str):
             dropped[result] += 1
