@@ -88,14 +88,14 @@ def mean(values: list[float]) -> float:
 
 def test_a_tiny_model_learns_to_call_the_tool_it_needs(tmp_path):
     """The SFT policy (the first 3 steps) against the policy of the second half (steps 16-30, 240 rollouts): a
-    window, not the last few steps, because at a constant learning rate and no KL penalty a run that has learned the
-    tool can drop for a few steps and recover, and where that happens moves with the float ordering of the machine's
-    kernels (at 1e-3, seed 1 learned the tool by step 6 and had lost it by the second half on one float ordering).
-    Seeds 1-5 at 5e-4 on a 2-core AVX2 host: call rate +0.53, +0.51, +0.34, +0.58, +0.26; reward +0.48, +0.47,
-    +0.31, +0.53, +0.17. The margins (0.2 and 0.12) are below the smallest rises."""
+    window, not the last few steps, because at a constant learning rate and no KL penalty a run that has learned
+    the tool can drop for a few steps and recover, and where that happens moves with the float ordering of the
+    machine's kernels. Seeds 1-5 on a 2-core AVX2 host, rise of the call rate +0.39, +0.34, +0.71, +0.68, +0.70
+    and of the reward +0.30, +0.32, +0.65, +0.58, +0.62 at learning rate 5e-4. The margins (0.2) are below the
+    smallest rises (0.34 and 0.30)."""
     calls, rewards = learning_curve(tmp_path, seed=1)
     start_calls, end_calls = mean(calls[:3]), mean(calls[RL_STEPS // 2 :])
     start_reward, end_reward = mean(rewards[:3]), mean(rewards[RL_STEPS // 2 :])
     assert start_calls < 0.6, f"the SFT policy already calls in {start_calls:.0%} of rollouts: no room to learn"
     assert end_calls >= start_calls + 0.2, (calls, rewards)
-    assert end_reward >= start_reward + 0.12, (calls, rewards)
+    assert end_reward >= start_reward + 0.2, (calls, rewards)

@@ -1,6 +1,7 @@
 """Save a trained model as a plain Hugging Face checkpoint: LoRA merged into the weights (the adapter is kept
 by the caller in `adapter/`), cast to the stage's save dtype, and read back so an empty tensor is an error
-(docs/architecture.md, house rule 5: an empty checkpoint is never a success)."""
+(docs/architecture.md, house rule 5: an empty checkpoint is never a success), and so is a tokenizer that
+does not reload to the one the model was trained with (`tokenizer.check_round_trip`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .loading import (
     load_policy,
     load_reward_model,
 )
-from .tokenizer import load_tokenizer
+from .tokenizer import check_round_trip, load_tokenizer
 
 
 def save_checkpoint(model, tokenizer, out_dir: Path, dtype: torch.dtype | None = None) -> None:
@@ -34,6 +35,7 @@ def save_checkpoint(model, tokenizer, out_dir: Path, dtype: torch.dtype | None =
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     check_saved_tensors(out_dir)
+    check_round_trip(tokenizer, out_dir)
 
 
 def check_saved_tensors(out_dir: Path) -> None:
@@ -73,4 +75,5 @@ def export_plain_checkpoint(source: str, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    check_round_trip(tokenizer, out)
     return f"merged checkpoint written to {out}"

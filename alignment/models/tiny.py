@@ -17,6 +17,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from ..config.model import TinySpec
+from .tokenizer import check_round_trip
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ \n"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -72,6 +73,7 @@ def build_tiny_model(spec: TinySpec, seed: int, path: Path) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    check_round_trip(tokenizer, tmp)  # the folder must reload to this tokenizer, not one rebuilt for qwen2
     os.replace(tmp, path)
     hf_logging.enable_progress_bar()
     return path

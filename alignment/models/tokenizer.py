@@ -1,6 +1,9 @@
 """Load a model's tokenizer the way every stage uses it: a pad token distinct from EOS and the end-of-turn
 token where the vocabulary has one to spare, and the recipe's `template:` settings written into the chat
-template (so a saved checkpoint renders exactly as training did)."""
+template (so a saved checkpoint renders exactly as training did). A tokenizer saved as a plain `tokenizers`
+pipeline (the tiny model's) is read back as that pipeline, whatever the model type; `check_round_trip` is
+the check every saved checkpoint passes (`models.saving`): its folder reloads to the tokenizer it was
+trained with."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 
 from transformers import (
     AutoTokenizer,
+    PreTrainedTokenizerFast,
 )
 
 from ..config.model import TemplateSpec
@@ -28,11 +32,51 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, template: Templat
         adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     )
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if saved_as_plain_pipeline(source) and type(tokenizer) is not PreTrainedTokenizerFast:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
     if tokenizer.pad_token is None or tokenizer.pad_token in (tokenizer.eos_token, end_of_turn(tokenizer)):
         tokenizer.pad_token = spare_pad_token(tokenizer) or tokenizer.eos_token
     if template is not None:
         apply_template(tokenizer, template, name)
     return tokenizer
+
+
+# The class names that load tokenizer.json as written (every model-specific class derives from it).
+# transformers picks a model-specific class by the model type for some types (qwen2 among them), even over
+# tokenizer_config.json's `tokenizer_class`, and such a class builds its own pre-tokenizer and decoder from the
+# vocabulary: the tiny character tokenizer reloaded that way dropped every space and newline.
+PLAIN_CLASS_NAMES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+ROUND_TRIP_PROBE = "What is 12*3? a b\n  x\tY"
+
+
+def saved_as_plain_pipeline(source: str) -> bool:
+    """Whether the local folder `source` holds a tokenizer saved as a plain `tokenizers` pipeline (no
+    model-specific tokenizer class named in its tokenizer_config.json)."""
+    config = Path(source) / "tokenizer_config.json"
+    if not config.is_file() or not (Path(source) / "tokenizer.json").is_file():
+        return False
+    try:
+        declared = json.loads(config.read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return declared in PLAIN_CLASS_NAMES
+
+
+def check_round_trip(tokenizer, folder: Path) -> None:
+    """Refuse a saved checkpoint whose tokenizer does not reload to `tokenizer` (the one it was trained with):
+    the probe text must encode to the same ids and decode to the same text. A checkpoint that tokenizes
+    differently after loading is evaluated and trained on text its weights never saw."""
+    reloaded = load_tokenizer(str(folder))
+    probe = ROUND_TRIP_PROBE + (render_completion(tokenizer, "q", "a") if has_chat_template(tokenizer) else "")
+    before = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    after = reloaded(probe, add_special_tokens=False)["input_ids"]
+    if before != after or tokenizer.decode(before) != reloaded.decode(after):
+        raise UserError(
+            f"the tokenizer saved in {folder} does not reload to the one the model was trained with: "
+            f"{probe!r} encodes as {tokenizer.decode(before)!r} before saving and as "
+            f"{reloaded.decode(after)!r} after ({type(tokenizer).__name__} saved, "
+            f"{type(reloaded).__name__} loaded). The stage is not marked finished."
+        )
 
 
 def pad_token_id(tokenizer) -> int:
