@@ -37,7 +37,7 @@ TINY_MODEL = {"tiny": {"hidden_size": 64, "num_layers": 2}}
 SFT_MODEL = {"tiny": {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}}
 QUICK_TRAIN = {"num_train_epochs": 1, "per_device_train_batch_size": 32, "learning_rate": 3.0e-3, "max_length": 64}
 SFT_TRAIN = {
-    "num_train_epochs": 2,
+    "num_train_epochs": 8,
     "per_device_train_batch_size": 64,
     "learning_rate": 2.0e-3,
     "max_length": 64,
@@ -146,8 +146,14 @@ def prompts(tiny_model) -> list[str]:
 
 @pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory) -> Path:
-    """A policy SFT-trained on arithmetic (about 50-60% held-out accuracy): the start of the
-    preference and RL stage tests. Built once per test session (~30 s on 2 cores)."""
+    """A policy SFT-trained to its plateau on the quickstart's imperfect demonstrations (60% of the sums that carry
+    shown with the carry dropped): about 60% held-out accuracy, the carries left for the preference and RL stage
+    tests to learn. Built once per test session (about 3 min on one thread).
+
+    To the plateau, because short of it held-out accuracy sits on the steep edge where the model suddenly learns
+    to add, and where that edge falls moves with the seed and the float ordering: 8000 correct sums for 3 epochs
+    at 2e-3 gave 0.64 / 0.10 / 0.095 on seeds 1-3 (one thread, AMD EPYC with AVX2), 6 epochs at 1e-3 0.95 / 0.105;
+    these settings gave 0.62 (seed 1, the fixture's) and 0.63 (seed 3), each past the edge."""
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
 
@@ -157,7 +163,12 @@ def sft_checkpoint(tmp_path_factory) -> Path:
         "model": SFT_MODEL,
         "output_dir": str(folder / "out"),
         "seed": 1,
-        "stages": {"sft": {"data": {"task": "arithmetic", "split": "train", "n": 8000}, "train": SFT_TRAIN}},
+        "stages": {
+            "sft": {
+                "data": {"task": "arithmetic", "split": "train", "n": 8000, "carry_mistake_rate": 0.6},
+                "train": SFT_TRAIN,
+            }
+        },
     }
     run_recipe(load_recipe(write_recipe(folder, recipe)))
     return folder / "out" / "sft"
