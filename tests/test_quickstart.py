@@ -44,14 +44,15 @@ def test_smollm2_recipe_passes_align_check_on_a_stand_in_model(tmp_path, tiny_mo
 
 # GRPO on the reward model alone (issue #29 item 4): the quickstart's rlvr settings for 150 steps, the
 # verifier only as gold; with a reward model in the reward, rlvr centres each group's rewards without dividing
-# by their spread (`scale_rewards: none`). Measured over seeds 1-3 with this command: +23.3, +24.7 and +25.3
-# points over SFT, no flag (docs/results.md).
+# by their spread (`scale_rewards: none`). `beta: 0.1` rather than the default 0.04: with 0.04, seed 1's policy
+# learned its reward model's blind spot (the right answer plus ten) after step 100 and ended below SFT
+# (docs/tuning.md). Seeds 3-5 and seed 1: docs/results.md#the-quickstart.
 GRPO_ON_RM = (
     'stages.grpo_rm={kind: rlvr, model: "${sft}", verifiers: [], reward_model: "${rm}", gold: [arithmetic], '
     "lora: null, data: {task: arithmetic, split: train, n: 2000, sycophancy_fraction: 0.1}, "
     "train: {max_steps: 150, num_generations: 8, per_device_train_batch_size: 128, steps_per_generation: 4, "
     "num_iterations: 2, learning_rate: 3.0e-4, warmup_steps: 10, max_completion_length: 8, temperature: 1.0, "
-    "logging_steps: 20}}"
+    "beta: 0.1, logging_steps: 20}}"
 )
 
 
@@ -95,10 +96,9 @@ def check_quickstart_outputs(out):
         assert metrics[stage]["arithmetic/kl"] >= 0
     # SFT imitates demonstrations that drop most carries, so it plateaus near the share of sums without a carry.
     # DPO (the pairs) and RLVR (the verifier) recover the carry; PPO and RSFT learn from preferences alone,
-    # through the reward model, and must gain the issue's 10 points without the reward-hacking flag. Measured
-    # with the README's command on seeds 3-5 (docs/results.md#the-quickstart): seeds 3 and 4 hold every assert
-    # here (PPO +26.7 and +44.7, RSFT +12.0 and +44.0, DPO +30.0 and +46.0, RLVR +27.0 and +45.3); seed 5's SFT
-    # never learned to add (0.043) and fails them.
+    # through the reward model, and must gain the issue's 10 points without the reward-hacking flag. This test
+    # runs seed 1, a tuning seed, which holds every assert; of the reporting seeds 3-5, seeds 4 and 5 hold them
+    # and seed 3 does not (its figures and why: docs/results.md#the-quickstart).
     assert 0.45 < sft < 0.85, "SFT should learn the demonstrations' dropped carry, not more and not less"
     for stage, gain in (("ppo", 0.10), ("rsft", 0.10), ("grpo_rm", 0.10), ("dpo", 0.20), ("rlvr", 0.20)):
         assert metrics[stage]["arithmetic/pass@1"] > sft + gain, f"{stage} does not beat SFT by {gain:.0%}"
