@@ -31,9 +31,10 @@ def load_tokenizer(name: str, trust_remote_code: bool = False, template: Templat
     source = (
         adapter_base(name) if is_adapter_dir(name) and not (Path(name) / "tokenizer_config.json").exists() else name
     )
-    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-    if saved_as_plain_pipeline(source) and type(tokenizer) is not PreTrainedTokenizerFast:
+    if saved_as_plain_pipeline(source):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(source)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None or tokenizer.pad_token in (tokenizer.eos_token, end_of_turn(tokenizer)):
         tokenizer.pad_token = spare_pad_token(tokenizer) or tokenizer.eos_token
     if template is not None:
