@@ -115,7 +115,9 @@ EVALUATE = {
 # DDP's all-reduce there, which AdamW's normalised steps carry into the weights. Training moves them by far more.
 FSDP2_TOLERANCE = 1e-4
 DEEPSPEED_TOLERANCE = 1e-4
-ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1"}
+# PYTHONFAULTHANDLER: a process that dies of a signal (a segfault in a collective) prints its Python stack, which
+# `crash_report` puts in the failure message ahead of the other ranks' "connection closed by peer".
+ENV = {**os.environ, "ALIGN_NO_PROGRESS": "1", "PYTHONFAULTHANDLER": "1"}
 needs_deepspeed = pytest.mark.skipif(
     subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True).returncode != 0,
     reason="DeepSpeed not installed (pip install 'alignment-toolkit[deepspeed]'; .ci/run installs it)",
@@ -189,6 +191,12 @@ def finish(*processes: subprocess.Popen, timeout: int = 900) -> tuple[list[int],
     return [p.returncode for p in processes], "\n".join(outputs)
 
 
+def crash_report(output: str) -> str:
+    """The faulthandler stacks of `output` (a rank that died of a signal), then its last 5000 characters."""
+    stacks = [output[m.start() : m.start() + 2500] for m in re.finditer("Fatal Python error", output)]
+    return "\n".join(stacks) + "\n...\n" + output[-5000:]
+
+
 def tensors(stage_dir: Path) -> dict[str, object]:
     """Every tensor of a stage checkpoint (merged weights and adapter), keyed by file and name."""
     found = {}
@@ -219,7 +227,7 @@ def ddp_run(tmp_path_factory):
     """The baseline: the recipe under 2-process DDP."""
     folder = tmp_path_factory.mktemp("ddp")
     codes, output = finish(launch("cpu_2proc", 29547, folder / "digests", engine_recipe(folder)))
-    assert codes == [0], output[-5000:]
+    assert codes == [0], crash_report(output)
     return folder, output
 
 
@@ -252,7 +260,7 @@ def run_engine(folder: Path, config: str, port: int, crash: str, multi_node: boo
         machines = [(rank, 2) for rank in (0, 1)] if multi_node else [None]
         codes, output = finish(*(launch(config, port + attempt, digests, recipe, machine=m, env=env) for m in machines))
         logs.append(output)
-        assert all(code == 0 for code in codes) == bool(attempt), f"launch {attempt + 1}:\n{output[-5000:]}"
+        assert all(code == 0 for code in codes) == bool(attempt), f"launch {attempt + 1}:\n{crash_report(output)}"
         if not attempt:  # killed as planned, and the killed stage is not marked finished
             assert (digests / f"crashed-{crash}").exists() and not (folder / "out" / crash / "stage.json").exists()
     return logs[0], logs[1]
@@ -338,7 +346,7 @@ def test_rlvr_with_tools_runs_under_ddp_with_identical_ranks_and_counts_every_pr
     codes, output = finish(
         launch("cpu_2proc", 29670, tmp_path / "digests", write_recipe(tmp_path, recipe)), timeout=600
     )
-    assert codes == [0], output[-5000:]
+    assert codes == [0], crash_report(output)
     ranks = [(tmp_path / "digests" / f"rlvr-rank{rank}.txt").read_text() for rank in (0, 1)]
     assert ranks[0] == ranks[1], "the two processes ended with different weights"
     metrics = json.loads((tmp_path / "out" / "rlvr" / "stage.json").read_text())["metrics"]

@@ -359,7 +359,9 @@ def arithmetic_reward_model(sft_checkpoint, tmp_path_factory) -> tuple[Path, flo
 
 
 def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict[str, float]:
-    """Mean reward-model score and verifier accuracy of `n` samples (T = 1) per prompt."""
+    """Mean reward-model score and verifier accuracy of `n` samples (T = 1) per prompt, and `rm_variance`: the
+    sampling variance of that mean score on these prompts (the mean of the within-prompt variances over n x
+    len(rows)), for asserting a change larger than the probe's own noise."""
     from alignment.config.sampling import SamplingSpec
     from alignment.data.formatting import render_prompt
     from alignment.models.loading import load_policy, load_reward_model
@@ -383,7 +385,13 @@ def probe(checkpoint, reward_model: Path, rows: list[dict], n: int = 32) -> dict
         [s.text for s in samples],
     )
     correct = [verify(s.text, rows[s.prompt_index]["answer"]) == 1.0 for s in samples]
-    return {"rm_score": sum(scores) / len(scores), "sampled_accuracy": sum(correct) / len(correct)}
+    per_prompt = [[score for score, s in zip(scores, samples) if s.prompt_index == i] for i in range(len(rows))]
+    within = [sum((x - sum(group) / n) ** 2 for x in group) / (n - 1) for group in per_prompt]
+    return {
+        "rm_score": sum(scores) / len(scores),
+        "rm_variance": sum(within) / len(within) / len(scores),
+        "sampled_accuracy": sum(correct) / len(correct),
+    }
 
 
 def exact_kl(checkpoint, reference, rows: list[dict]) -> float:
@@ -460,7 +468,7 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
         return out, json.loads((out / "log_history.json").read_text())
 
     adaptive = {"kl_coef": 0.1, "kl_target": target, "kl_horizon": 320}
-    rm_only, history = ppo_run("rm", 20, **adaptive)
+    rm_only, history = ppo_run("rm", 40, **adaptive)
     anchored, _ = ppo_run("rm+verifier", 20, verifiers=[{"name": "arithmetic", "weight": 2.0}], **adaptive)
     frozen, _ = ppo_run("kl100", 12, kl_coef=100.0)
     probes = {
@@ -475,7 +483,11 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     kl_still = exact_kl(frozen, sft_checkpoint, heldout)
     start = probes["sft"]
     assert pairwise > 0.55  # the reward model prefers right answers more often than not
-    assert probes["rm"]["rm_score"] >= start["rm_score"] + 0.1
+    # On the trained prompts the reward model's score rises by more than the probe's sampling noise (two standard
+    # errors of the difference). The SFT fixture is sure of its answers and this reward model is weak, so the rise
+    # is small: +0.18, +0.10 and +0.06 on seeds 1-3 after 40 updates (noise 0.01-0.04); 20 updates gave +0.03.
+    noise = 2 * math.sqrt(start["rm_variance"] + probes["rm"]["rm_variance"])
+    assert probes["rm"]["rm_score"] > start["rm_score"] + noise, (probes, noise)
     # The verifier lifts sampled accuracy on the trained prompts by more than the probe's sampling noise: two
     # standard errors of a difference of two accuracies over len(rows) x 32 samples each (at most 0.0625, at an
     # accuracy of 0.5), a margin set by the sample size rather than by one machine's run.
@@ -489,7 +501,8 @@ def test_ppo_on_arithmetic_with_reward_model(tmp_path, sft_checkpoint, arithmeti
     # at kl_coef 0.1 (a penalty 1000x weaker), and a tenth of the adaptive runs' KL target, which is in nats
     # per sequence (kl_still is per answer token, so that bound is looser still than it reads).
     assert kl_still < 0.1 * max(moved.values()) and kl_still < target / 10, (kl_still, moved)
-    assert abs(probes["kl100"]["sampled_accuracy"] - start["sampled_accuracy"]) < 0.05
+    # No change beyond three standard errors of a difference of two accuracies (0.085 at p = 0.7).
+    assert abs(probes["kl100"]["sampled_accuracy"] - p) < 3 * math.sqrt(2 * p * (1 - p) / samples)
     assert abs(probes["kl100"]["rm_score"] - start["rm_score"]) < 0.1
 
 

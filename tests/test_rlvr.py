@@ -566,7 +566,9 @@ def flaky(completion, answer):
 @pytest.mark.slow
 def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint):
     """`my_verifiers:lucky_seven` (a file next to the recipe) rewards answers ending in 7: a behaviour
-    the policy can learn in a few steps, so its logged reward must rise."""
+    the policy can learn in a few steps, so its logged reward must rise. At 1e-3: the SFT fixture is sure of its
+    answers (entropy ~0.15, 80-100% of the groups score alike), and at 1e-4 twenty steps left the reward flat;
+    at 1e-3 it rose by 0.22 to 0.73 (first to last three logs, seeds 1-4, one thread, AMD EPYC with AVX2)."""
     (tmp_path / "my_verifiers.py").write_text(textwrap.dedent(MY_VERIFIERS))
     stage = {
         "model": str(sft_checkpoint),
@@ -577,7 +579,7 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
             "max_steps": 20,
             "num_generations": 8,
             "per_device_train_batch_size": 64,
-            "learning_rate": 1.0e-4,
+            "learning_rate": 1.0e-3,
             "max_completion_length": 8,
             "logging_steps": 2,
         },
