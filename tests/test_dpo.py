@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, heldout_accuracy, write_recipe
+from conftest import NEAR_ANSWER, REPO, heldout_accuracy, write_recipe
 from helpers import completion_logprob, count_parameter_storage
 
 from alignment.config.recipe import load_recipe
@@ -204,13 +204,13 @@ def run_dpo(tmp_path, start, stage: dict, lora: dict | None = None) -> tuple[Pat
     return tmp_path / "out" / "dpo", results["dpo"]["metrics"]
 
 
-def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, sft_checkpoint):
+def test_on_policy_pairs_are_built_counted_and_trained_on(tmp_path, early_sft_checkpoint):
     stage = {
         "data": {"task": "arithmetic", "split": "train", "n": 24},
-        "on_policy": {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6},
+        "on_policy": {**NEAR_ANSWER, "n": 6, "temperature": 1.0, "max_new_tokens": 6},
         "train": {"max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1},
     }
-    out, metrics = run_dpo(tmp_path, sft_checkpoint, stage)
+    out, metrics = run_dpo(tmp_path, early_sft_checkpoint, stage)
     assert metrics["pairs_built"] > 0 and metrics["pairs_built"] + metrics["prompts_dropped"] == 24
     assert metrics["pairs_train"] == metrics["pairs_built"] and metrics["global_step"] == 2
     assert (out / "stage.json").exists() and (out / "adapter").is_dir()

@@ -168,13 +168,13 @@ def test_reward_model_must_name_a_reward_or_dpo_stage(tmp_path, tiny_model, kind
         load_recipe(recipe_with(tmp_path, tiny_model, stages, {"reward_model": kind, "suites": ["arithmetic"]}))
 
 
-def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tmp_path, sft_checkpoint):
+def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tmp_path, early_sft_checkpoint):
     """dpo writes its marker; `align check`'s reward-model check accepts the folder; its implicit reward is the
     reward TRL's DPO evaluation reports; rsft selects by it, ppo is rewarded by it and evaluation reports it."""
     stages = {
-        "dpo": {**DPO, "model": str(sft_checkpoint)},
+        "dpo": {**DPO, "model": str(early_sft_checkpoint)},
         "rsft": {
-            "model": str(sft_checkpoint),
+            "model": str(early_sft_checkpoint),
             "reward_model": "${dpo}",
             "gold": ["arithmetic"],
             "data": {"task": "arithmetic", "split": "train", "n": 8},
@@ -183,7 +183,7 @@ def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tm
             "train": {"max_steps": 1, "per_device_train_batch_size": 8, "max_length": 64},
         },
         "ppo": {
-            "policy": str(sft_checkpoint),
+            "policy": str(early_sft_checkpoint),
             "reward_model": "${dpo}",
             "gold": ["arithmetic"],
             "data": {"task": "arithmetic", "split": "train", "n": 16},
@@ -203,11 +203,11 @@ def test_dpo_output_is_a_reward_model_that_ppo_rsft_and_evaluation_score_with(tm
             }
         ],
     }
-    recipe = load_recipe(recipe_with(tmp_path, sft_checkpoint, stages, evaluate))
+    recipe = load_recipe(recipe_with(tmp_path, early_sft_checkpoint, stages, evaluate))
     run_recipe(recipe)
     dpo_dir = recipe.stage_dir("dpo")
 
-    assert read_marker(dpo_dir) == (str(sft_checkpoint.resolve()), 0.5)
+    assert read_marker(dpo_dir) == (str(early_sft_checkpoint.resolve()), 0.5)
     check_reward_model("${dpo}", str(dpo_dir), "stages.ppo.reward_model")
     judge = load_reward_model(str(dpo_dir))
     assert isinstance(judge, ImplicitRewardModel) and judge.beta == 0.5

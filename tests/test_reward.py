@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import REPO, SMALLEST_MODEL, write_recipe
+from conftest import NEAR_ANSWER, REPO, SMALLEST_MODEL, write_recipe
 from helpers import pairwise_accuracy
 
 from alignment.config.recipe import load_recipe
@@ -304,21 +304,20 @@ def test_pairs_longer_than_max_length_are_dropped_counted_and_said(tmp_path, tin
     assert any(r.levelno == logging.WARNING and "dropped 4 of 24 pairs (17%)" in r.getMessage() for r in caplog.records)
 
 
-def test_on_policy_pairs_with_the_data_pairs_train_on_both_and_count_them(tmp_path, sft_checkpoint):
+def test_on_policy_pairs_with_the_data_pairs_train_on_both_and_count_them(tmp_path, early_sft_checkpoint):
     """`on_policy.with_data_pairs`: the policy's graded samples and the data's own (correct, plausible mistake)
     pairs in one training set, each counted; without it, only the on-policy pairs."""
     from alignment.stages import reward
 
-    on_policy = {"verifier": "arithmetic", "n": 6, "temperature": 1.0, "max_new_tokens": 6}
+    on_policy = {**NEAR_ANSWER, "n": 6, "temperature": 1.0, "max_new_tokens": 6}
     data = {"task": "arithmetic", "split": "train", "n": 24}
     trainer, counts = reward.build_trainer(
-        reward_context(tmp_path / "a", sft_checkpoint, data=data, on_policy=on_policy, eval_fraction=0)
+        reward_context(tmp_path / "a", early_sft_checkpoint, data=data, on_policy=on_policy, eval_fraction=0)
     )
     assert 0 < counts["pairs_built"] <= 24 and "data_pairs" not in counts
     assert counts["pairs_train"] == counts["pairs_built"] == len(trainer.train_dataset)
-    ctx = reward_context(
-        tmp_path / "b", sft_checkpoint, data=data, on_policy={**on_policy, "with_data_pairs": True}, eval_fraction=0
-    )
+    both = {**on_policy, "with_data_pairs": True}
+    ctx = reward_context(tmp_path / "b", early_sft_checkpoint, data=data, on_policy=both, eval_fraction=0)
     trainer, counts = reward.build_trainer(ctx)
     assert counts["data_pairs"] == 24 and counts["pairs_built"] > 0
     assert counts["pairs_train"] == counts["pairs_built"] + 24 == len(trainer.train_dataset)

@@ -83,7 +83,7 @@ def test_regularized_best_of_n_ranks_by_score_plus_kl_coef_times_logprob():
     assert texts(select_samples(group, "top_k", 2, 0.0, by_verifier=False, kl_coef=0.5)) == ["c", "b"]
 
 
-def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_otherwise(sft_checkpoint):
+def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_otherwise(early_sft_checkpoint):
     """The sampler's own log-probs (engine: loop) and a forward pass give the same log p(y|x) at temperature 1;
     at another temperature the sampler's are tempered, so the stage re-scores."""
     import dataclasses
@@ -95,7 +95,7 @@ def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_othe
     from alignment.sampling import generate
     from alignment.stages.rsft import sample_logprobs
 
-    model, tokenizer = load_policy(str(sft_checkpoint)), load_tokenizer(str(sft_checkpoint))
+    model, tokenizer = load_policy(str(early_sft_checkpoint)), load_tokenizer(str(early_sft_checkpoint))
     prompts = ["What is 12+7?", "What is 48+37?"]
     for temperature in (1.0, 0.5):
         samples = generate(
@@ -151,9 +151,9 @@ def test_shipped_code_rsft_recipe_validates():
 # Short runs (the SFT fixture, so that samples end with the end-of-turn token and some are right)
 
 
-def test_round_writes_selected_data_and_metrics(tmp_path, sft_checkpoint):
+def test_round_writes_selected_data_and_metrics(tmp_path, early_sft_checkpoint):
     recipe, result, _ = run(
-        tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}}
+        tmp_path, "rsft", {**FAST, "model": str(early_sft_checkpoint), "rounds": 2, "lora": {"r": 4, "lora_alpha": 8}}
     )
     out = recipe.stage_dir("rsft")
     metrics = result["metrics"]
@@ -187,7 +187,7 @@ def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):
     assert result["metrics"]["round1/selected_gold/arithmetic"] == rounds[0]["selected_gold/arithmetic"]
 
 
-def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpoint):
+def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, early_sft_checkpoint):
     from alignment.stages import rsft
 
     calls = []
@@ -205,16 +205,16 @@ def test_resume_continues_with_the_next_round(tmp_path, monkeypatch, sft_checkpo
     monkeypatch.setattr(rsft, "sample_and_select", sample)
     monkeypatch.setattr(rsft, "train_round", train_crashing_in_round_2)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run(tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2})
+        run(tmp_path, "rsft", {**FAST, "model": str(early_sft_checkpoint), "rounds": 2})
     assert calls == [1, 2]
     monkeypatch.setattr(rsft, "train_round", original_train)
-    recipe, result, _ = run(tmp_path, "rsft", {**FAST, "model": str(sft_checkpoint), "rounds": 2})
+    recipe, result, _ = run(tmp_path, "rsft", {**FAST, "model": str(early_sft_checkpoint), "rounds": 2})
     assert calls == [1, 2]  # round 1 was not redone; round 2 reused its samples
     assert result["metrics"]["rounds"] == 2
     assert (recipe.stage_dir("rsft") / "selected_round1.jsonl").exists()
 
 
-def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
+def test_reward_model_scoring(tmp_path, tiny_model, early_sft_checkpoint):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     rm_dir = tmp_path / "rm"
@@ -223,7 +223,7 @@ def test_reward_model_scoring(tmp_path, tiny_model, sft_checkpoint):
     rm.save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(str(tiny_model)).save_pretrained(rm_dir)
     stage = {
-        "model": str(sft_checkpoint),
+        "model": str(early_sft_checkpoint),
         "verifiers": [],
         "reward_model": str(rm_dir),
         "select": "top_k",

@@ -96,6 +96,7 @@ def test_packed_padding_free_sft_trains_on_fewer_longer_rows(tmp_path):
     assert steps[True] * 4 <= 600 / 2  # measured 50 steps: 600 rows of ~20 tokens fill about 200 rows of 64
 
 
+@pytest.mark.slow
 def test_sft_model_beats_the_from_scratch_model(sft_checkpoint):
     trained = heldout_accuracy(sft_checkpoint)
     scratch = heldout_accuracy(sft_checkpoint.parent / "base")
