@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from chat_templates import FAMILIES, bpe_tokenizer, family_tokenizer
-from conftest import SMALLEST_MODEL, TINY_MODEL, run_cli, write_recipe
+from conftest import SMALLEST_MODEL, TINY_MODEL, run_cli_here, write_recipe
 
 from alignment.config.recipe import load_recipe
 from alignment.data.formatting import (
@@ -258,6 +258,6 @@ def test_sft_options_the_stages_tokenization_makes_meaningless_are_refused_in_ch
 
 def test_align_check_refuses_an_option_with_exit_2_and_one_paragraph(tmp_path):
     recipe = write_recipe(tmp_path, options_recipe(tmp_path, "sft", {"assistant_only_loss": True}, TEXT))
-    result = run_cli("check", recipe)
+    result = run_cli_here("check", recipe)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "plain `text` rows" in result.stderr

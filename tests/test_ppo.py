@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli, run_with_digests, write_recipe
+from conftest import REPO, run_cli_here, run_with_digests, write_recipe
 from helpers import count_parameter_storage, tiny_ppo_recipe, trainable_digest
 
 from alignment.config.recipe import load_recipe
@@ -254,7 +254,7 @@ def test_gold_verifiers_are_logged_and_never_train(tmp_path, tiny_model):
 
 def test_check_names_an_unknown_gold_verifier(tmp_path, tiny_model):
     """`align check` exits 2 naming the `gold:` entry, without a traceback."""
-    done = run_cli("check", tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic", "arithmetc"]))
+    done = run_cli_here("check", tiny_ppo_recipe(tmp_path, tiny_model, gold=["arithmetic", "arithmetc"]))
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
     assert "stages.ppo.gold.1" in message and "arithmetic" in message and "Traceback" not in done.stderr

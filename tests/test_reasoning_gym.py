@@ -17,7 +17,7 @@ from collections import Counter
 from importlib.util import find_spec
 
 import pytest
-from conftest import TINY_MODEL, recipe_dict, run_cli, write_recipe
+from conftest import TINY_MODEL, recipe_dict, run_cli_here, write_recipe
 from pydantic import ValidationError
 
 from alignment.config.data import DataSpec
@@ -156,7 +156,7 @@ def test_align_check_names_an_unknown_task_with_a_did_you_mean(tmp_path):
         "verifiers": ["reasoning_gym"],
         "train": {"max_steps": 1, "num_generations": 4, "per_device_train_batch_size": 8},
     }
-    done = run_cli("check", write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
+    done = run_cli_here("check", write_recipe(tmp_path, recipe_dict(tmp_path, "rlvr", stage)))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "unknown reasoning-gym task 'leg_countin' (did you mean 'leg_counting'?)" in done.stderr
     assert "Traceback" not in done.stderr

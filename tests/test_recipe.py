@@ -180,7 +180,7 @@ def test_missing_recipe_file(tmp_path):
 
 def test_check_cli_reports_bad_trl_knob_without_traceback(tmp_path):
     recipe = base_recipe(tmp_path, sft={"data": {"task": "arithmetic", "n": 10}, "train": {"learning_rat": 1e-4}})
-    result = run_cli("check", write_recipe(tmp_path, recipe))
+    result = run_cli_here("check", write_recipe(tmp_path, recipe))
     assert result.returncode == 2
     assert "stages.sft.train: unknown SFTConfig option 'learning_rat' (did you mean 'learning_rate'?)" in result.stderr
     assert "Traceback" not in result.stderr
