@@ -234,14 +234,19 @@ assert runner_memory == 1  # a child cannot read the runner's memory (the tests'
     assert result.passed, result.output
 
 
+# Each child holds its block until the parent has heard from all four (a "+" each, or the end of the pipe once
+# every child has written or died), so the blocks are resident at the same time without a fixed sleep.
 FORKS = """
-    import os, time
+    import os
     read_end, write_end = os.pipe()
+    release_read, release_write = os.pipe()
     for _ in range(4):
         if os.fork() == 0:
+            os.close(release_write)
             block = b"\\x01" * (CHILD_MB * 1024 * 1024)  # written, so resident
             os.write(write_end, b"+")
-            time.sleep(5)
+            os.close(write_end)
+            os.read(release_read, 1)  # returns when the parent closes its end
             os._exit(0)
     os.close(write_end)
     held = b""
@@ -250,6 +255,7 @@ FORKS = """
         if not chunk:
             break
         held += chunk
+    os.close(release_write)
     for _ in range(4):
         os.wait()
     print("HOLDING", len(held))
