@@ -144,34 +144,34 @@ def prompts(tiny_model) -> list[str]:
     return [render_prompt(tokenizer, f"What is {a}+{b}?") for a, b in [(1, 2), (37, 48), (5, 60), (37, 48)]]
 
 
-@pytest.fixture(scope="session")
-def sft_checkpoint(tmp_path_factory) -> Path:
-    """A policy SFT-trained to its plateau on the quickstart's imperfect demonstrations (60% of the sums that carry
-    shown with the carry dropped): about 60% held-out accuracy, the carries left for the preference and RL stage
-    tests to learn. Built once per test session (about 3 min on one thread).
-
-    To the plateau, because short of it held-out accuracy sits on the steep edge where the model suddenly learns
-    to add, and where that edge falls moves with the seed and the float ordering: 8000 correct sums for 3 epochs
-    at 2e-3 gave 0.64 / 0.10 / 0.095 on seeds 1-3 (one thread, AMD EPYC with AVX2), 6 epochs at 1e-3 0.95 / 0.105;
-    these settings gave 0.62 (seed 1, the fixture's) and 0.63 (seed 3), each past the edge."""
+def train_sft_fixture(folder: Path, n: int, epochs: int) -> Path:
+    """SFT_MODEL trained with SFT_TRAIN for `epochs` on `n` of the quickstart's imperfect demonstrations (60% of
+    the sums that carry shown with the carry dropped), seed 1; returns the stage's output folder."""
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
 
-    folder = tmp_path_factory.mktemp("sft")
+    data = {"task": "arithmetic", "split": "train", "n": n, "carry_mistake_rate": 0.6}
     recipe = {
         "name": "sft-fixture",
         "model": SFT_MODEL,
         "output_dir": str(folder / "out"),
         "seed": 1,
-        "stages": {
-            "sft": {
-                "data": {"task": "arithmetic", "split": "train", "n": 8000, "carry_mistake_rate": 0.6},
-                "train": SFT_TRAIN,
-            }
-        },
+        "stages": {"sft": {"data": data, "train": {**SFT_TRAIN, "num_train_epochs": epochs}}},
     }
     run_recipe(load_recipe(write_recipe(folder, recipe)))
     return folder / "out" / "sft"
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(tmp_path_factory) -> Path:
+    """A policy SFT-trained to its plateau (8000 rows, 8 epochs, 1000 steps): about 60% held-out accuracy, the
+    carries left for the preference and RL stage tests to learn. Built once per test session (about 3 min).
+
+    To the plateau, because short of it held-out accuracy sits on the steep edge where the model suddenly learns
+    to add, and where that edge falls moves with the seed and the float ordering: 8000 correct sums for 3 epochs
+    at 2e-3 gave 0.64 / 0.10 / 0.095 on seeds 1-3 (one thread, AMD EPYC with AVX2), 6 epochs at 1e-3 0.95 / 0.105;
+    these settings gave 0.62 (seed 1, the fixture's) and 0.63 (seed 3), each past the edge."""
+    return train_sft_fixture(tmp_path_factory.mktemp("sft"), n=8000, epochs=8)
 
 
 @pytest.fixture(scope="session")
@@ -180,24 +180,7 @@ def early_sft_checkpoint(tmp_path_factory) -> Path:
     sums in the answer's format but is rarely right (pass@1 about 0.03), while a third of its samples at T = 1 fall
     within 10% of the answer (the `numeric` verifier with tolerance 0.1 passes some and fails others of one
     prompt's samples). For the default suite's tests of a stage's mechanics; tests of gains take `sft_checkpoint`."""
-    from alignment.config.recipe import load_recipe
-    from alignment.run.runner import run_recipe
-
-    folder = tmp_path_factory.mktemp("early-sft")
-    recipe = {
-        "name": "early-sft-fixture",
-        "model": SFT_MODEL,
-        "output_dir": str(folder / "out"),
-        "seed": 1,
-        "stages": {
-            "sft": {
-                "data": {"task": "arithmetic", "split": "train", "n": 4000, "carry_mistake_rate": 0.6},
-                "train": {**SFT_TRAIN, "num_train_epochs": 2},
-            }
-        },
-    }
-    run_recipe(load_recipe(write_recipe(folder, recipe)))
-    return folder / "out" / "sft"
+    return train_sft_fixture(tmp_path_factory.mktemp("early-sft"), n=4000, epochs=2)
 
 
 # Within 10% of the answer: the early SFT policy passes this on some of one prompt's samples and fails others, so
