@@ -147,19 +147,10 @@ def prompts(tiny_model) -> list[str]:
 def train_sft_fixture(folder: Path, n: int, epochs: int) -> Path:
     """SFT_MODEL trained with SFT_TRAIN for `epochs` on `n` of the quickstart's imperfect demonstrations (60% of
     the sums that carry shown with the carry dropped), seed 1; returns the stage's output folder."""
-    from alignment.config.recipe import load_recipe
-    from alignment.run.runner import run_recipe
-
     data = {"task": "arithmetic", "split": "train", "n": n, "carry_mistake_rate": 0.6}
-    recipe = {
-        "name": "sft-fixture",
-        "model": SFT_MODEL,
-        "output_dir": str(folder / "out"),
-        "seed": 1,
-        "stages": {"sft": {"data": data, "train": {**SFT_TRAIN, "num_train_epochs": epochs}}},
-    }
-    run_recipe(load_recipe(write_recipe(folder, recipe)))
-    return folder / "out" / "sft"
+    stage = {"data": data, "train": {**SFT_TRAIN, "num_train_epochs": epochs}}
+    recipe, _, _ = run(folder, "sft", stage, model=SFT_MODEL)
+    return recipe.stage_dir("sft")
 
 
 @pytest.fixture(scope="session")
