@@ -106,9 +106,20 @@ def branching_run(tmp_path_factory):
     run["work_eval_left"] = (out / ".work" / "eval").exists()
     run["metrics"] = json.loads((out / "eval" / "metrics.json").read_text())
     run["weights"] = {s: weights(out / s) for s in ("sft", "a", "b")}
-    run["only_a"] = run_cli("run", path, "--jobs", "2", "--only", "a", "--no-eval", env={"OMP_NUM_THREADS": "2"})
-    run["rerun"] = run_cli("run", path, "--jobs", "2", env={"OMP_NUM_THREADS": "2"})  # nothing to train: scored again
+    # The reruns' parents run in this process (their stages and evaluations still run in child processes), on the
+    # two threads the first run's parent had: it gives each child its share of them.
+    run["only_a"] = run_here_on_two_threads("run", path, "--jobs", "2", "--only", "a", "--no-eval")
+    run["rerun"] = run_here_on_two_threads("run", path, "--jobs", "2")  # nothing to train: scored again
     return run
+
+
+def run_here_on_two_threads(*args):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return run_cli_here(*args)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_parallel_branches_train_the_same_weights_as_a_sequential_run(branching_run):
