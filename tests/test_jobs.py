@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -108,18 +109,21 @@ def branching_run(tmp_path_factory):
     run["weights"] = {s: weights(out / s) for s in ("sft", "a", "b")}
     # The reruns' parents run in this process (their stages and evaluations still run in child processes), on the
     # two threads the first run's parent had: it gives each child its share of them.
-    run["only_a"] = run_here_on_two_threads("run", path, "--jobs", "2", "--only", "a", "--no-eval")
-    run["rerun"] = run_here_on_two_threads("run", path, "--jobs", "2")  # nothing to train: scored again
+    with torch_threads(2):
+        run["only_a"] = run_cli_here("run", path, "--jobs", "2", "--only", "a", "--no-eval")
+        run["rerun"] = run_cli_here("run", path, "--jobs", "2")  # nothing to train: scored again
     return run
 
 
-def run_here_on_two_threads(*args):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+@contextlib.contextmanager
+def torch_threads(count: int):
+    """torch's CPU thread count set to `count` inside the block, and restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
-        return run_cli_here(*args)
+        yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def test_parallel_branches_train_the_same_weights_as_a_sequential_run(branching_run):
@@ -143,17 +147,13 @@ def test_parallel_branches_train_the_same_weights_as_a_sequential_run(branching_
     assert "[a] started in its own process (1 CPU thread)" in rerun.stdout  # alone, still on its share
     assert all(torch.equal(first["a"][k], v) for k, v in weights(out / "a").items())
 
-    threads = torch.get_num_threads()
     sequential_dir = tmp_path / "seq"
     seq_recipe = {**branching_run["recipe"], "name": "seq", "output_dir": str(sequential_dir)}
     sequential = load_recipe(write_recipe(tmp_path / "s", seq_recipe))
-    try:
-        torch.set_num_threads(2)  # sft: the whole machine
+    with torch_threads(2):  # sft: the whole machine
         run_recipe(sequential, only=["sft"])
-        torch.set_num_threads(1)  # the branches: each one's share of two threads
+    with torch_threads(1):  # the branches: each one's share of two threads
         run_recipe(sequential, only=["a", "b"])
-    finally:
-        torch.set_num_threads(threads)
     for stage in ("sft", "a", "b"):
         ours, reference = first[stage], weights(sequential_dir / stage)
         assert all(torch.equal(ours[k], reference[k]) for k in reference), stage
@@ -323,12 +323,8 @@ def test_evaluation_processes_hand_on_results_the_report_reuses_unchanged(branch
     assert sorted(parallel["checkpoints"]) == ["a", "b", "base", "sft"]
     assert parallel["checkpoints"]["sft"]["arith/kl"] == 0.0 and parallel["checkpoints"]["a"]["arith/kl"] != 0.0
 
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # what each evaluation process had
+    with torch_threads(1):  # what each evaluation process had
         alone = block.run_evaluate_block(load_recipe(path))  # a was retrained by the last rerun: the same weights
-    finally:
-        torch.set_num_threads(threads)
     assert alone == parallel["checkpoints"]
 
     rerun = branching_run["rerun"]
