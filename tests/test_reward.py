@@ -107,8 +107,8 @@ def test_reward_model_recipe_checks_sums_on_held_out_pairs(tmp_path, sft_checkpo
     schedule over the shorter run), from the SFT fixture: the body learns the digit check, >= 0.75 held-out
     pairwise accuracy on (correct, plausible mistake) pairs, where one learning rate for head and body stalls at
     0.6-0.75; score head changed. Measured: 0.908 and 0.850 (the reward model's seeds 1 and 2; one epoch gave
-    0.808 and 0.730, so two it stays). The whole
-    recipe is a benchmark, not a test (`align run recipes/arithmetic-reward-model.yaml`):
+    0.808 and 0.730, so two it stays). The whole recipe is a benchmark, not a test
+    (`align run recipes/arithmetic-reward-model.yaml`):
     0.988 from this fixture (+1 0.99, -1 0.96, +-10 0.99-1.0, swapped 1.0), 0.945 from the recipe's own SFT
     stage, in 7-12 minutes on 2 cores."""
     from alignment.config.data import DataSpec
