@@ -135,6 +135,12 @@ VERIFIER = {"verifier/arithmetic/scored": 100, "verifier/arithmetic/unparseable"
             ["not logged twice", "only 20% of prompts had a sample kept", "sampling.n", "sampling.max_new_tokens"],
         ),
         ("rsft", {**ROSE, "prompt_coverage": 0.9}, "ok", ["reward rose"]),
+        (
+            "rsft",
+            {**FLAT, "prompt_coverage": 0.6},
+            "flat",
+            ["did not move", "No counter explains it: compare the start and final policies' evaluation", "rounds"],
+        ),
     ],
 )
 def test_health_names_the_likely_cause_and_the_setting(kind, metrics, status, says):

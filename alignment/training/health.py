@@ -28,10 +28,15 @@ KL_STILL = {"rlvr": 1e-3, "ppo": 1e-2}
 
 # The settings to change, per stage kind.
 LENGTH_KEY = {"rlvr": "train.max_completion_length", "ppo": "rollout.max_new_tokens", "rsft": "sampling.max_new_tokens"}
-STEP_KEY = {
-    "rlvr": "train.learning_rate (or train.max_steps)",
-    "ppo": "train.learning_rate (or train.total_updates)",
-    "rsft": "train.learning_rate (or rounds)",
+STEP_KEY = {"rlvr": "train.learning_rate (or train.max_steps)", "ppo": "train.learning_rate (or train.total_updates)"}
+# What to try when the reward did not move and no counter explains it. rsft's reward is the mean score of each
+# round's samples at the sampling temperature, on fresh prompts, which can stay flat while greedy pass@1 rises; and
+# on the reasoning-gym recipe more rounds of fewer prompts gained where a higher learning rate lost
+# (docs/results.md#smollm2-on-reasoning-gym-tasks).
+NO_CAUSE_ADVICE = {
+    "rsft": "compare the start and final policies' evaluation first (this reward is the mean score of each "
+    "round's samples, which can stay flat while greedy pass@1 rises), then try more rounds of fewer prompts "
+    "(rounds, prompts_per_round) before a higher train.learning_rate, which overfits the policy's own answers",
 }
 
 
@@ -86,18 +91,22 @@ def health(kind: str, metrics: dict) -> tuple[str, str]:
     if status == "ok" and causes:
         status = "warn"
     if not causes:
-        tail = (
-            " Nothing in its counters looks wrong."
-            if status in ("ok", "unknown")
-            else (
-                " No counter explains it: try more steps or a higher learning rate "
-                f"({STEP_KEY.get(kind, 'train.learning_rate')}), or check the data's answers."
-            )
-        )
-        return status, f"Health ({kind}): {trend}.{tail}"
+        if status in ("ok", "unknown"):
+            return status, f"Health ({kind}): {trend}. Nothing in its counters looks wrong."
+        return status, f"Health ({kind}): {trend}. No counter explains it: {no_cause_advice(kind)}."
     first, *rest = causes
     more = (" Also: " + " ".join(c[0].upper() + c[1:] for c in rest)) if rest else ""
     return status, f"Health ({kind}): {trend}. Likely cause: {first}{more}"
+
+
+def no_cause_advice(kind: str) -> str:
+    """What to try when the reward did not move and no counter points at a cause."""
+    if kind in NO_CAUSE_ADVICE:
+        return NO_CAUSE_ADVICE[kind]
+    return (
+        f"try more steps or a higher learning rate ({STEP_KEY.get(kind, 'train.learning_rate')}), "
+        "or check the data's answers"
+    )
 
 
 def flags(kind: str, metrics: dict, status: str) -> list[str]:
