@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from alignment.evaluation import block
 from alignment.evaluation.handoff import Handoff
 from alignment.run import jobs, runner
 from alignment.run.runner import run_recipe
+from alignment.runtime.cpu import torch_threads
 
 TRAIN = {
     "num_train_epochs": 1,
@@ -113,17 +113,6 @@ def branching_run(tmp_path_factory):
         run["only_a"] = run_cli_here("run", path, "--jobs", "2", "--only", "a", "--no-eval")
         run["rerun"] = run_cli_here("run", path, "--jobs", "2")  # nothing to train: scored again
     return run
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    """torch's CPU thread count set to `count` inside the block, and restored after it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_parallel_branches_train_the_same_weights_as_a_sequential_run(branching_run):

@@ -7,6 +7,7 @@ AVX512_CORE_BF16 makes the answer no, as it makes oneDNN's kernels (how a test f
 `refuse_slow_bf16(config, where)` is the check stages run at `align check`: a sampling block's `dtype: bfloat16`
 or a `train: {bf16: true}` is refused on a machine without a GPU whose CPU lacks native bf16, where both run
 far slower than fp32 (measured: docs/performance.md); `warn_slow_bf16()` is the sampler's word at run time.
+`torch_threads(count)`: torch's CPU thread count set for a block and restored after it.
 Limits: on x86 a CPU counts only with AVX512-BF16 or AMX (one with AVX2-VNNI-2 or plain AVX-512, on which oneDNN
 converts bf16 to fp32, counts as without); on other architectures torch's own oneDNN check is the answer.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -77,9 +79,8 @@ def matmul_rates(batch: int = 8, fan_in: int = 512, fan_out: int = 512, seconds:
     """GFLOP/s of a [batch, fan_in] x [fan_in, fan_out] product in fp32 and in bf16 on one thread here: a decode
     step's shape, each type's rate the best of 3 windows of `seconds` (at least one product each) after a warm-up.
     One thread, as threads that wait on each other on a busy machine would time the waiting, not the kernel."""
-    threads, rates = torch.get_num_threads(), {}
-    torch.set_num_threads(1)
-    try:
+    rates = {}
+    with torch_threads(1):
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             a, w = torch.randn(batch, fan_in, dtype=dtype), torch.randn(fan_in, fan_out, dtype=dtype)
             torch.matmul(a, w)
@@ -91,9 +92,18 @@ def matmul_rates(batch: int = 8, fan_in: int = 512, fan_out: int = 512, seconds:
                     runs += 1
                 best = min(best, (time.perf_counter() - start) / runs)
             rates[name] = 2 * batch * fan_in * fan_out / best / 1e9
-    finally:
-        torch.set_num_threads(threads)
     return rates
+
+
+@contextmanager
+def torch_threads(count: int):
+    """torch's CPU thread count set to `count` inside the block, and restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def slow_bf16() -> str | None:
