@@ -566,15 +566,18 @@ def flaky(completion, answer):
 @pytest.mark.slow
 def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint):
     """`my_verifiers:lucky_seven` (a file next to the recipe) rewards answers ending in 7: a behaviour
-    the policy can learn in a few steps, so its logged reward must rise. At 1e-3: the SFT fixture is sure of its
-    answers (entropy ~0.15, 80-100% of the groups score alike), and at 1e-4 twenty steps left the reward flat;
-    at 1e-3 it rose by 0.22 to 0.73 (first to last three logs, seeds 1-4, one thread, AMD EPYC with AVX2)."""
+    the policy can learn in a few steps, so its logged reward must rise. The SFT fixture is sure of its answers
+    (entropy ~0.15): 85-95% of its groups score alike and give GRPO nothing, so without `dynamic_sampling` twenty
+    steps at 1e-3 moved the reward by +0.02 to +0.50 by seed (seeds 1-3, one thread, AMD EPYC with AVX-512); with
+    flat groups dropped and refilled (up to three draws a batch) it rose by 0.20, 0.32 and 0.27 (first to last three
+    logs; TRL logs every draw's rewards, so the rise is the policy's, not the selection's)."""
     (tmp_path / "my_verifiers.py").write_text(textwrap.dedent(MY_VERIFIERS))
     stage = {
         "model": str(sft_checkpoint),
         "lora": None,
         "data": {"task": "arithmetic", "split": "train", "n": 500},
         "verifiers": [{"name": "my_verifiers:lucky_seven", "options": {"digit": "7"}}],
+        "dynamic_sampling": {"max_draws": 3},
         "train": {
             "max_steps": 20,
             "num_generations": 8,
@@ -587,7 +590,9 @@ def test_custom_verifier_next_to_recipe_drives_training(tmp_path, sft_checkpoint
     _, result, history = run(tmp_path, "rlvr", {**FAST, **stage})
     key = "rewards/my_verifiers:lucky_seven/mean"  # TRL logs each reward function under its __name__
     means = [h[key] for h in history if key in h]
-    assert len(means) == 10 and result["metrics"]["verifier/my_verifiers:lucky_seven/scored"] == 20 * 64
+    metrics = result["metrics"]
+    assert len(means) == 10 and metrics["dynamic_sampling/batches"] == 20
+    assert metrics["verifier/my_verifiers:lucky_seven/scored"] == metrics["dynamic_sampling/draws"] * 64 > 20 * 64
     assert sum(means[-3:]) / 3 > sum(means[:3]) / 3 + 0.05
 
 
