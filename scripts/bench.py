@@ -5,8 +5,8 @@
     python scripts/bench.py --size 0.5b --json bench.json   # GPU: random-init Qwen2.5-0.5B shape, no download
     python scripts/bench.py --size 0.5b --sections ppo --set seq=128 batch=2 updates=1   # that shape, small, on CPU
 
-Sections (`--sections rollout,static,sft,dpo,ppo,decode`, the default; `vllm` on request): one module each in
-scripts/benchmarks/, whose docstring says what it measures. Each result records peak memory (GPU:
+Sections (`--sections rollout,static,sft,dpo,ppo,decode`, the default; `vllm` and `async` on request): one module
+each in scripts/benchmarks/, whose docstring says what it measures. Each result records peak memory (GPU:
 torch.cuda.max_memory_allocated over the section; CPU: the process's peak resident set so far, so compare CPU
 sections run one per process: `--sections ppo`) and, on a GPU, MFU against `--peak-tflops`.
 Models are random-init with the character tokenizer; sequences are synthetic text of fixed length.
@@ -16,12 +16,14 @@ This file is the command line: the sizes, the options, and the sections run in o
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: the sections' package beside this file
+from benchmarks.async_ppo import bench_async
 from benchmarks.decode import bench_decode
 from benchmarks.dpo import bench_dpo
 from benchmarks.models import build_model, smollm2_checkpoint
@@ -42,6 +44,7 @@ RECIPE_SHAPES = [("evaluation", 64, 1, 0.0, 128, 64), ("rollouts", 8, 8, 1.0, 12
 # batches of fixed rows).
 LARGE_SHAPES = [("evaluation-large", 128, 1, 0.0, 128, 64), ("rollouts-large", 32, 8, 1.0, 128, 64)]
 
+SECTIONS = ("rollout", "static", "sft", "dpo", "ppo", "vllm", "async", "decode")  # in the order they run
 SIZES = {
     "micro": dict(
         decode=[("evaluation", 4, 1, 0.0, 8, 4), ("rollouts", 2, 2, 1.0, 8, 4)],
@@ -125,6 +128,17 @@ def shapes_arg(value: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"{value!r}: expected BATCHxNEW_TOKENS[,...], e.g. 64x32,256x128") from None
 
 
+def staleness_arg(value: str) -> list[int]:
+    """`--staleness 0,1,2`: whole numbers from 0 up."""
+    try:
+        values = [int(k) for k in value.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected whole numbers from 0 up, comma-separated (0,1,2)")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="tiny")
@@ -152,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="64x32,64x128,256x32,256x128",
         type=shapes_arg,
         help="BATCHxNEW_TOKENS,... of the vllm section",
+    )
+    parser.add_argument(
+        "--async-updates", type=int, default=12, help="async section: PPO updates of each run (the same for all)"
+    )
+    parser.add_argument(
+        "--staleness",
+        default="0,1,2",
+        type=staleness_arg,
+        help="async section: the server runs' async.max_staleness values, comma-separated",
     )
     parser.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vLLM engine's KV cache (GiB)")
     parser.add_argument("--vllm-max-len", type=int, default=512, help="the vLLM engine's max_model_len")
@@ -207,8 +230,17 @@ def settings(parser: argparse.ArgumentParser, args) -> tuple[dict, list[str]]:
         size["decode"] = [known[name] for name in args.shapes.split(",")]
     real = size.get("real")
     sections = (args.sections or ("decode" if real else "rollout,static,sft,dpo,ppo,decode")).split(",")
-    if real and set(sections) - {"decode", "vllm"}:
-        parser.error(f"--size {args.size} runs the decode and vllm sections only (the others build random-init shapes)")
+    if unknown := [name for name in sections if name not in SECTIONS]:
+        parser.error(f"--sections {','.join(unknown)}: not a section; known: {', '.join(SECTIONS)}")
+    if {"vllm", "async"} & set(sections) and importlib.util.find_spec("vllm") is None:
+        parser.error(
+            "the vllm and async sections need vLLM, which this python lacks: run the bench with the python that "
+            "`bash scripts/vllm_env.sh` prints on its last line"
+        )
+    if real and set(sections) - {"decode", "vllm", "async"}:
+        parser.error(
+            f"--size {args.size} runs the decode, vllm and async sections only (the others build random-init shapes)"
+        )
     return size, sections
 
 
@@ -238,6 +270,8 @@ def run_sections(args, size: dict, sections: list[str]) -> list[dict]:
             results += bench_ppo(model_dir, size, args, work)
         if "vllm" in sections:
             results += bench_vllm(model_dir, size, args)
+        if "async" in sections:
+            results += bench_async(model_dir, args, work)
         if "decode" in sections:
             results += bench_decode(model_dir, size, args)
     return results

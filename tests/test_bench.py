@@ -132,6 +132,30 @@ def test_bench_shapes_picks_decode_shapes_and_names_an_unknown_one(capsys):
     assert exit_info.value.code == 2 and "--rounds 0: expected at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sections", "decode,roll"], "--sections roll: not a section; known: rollout,"),
+        (["--staleness", "1,x"], "--staleness: '1,x': expected whole numbers from 0 up"),
+        (["--staleness", "-1"], "--staleness: '-1': expected whole numbers from 0 up"),
+        (["--size", "smollm2", "--sections", "sft"], "--size smollm2 runs the decode, vllm and async sections only"),
+    ],
+)
+def test_bench_names_a_bad_option_before_building_anything(argv, message, capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_async_section_without_vllm_points_at_its_environment(monkeypatch, capsys):
+    bench = load_bench()
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--size", "micro", "--sections", "async"])
+    assert exit_info.value.code == 2 and "bash scripts/vllm_env.sh" in capsys.readouterr().err
+
+
 def test_a_warm_up_takes_the_timed_calls_path(monkeypatch):
     """Short, but long enough to prepack bf16 weights where the timed call does, so that kernel is warm too."""
     import alignment.sampling as sampling

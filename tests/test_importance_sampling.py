@@ -385,8 +385,7 @@ def test_ppo_with_unit_weights_trains_exactly_as_without_the_correction(tmp_path
     monkeypatch.setattr(ppo, "importance_weights", lambda t, s, m, *a: exact(t, t, m, *a))
     weighted, _, _, weighted_weights = ppo_history(tmp_path / "is", tiny_model, importance_sampling={})
     assert [e["is_ratio_mean"] for e in weighted] == [1.0] * len(weighted)
-    timing = ("rollout_tokens_per_s", "train_tokens_per_s")
-    drop = lambda e: {k: v for k, v in e.items() if not k.startswith(("is_", "sampler_")) and k not in timing}  # noqa: E731
+    drop = lambda e: {k: v for k, v in e.items() if not k.startswith(("is_", "sampler_")) and k not in ppo.TIMING_KEYS}  # noqa: E731
     assert [drop(e) for e in weighted] == [drop(e) for e in plain]
     assert weighted_weights.keys() == plain_weights.keys()
     assert all(torch.equal(weighted_weights[k], plain_weights[k]) for k in plain_weights)

@@ -195,6 +195,7 @@ def test_update_seeds_are_distinct_per_update_and_process():
 
 def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
     from alignment.models.loading import load_policy
+    from alignment.stages.ppo import TIMING_KEYS
 
     path = tiny_ppo_recipe(
         tmp_path,
@@ -221,8 +222,7 @@ def test_full_finetuning_run_with_verifier_reward(tmp_path, tiny_model):
         "response_length",
         "eos_fraction",
         "non_score_reward",
-        "rollout_tokens_per_s",
-        "train_tokens_per_s",
+        *TIMING_KEYS,
         "verifier/my_rewards:brevity",
     ):
         assert key in history[-1], key

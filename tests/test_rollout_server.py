@@ -170,15 +170,15 @@ def test_async_zero_is_todays_loop_bit_for_bit(tmp_path, tiny_model):
 
     from alignment.config.recipe import load_recipe
     from alignment.run.runner import run_recipe
+    from alignment.stages.ppo import TIMING_KEYS
 
     runs = {}
     for name, stage in (("plain", {}), ("async0", {"async": {"max_staleness": 0}})):
         run_recipe(load_recipe(tiny_ppo_recipe(tmp_path / name, tiny_model, **stage)))
         out = tmp_path / name / "out" / "ppo"
         history = json.loads((out / "log_history.json").read_text())
-        timing = ("rollout_tokens_per_s", "train_tokens_per_s")
         runs[name] = (
-            [{k: v for k, v in e.items() if k not in timing} for e in history],
+            [{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in history],
             trainable_digest(out / "model.safetensors"),
         )
     (plain, plain_weights), (async0, async0_weights) = runs["plain"], runs["async0"]

@@ -82,6 +82,8 @@ UPDATE_STRIDE = 1_009
 SCORE_STD_EPS = 1e-8  # added to the score's standard deviation before dividing by it (reward_norm)
 MIN_SECONDS = 1e-9  # the smallest time a tokens/s rate divides by
 METRIC_DIGITS = 6  # decimals kept of each logged float
+# The logged keys that measure time, not training: they differ between runs that train alike.
+TIMING_KEYS = ("rollout_tokens_per_s", "train_tokens_per_s", "update_seconds", "sample_seconds")
 BEST_POLICY = "best_policy.pt"  # early_stop's kept policy state, in a loop checkpoint
 LOG_KEYS = [
     "score",
@@ -402,6 +404,7 @@ class PPOLoop:
         """One rollout and its training; None when `early_stop` ends the run at this rollout (not trained on).
         Randomness is reseeded first (`update_seed`), so any update samples and trains the same resumed or not."""
         set_seed(update_seed(self.ctx.seed, self.update, self.accelerator.process_index))
+        update_started = time.time()
         rollout, rollout_stats = self.rollout()
         if self.watch is not None and self.watch_gold(rollout_stats):
             return None
@@ -411,6 +414,11 @@ class PPOLoop:
         stats.update(self.train_on(rollout))
         train_time = time.time() - started
         entry = self.metrics(rollout, rollout_stats, stats, train_time)
+        # Wall seconds of this update on this process (rollout, scoring, training): 60 / update_seconds is the
+        # updates a minute that `async:` is measured by; sample_seconds is the part spent waiting for samples.
+        entry.update(
+            update_seconds=round(time.time() - update_started, 3), sample_seconds=round(rollout_stats.sample_seconds, 3)
+        )
         self.kl_controller.update(entry["kl"], self.config.rollout.batch_size * self.accelerator.num_processes)
         return entry
 
