@@ -170,3 +170,15 @@ def test_a_warm_up_takes_the_timed_calls_path(monkeypatch):
     for new_tokens in (4, 32, hf.PREPACK_MIN_NEW_TOKENS, 512):
         warm_up(None, None, ["p"] * 9, SamplingSpec(max_new_tokens=new_tokens))
     assert asked == [4, 8, hf.PREPACK_MIN_NEW_TOKENS, hf.PREPACK_MIN_NEW_TOKENS]
+
+
+def test_bench_async_run_that_fails_carries_its_output_into_the_error(tmp_path):
+    """The async section runs each stage as `align run` in a temporary folder, gone when the error is read: the
+    error must carry the end of the run's output (here, the recipe's unknown key)."""
+    load_bench()
+    from benchmarks.async_ppo import align_run
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: x\nmodel: {{tiny: {{}}}}\noutput_dir: {tmp_path}/out\nstages: {{sft: {{bogus: 1}}}}\n")
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(exit 2\); its output ends:.*bogus"):
+        align_run(recipe, None)

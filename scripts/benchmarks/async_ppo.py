@@ -90,15 +90,18 @@ def recipe(folder: Path, model: Path, stages: dict, evaluate: bool) -> Path:
 
 def align_run(path: Path, cores: list[int] | None, *args: str) -> None:
     """`align run PATH` in a process of its own, bound to `cores` (every core of this process when None) with
-    as many threads; its output in run.log beside the recipe, named in the error when it fails."""
+    as many threads; its output in run.log beside the recipe, whose tail the error carries when it fails (the bench's
+    temporary folder is gone by the time the error is read)."""
     command = [sys.executable, "-m", "alignment", "run", str(path), *args]
     if cores is not None:
         command = ["taskset", "-c", ",".join(map(str, cores)), *command]
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores or os.sched_getaffinity(0)))}
     log = path.parent / "run.log"
     with log.open("w") as out:
-        if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode:
-            raise RuntimeError(f"async section: `{' '.join(command)}` failed; its output: {log}")
+        failed = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+    if failed:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"async section: `{' '.join(command)}` failed (exit {failed}); its output ends:\n{tail}")
 
 
 def measured(folder: Path, variant: str) -> dict:
@@ -107,17 +110,17 @@ def measured(folder: Path, variant: str) -> dict:
     history = json.loads((out / "ppo" / "log_history.json").read_text())
     stage = json.loads((out / "ppo" / "stage.json").read_text())
     pass_at_1 = json.loads((out / "eval" / "metrics.json").read_text())["checkpoints"]["ppo"]["arithmetic/pass@1"]
-    seconds = [entry["update_seconds"] for entry in history[1:]] or [history[0]["update_seconds"]]
+    steady = history[1:] or history  # the first update also fills the pipeline
     return {
         "section": "async",
         "variant": f"{variant} (pass@1 {pass_at_1:.2f})",
-        "rate": round(60 / statistics.mean(seconds), 2),
+        "rate": round(60 / statistics.mean(entry["update_seconds"] for entry in steady), 2),
         "unit": "updates/min",
         "peak_mib": stage["peak_rss_mib"],
         "seconds": stage["wall_time_s"],
         "mfu": None,
         "pass_at_1": pass_at_1,
-        "sample_seconds": round(statistics.mean(entry["sample_seconds"] for entry in history[1:] or history), 3),
+        "sample_seconds": round(statistics.mean(entry["sample_seconds"] for entry in steady), 3),
         "policy_lag": history[-1].get("policy_lag", 0.0),
     }
 
