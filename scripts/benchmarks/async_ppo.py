@@ -3,14 +3,15 @@ updates a minute with the rollouts sampled in the trainer's process, then on `ro
 server on 127.0.0.1) synchronously (`async: {max_staleness: 0}`) and with sampling ahead (`max_staleness: k` for
 each k of `--staleness`), and the held-out greedy pass@1 each policy reaches after the same number of updates.
 
-The policy: one SFT stage on arithmetic (640 rows, one epoch, LoRA r 16) shared by every run, then `--async-updates`
-PPO updates of 32 prompts x 8 new tokens, the arithmetic verifier as the reward, from the same seed; `importance_
-sampling: {cap: 5}` under every server run (sequence-level truncated IS corrects the staleness and the sampler's
-numerics). Each run is `align run` in a process of its own. On a CPU with two or more cores the server's threads are
-bound to the first core (`vllm.server_cpus`) and the trainer to the others (taskset, OMP_NUM_THREADS), so that the
-overlap is between two processes that do not share a core; the in-process run gets every core. updates/min is 60 over
-the mean `update_seconds` of the updates after the first (the first also fills the pipeline); the row's seconds are
-the stage's whole wall time, server start included, its peak the trainer's resident set (`stage.json`).
+The policy: recipes/smollm2-135m/arithmetic.yaml's SFT stage (640 rows, one epoch, LoRA r 16) shared by every run,
+then `--async-updates` updates of that recipe's PPO stage (32 prompts x 8 new tokens) with the arithmetic verifier as
+its only reward, from the same seed; `importance_sampling: {cap: 5}` under every server run (sequence-level
+truncated IS corrects the staleness and the sampler's numerics). Each run is `align run` in a process of its own. On
+a CPU with two or more cores the server's threads are bound to the first core (`vllm.server_cpus`) and the trainer to
+the others (taskset, OMP_NUM_THREADS), so that the overlap is between two processes that do not share a core; the
+in-process run gets every core. updates/min is 60 over the mean `update_seconds` of the updates after the first (the
+first also fills the pipeline); the row's seconds are the stage's whole wall time, server start included, its peak
+the trainer's resident set (`stage.json`).
 """
 
 from __future__ import annotations
@@ -24,19 +25,10 @@ from pathlib import Path
 
 import yaml
 
-ROLLOUT = {"batch_size": 32, "max_new_tokens": 8, "temperature": 1.0}
-SFT = {
-    "data": {"task": "arithmetic", "split": "train", "n": 640, "phrasing": "chat"},
-    "train": {
-        "num_train_epochs": 1,
-        "per_device_train_batch_size": 16,
-        "learning_rate": 3.0e-3,
-        "lr_scheduler_type": "cosine",
-        "warmup_steps": 4,
-        "max_length": 96,
-        "logging_steps": 5,
-    },
-}
+# The SmolLM2 arithmetic recipe's blocks, read from it so that the bench measures the shipped shapes.
+RECIPE = yaml.safe_load(
+    (Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m" / "arithmetic.yaml").read_text()
+)
 SUITE = {
     "name": "arithmetic",
     "data": {"task": "arithmetic", "split": "test", "n": 100, "phrasing": "chat"},
@@ -46,23 +38,15 @@ SUITE = {
 
 
 def ppo_stage(policy: Path, updates: int, staleness: int | None, engine: dict) -> dict:
-    """The PPO stage: in the trainer's process (`staleness` None) or on a local server with `async` at `staleness`."""
+    """The recipe's PPO stage from `policy` for `updates` updates, the arithmetic verifier its only reward (no reward
+    model to train first): in the trainer's process (`staleness` None) or on a local server with `async` at it."""
+    ppo = RECIPE["stages"]["ppo"]
     stage = {
+        **{key: value for key, value in ppo.items() if key != "reward_model"},
         "policy": str(policy),
         "verifiers": ["arithmetic"],
-        "data": {"task": "arithmetic", "split": "train", "n": 4000, "limit": 512, "phrasing": "chat"},
-        "kl_coef": 0.05,
-        "rollout": dict(ROLLOUT),
-        "train": {
-            "total_updates": updates,
-            "mini_batch_size": 16,
-            "ppo_epochs": 2,
-            "learning_rate": 3.0e-4,
-            "warmup_steps": 2,
-            "lr_scheduler_type": "cosine",
-            "critic_learning_rate": 1.0e-3,
-            "logging_steps": 1,
-        },
+        "rollout": dict(ppo["rollout"]),
+        "train": {**ppo["train"], "total_updates": updates},
     }
     if staleness is not None:
         stage["rollout"].update(server="local", vllm=engine)
@@ -78,7 +62,7 @@ def recipe(folder: Path, model: Path, stages: dict, evaluate: bool) -> Path:
         "model": str(model),
         "output_dir": str(folder / "out"),
         "seed": 1,
-        "lora": {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"},
+        "lora": RECIPE["lora"],
         "stages": stages,
     }
     if evaluate:
@@ -128,11 +112,11 @@ def measured(folder: Path, variant: str) -> dict:
 def bench_async(model_dir: Path, args, work: Path) -> list[dict]:
     """In-process sampling, then the server at each staleness of `args.staleness`; rows printed as they come."""
     cores = sorted(os.sched_getaffinity(0))
-    server_cores, trainer_cores = (cores[:1], cores[1:]) if len(cores) > 1 else (None, None)
     engine = {"kv_cache_gib": args.vllm_kv_gib, "max_model_len": args.vllm_max_len}
-    if server_cores:
-        engine["server_cpus"] = str(server_cores[0])
-    sft = recipe(work / "async-sft", model_dir, {"sft": SFT}, evaluate=False)
+    trainer_cores = None  # one core: server and trainer share it
+    if len(cores) > 1:
+        engine["server_cpus"], trainer_cores = str(cores[0]), cores[1:]
+    sft = recipe(work / "async-sft", model_dir, {"sft": RECIPE["stages"]["sft"]}, evaluate=False)
     align_run(sft, None, "--no-eval")
     policy = work / "async-sft" / "out" / "sft"
     runs = [("in process, every core", None, None)] + [
