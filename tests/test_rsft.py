@@ -122,6 +122,8 @@ def test_kl_coef_log_probs_are_the_samplers_at_temperature_1_and_a_re_score_othe
         ({"eval_data": {"task": "arithmetic", "split": "test", "n": 4}}, "'eval_data' is not used by rsft"),
         ({"kl_coef": 0.1, "select": "threshold", "threshold": 0.0}, "'kl_coef' ranks candidates"),
         ({"kl_coef": -0.1}, "kl_coef"),
+        ({"verifiers": [], "reward_model": "x", "max_pass_rate": 0.5}, "'max_pass_rate' needs verifiers"),
+        ({"max_pass_rate": 1.0}, "max_pass_rate"),
     ],
 )
 def test_config_errors(tmp_path, stage, message):
@@ -165,6 +167,21 @@ def test_round_writes_selected_data_and_metrics(tmp_path, early_sft_checkpoint):
     assert (out / "model.safetensors").exists() and not (out / "adapter").exists()  # 2 rounds: merged only
     history = json.loads((out / "log_history.json").read_text())
     assert [h["round"] for h in history if "rsft/acceptance_rate" in h] == [1, 2]
+
+
+def test_max_pass_rate_leaves_prompts_the_policy_mostly_solves_out_of_the_round(tmp_path, early_sft_checkpoint):
+    """The same samples (same seed) with and without `max_pass_rate`: the filtered round keeps the plain round's
+    rows except those of prompts passing in more than half their samples, and counts them."""
+    near = [{"name": "numeric", "options": {"tolerance": 0.1}}]  # the fixture passes some of a prompt's samples
+    stage = {**FAST, "model": str(early_sft_checkpoint), "verifiers": near, "select": "best_of_n", "threshold": None}
+    stage["data"] = {**FAST["data"], "n": 32}
+    rows = {}
+    for name, extra in [("plain", {}), ("filtered", {"max_pass_rate": 0.5})]:
+        recipe, result, _ = run(tmp_path / name, "rsft", {**stage, **extra})
+        rows[name] = (recipe.stage_dir("rsft") / "selected_round1.jsonl").read_text().splitlines()
+    skipped = result["metrics"]["round1/solved_skipped"]
+    assert 0 < skipped < len(rows["plain"])  # the fixture solves some prompts most of the time, not all
+    assert set(rows["filtered"]) <= set(rows["plain"]) and len(rows["filtered"]) == len(rows["plain"]) - skipped
 
 
 def test_gold_is_scored_on_every_sample_and_never_selects(tmp_path):

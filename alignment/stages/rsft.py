@@ -191,7 +191,7 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     )
     del model
     scored = scorer([batch[s.prompt_index] for s in samples], [prompts[s.prompt_index] for s in samples], samples)
-    selected, sources, covered = [], [], 0  # sources: each selected sample's row, for its gold score
+    selected, sources, covered, solved = [], [], 0, 0  # sources: each selected sample's row, for its gold score
     for i, prompt in enumerate(prompts):
         group = [
             {
@@ -207,6 +207,9 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
             group, cfg.select, cfg.k, cfg.threshold, by_verifier=bool(cfg.verifiers), kl_coef=cfg.kl_coef
         )
         covered += bool(kept)
+        if kept and cfg.max_pass_rate is not None and sum(c["passed"] for c in group) > cfg.max_pass_rate * len(group):
+            solved += 1  # already answered most of the time: no row this round
+            continue
         selected += [
             {
                 "round": round_index,
@@ -230,6 +233,8 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
         "selected_mean_score": sum(s["score"] for s in selected) / len(selected) if selected else 0.0,
         "unfinished_rate": sum(not s.finished for s in samples) / n,
     }
+    if cfg.max_pass_rate is not None:
+        stats["solved_skipped"] = solved
     if cfg.verifiers:
         stats["pass_rate"] = sum(s["passed"] for s in scored) / n
     if token_rows_of:  # what the rollouts did with their tools, per sample
@@ -253,7 +258,9 @@ def sample_and_select(ctx: StageContext, round_index: int, policy: str, tokenize
     log.info(
         f"[{ctx.where}] round {round_index}: kept {len(selected)} of {len(samples)} samples "
         f"(acceptance {stats['acceptance_rate']:.2f}, prompts covered {stats['prompt_coverage']:.2f}, "
-        f"mean score {stats['mean_score']:.3f})"
+        f"mean score {stats['mean_score']:.3f}"
+        + (f"; {solved} prompts passing above max_pass_rate skipped" if cfg.max_pass_rate is not None else "")
+        + ")"
     )
     return selected, stats
 
@@ -418,6 +425,7 @@ def stage_result(records: list[dict], rewards) -> dict:
                     "pass_rate",
                     "selected",
                     "prompt_coverage",
+                    "solved_skipped",
                     "rows_truncated",
                     "tool_call_rate",
                     *COUNTS,

@@ -67,6 +67,15 @@ class Config(StageConfig, ToolUse):
         description="prompts sampled per round, consecutive slices of the "
         "data wrapping around; default: every prompt, every round",
     )
+    max_pass_rate: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="with verifiers: a prompt whose samples pass at a higher rate than this in a round gives that "
+        "round no training row (counted as `solved_skipped`). The policy already answers such a prompt, and "
+        "training on its answer sharpens what greedy decoding gets right anyway; the round trains on the prompts "
+        "it still gets wrong some of the time. Default: every covered prompt gives its selection",
+    )
     sampling: RsftSampling = Field(default_factory=RsftSampling, description="how each round samples (n per prompt)")
     select: Literal["best_of_n", "top_k", "threshold"] = Field(
         "best_of_n",
@@ -104,6 +113,11 @@ class Config(StageConfig, ToolUse):
             raise ValueError(
                 "'kl_coef' ranks candidates, and select: threshold keeps every one above the threshold "
                 "whatever its rank; use best_of_n or top_k"
+            )
+        if self.max_pass_rate is not None and self.reward_model is not None:
+            raise ValueError(
+                "'max_pass_rate' needs verifiers (a sample passes when every verifier passes it); a reward "
+                "model's scores have no pass rate"
             )
         if self.kl_coef and self.uses_tools:
             raise ValueError(
