@@ -74,7 +74,8 @@ class Config(StageConfig, ToolUse):
         description="with verifiers: a prompt whose samples pass at a higher rate than this in a round gives that "
         "round no training row (counted as `solved_skipped`). The policy already answers such a prompt, and "
         "training on its answer sharpens what greedy decoding gets right anyway; the round trains on the prompts "
-        "it still gets wrong some of the time. Default: every covered prompt gives its selection",
+        "it still gets wrong some of the time, at the cost of the rows that keep what it knows in place (measured in "
+        "docs/tuning.md#rsft). Default: every covered prompt gives its selection",
     )
     sampling: RsftSampling = Field(default_factory=RsftSampling, description="how each round samples (n per prompt)")
     select: Literal["best_of_n", "top_k", "threshold"] = Field(
