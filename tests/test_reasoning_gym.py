@@ -80,7 +80,7 @@ def test_train_and_held_out_rows_never_share_a_question_and_are_reproducible(tra
 
 def test_each_build_logs_its_shares_and_the_rows_no_demonstration_can_be_given(logged):
     task.build(params(n=6), "test", 1)  # exact shares 1.5, 3, 1.5: the tie's extra row goes to the first
-    assert "reasoning_gym (held-out questions): leg_counting 2, spell_backward 3, basic_arithmetic 1" in logged()
+    assert "reasoning_gym (test questions): leg_counting 2, spell_backward 3, basic_arithmetic 1" in logged()
     puzzles = task.build(params(tasks={"rush_hour": 1}, n=2), "train", 1)  # solutions are checked, not compared
     assert all(r["answer"] is None and r["completion"] is None for r in puzzles)
     assert "2 rows without a reference answer (no `completion`)" in logged()

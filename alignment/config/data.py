@@ -40,8 +40,9 @@ class DataSpec(Strict):
         "train",
         description="split of a hub dataset; in a local folder, the files named after it "
         "(`train_sft.jsonl`, `train_sft-00000-of-00001.parquet`); a single local file holds one split "
-        "(`train` or the file's own name, anything else is an error); a task gives its held-out "
-        "problems for `test`, `validation`, `eval` or `heldout` and its training problems otherwise",
+        "(`train` or the file's own name, anything else is an error); a task gives its test problems for "
+        "`test`, `eval` or `heldout`, its validation problems for `validation` (with the task's "
+        "`validation_fraction`) and its training problems otherwise",
     )
     format: str | None = Field(
         None,

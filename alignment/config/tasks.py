@@ -12,7 +12,29 @@ from ..errors import UserError
 from .base import Strict, did_you_mean
 
 
-class ArithmeticParams(Strict):
+class SplitBands(Strict):
+    """The validation band shared by the generated tasks (alignment/tasks/splits.py)."""
+
+    validation_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="share of all problems (by a hash of the problem's text) reserved for the `validation` split, "
+        "disjoint from the test and training problems: settings chosen on it are chosen on problems the test split "
+        "never scores; 0: no validation split (the training problems are then those outside the test share)",
+    )
+
+    @model_validator(mode="after")
+    def _bands_leave_training_problems(self):
+        if self.test_fraction + self.validation_fraction >= 1:
+            raise ValueError(
+                f"test_fraction {self.test_fraction} + validation_fraction {self.validation_fraction} leave no "
+                "training problems: their sum must be below 1"
+            )
+        return self
+
+
+class ArithmeticParams(SplitBands):
     """Keys of `data: {task: arithmetic, ...}` (alignment/tasks/arithmetic.py builds the rows)."""
 
     n: int = Field(1000, gt=0, description="number of rows")
@@ -48,7 +70,7 @@ class ArithmeticParams(Strict):
     )
 
 
-class ToolArithmeticParams(Strict):
+class ToolArithmeticParams(SplitBands):
     """Keys of `data: {task: tool_arithmetic, ...}` (alignment/tasks/tool_arithmetic.py builds the rows):
     products too long to multiply by heart, demonstrated with and without a calculator call."""
 
@@ -98,7 +120,7 @@ class ReasoningGymTask(Strict):
         return self
 
 
-class ReasoningGymParams(Strict):
+class ReasoningGymParams(SplitBands):
     """Keys of `data: {task: reasoning_gym, ...}` (alignment/tasks/reasoning_gym.py builds the rows): problems
     from reasoning-gym's generators, one task or a weighted mix. Needs `pip install -e ".[tasks]"`."""
 

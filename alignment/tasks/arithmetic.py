@@ -1,9 +1,9 @@
 """Seeded arithmetic problems ("What is 37+48?") with a verifier: the offline task of the quickstart.
 
-Problems are split into disjoint train / test sets by a hash of the problem itself, so a held-out
-problem never appears in training data whatever `n` and seed are. Each row carries every format a
-stage may need: `prompt`/`completion` (SFT), `answer` (RL and verifiers), `chosen`/`rejected`
-(preference pairs; rejected is a plausible mistake), and `messages` with `format: messages`.
+Problems are split into disjoint train / validation / test sets by a hash of the problem itself
+(alignment/tasks/splits.py), so a held-out problem never appears in training data whatever `n` and seed are.
+Each row carries every format a stage may need: `prompt`/`completion` (SFT), `answer` (RL and verifiers),
+`chosen`/`rejected` (preference pairs; rejected is a plausible mistake), and `messages` with `format: messages`.
 `style: sycophancy` states a wrong answer as the user's belief to measure sycophancy;
 `sycophancy_fraction` mixes such prompts (with the correct answer) into training data.
 `phrasing: chat` asks the way one asks an instruct model ("What is 37 + 48? Answer with just the number.");
@@ -14,19 +14,14 @@ Answers are read by `final_answer`, which never takes the problem restated for a
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Any
 
 from ..config.tasks import ArithmeticParams
+from .splits import band, band_of
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-
-
-def _is_test_problem(a: int, op: str, b: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < fraction
 
 
 def plausible_mistake(a: int, op: str, b: int, rng: random.Random) -> int:
@@ -52,14 +47,15 @@ def _operand(rng: random.Random, digits: int | tuple[int, int]) -> int:
 
 
 def build(params: ArithmeticParams, split: str, seed: int) -> list[dict]:
-    """`params.n` rows of the `train` or `test` split, deterministic in (params, split, seed).
+    """`params.n` rows of the split (`train`, `test` or `validation`), deterministic in (params, split, seed); drawn
+    with replacement, so a split can hold a problem more than once.
 
     `carry_mistake_rate` makes the demonstrations (`completion`, `messages`) imperfect the way a human
     demonstrator is: that share of problems whose units digits carry is demonstrated with the carry dropped
     (37+48 -> 75). A policy that imitates them learns the mistake as its most likely answer on those
     problems, while `answer`, `chosen` and the verifier stay correct: what the reward-driven stages can
     recover and imitation cannot."""
-    want_test = split in ("test", "validation", "eval", "heldout")
+    wanted = band_of(split, "arithmetic", params.validation_fraction)
     rng = random.Random(f"{seed}-{split}")
     rows = []
     for _ in range(params.n * 1000):
@@ -67,7 +63,7 @@ def build(params: ArithmeticParams, split: str, seed: int) -> list[dict]:
             break
         a, b = _operand(rng, params.digits), _operand(rng, params.digits)
         op = rng.choice(params.operators)
-        if _is_test_problem(a, op, b, params.test_fraction) != want_test:
+        if band(f"{a}{op}{b}", params.test_fraction, params.validation_fraction) != wanted:
             continue
         rows.append(_row(a, op, b, params, rng))
     return rows

@@ -28,10 +28,10 @@ from ..config.base import did_you_mean
 from ..config.tasks import ReasoningGymParams
 from ..errors import UserError
 from ..verifiers.base import VerifyResult
+from .splits import band, band_of
 
 log = logging.getLogger(__name__)  # under the toolkit's `alignment` logger, without importing torch
 
-HELD_OUT_SPLITS = ("test", "validation", "eval", "heldout")
 MAX_ANSWER_CHARS = 20_000
 # Train seeds lie in [0, 2**30), held-out ones 2**30 above: generators draw item i from Random(seed + i) (numpy
 # seeds must stay below 2**32), so the two streams never share an item seed below 2**30 items.
@@ -60,11 +60,12 @@ def task_names() -> list[str]:
 
 
 def build(params: ReasoningGymParams, split: str, seed: int) -> list[dict]:
-    """`params.n` rows of the train split, or of the held-out one for `test`, `validation`, `eval` or `heldout`;
-    deterministic in (params, split, seed). Each task gets its weight's share of `n` (largest remainders), and
-    the rows of all tasks are interleaved in a seeded order. Not covered: a few generators iterate over sets of
-    strings (word_ladder, ransom_note, ...), so their rows also depend on the interpreter's hash seed; set
-    PYTHONHASHSEED for the same rows in every run and every process of one."""
+    """`params.n` rows of the split (`train`, `test` or `validation`: alignment/tasks/splits.py), deterministic in
+    (params, split, seed). Each task gets its weight's share of `n` (largest remainders), and the rows of all tasks
+    are interleaved in a seeded order. A generator draws with replacement, so a task whose questions are few repeats
+    them: the log line counts each task's distinct questions where they are fewer than its rows. Not covered: a few
+    generators iterate over sets of strings (word_ladder, ransom_note, ...), so their rows also depend on the
+    interpreter's hash seed; set PYTHONHASHSEED for the same rows in every run and every process of one."""
     library = _library()
     known = task_names()
     for name in params.tasks:
@@ -74,19 +75,22 @@ def build(params: ReasoningGymParams, split: str, seed: int) -> list[dict]:
                 f"{did_you_mean(name, known)}; the installed reasoning-gym has {len(known)}: "
                 f"{', '.join(known)}."
             )
-    held_out = split in HELD_OUT_SPLITS
+    wanted = band_of(split, "reasoning_gym", params.validation_fraction)
     instruction = _instruction(library, params.system_prompt)
     rows: list[dict] = []
+    counts = []
     shares = _shares(params.n, {name: task.weight for name, task in params.tasks.items()})
     for name, count in shares.items():
         config = params.tasks[name].config
-        entries = _entries(library, name, config, count, held_out, params.test_fraction, seed)
+        entries = _entries(library, name, config, count, wanted, params, seed)
         rows += [_row(name, config, entry, instruction, params.format) for entry in entries]
+        distinct = len({entry["question"] for entry in entries})
+        counts.append(f"{name} {count}" + (f" ({distinct} distinct)" if distinct < count else ""))
     random.Random(f"{seed}-{split}-reasoning_gym").shuffle(rows)
     unanswered = sum(row["answer"] is None for row in rows)
     log.info(
-        f"reasoning_gym ({'held-out' if held_out else 'training'} questions): "
-        + ", ".join(f"{name} {count}" for name, count in shares.items())
+        f"reasoning_gym ({wanted} questions): "
+        + ", ".join(counts)
         + (f"; {unanswered} rows without a reference answer (no `completion`)" if unanswered else "")
     )
     return rows
@@ -115,18 +119,15 @@ def _instruction(library, name: str) -> str | None:
     return prompts[name].strip()
 
 
-def _is_held_out(question: str, fraction: float) -> bool:
-    digest = hashlib.sha256(question.encode()).digest()
-    return int.from_bytes(digest[:4], "big") / 2**32 < fraction
-
-
-def _entries(library, name: str, config: dict, count: int, held_out: bool, fraction: float, seed: int) -> list[dict]:
-    """`count` entries of task `name` whose questions fall on this split's side of the hash partition. The
-    generator is made in chunks (some precompute per item at construction), each continuing the same seed
-    stream; a side that stays empty after many draws (a task with very few distinct questions) is an error."""
-    share = fraction if held_out else 1 - fraction
+def _entries(library, name: str, config: dict, count: int, wanted: str, params: ReasoningGymParams, seed: int):
+    """`count` entries of task `name` whose questions fall in the `wanted` band. The generator is made in chunks
+    (some precompute per item at construction), each continuing the same seed stream (the training band's, or the
+    held-out one that the test and validation bands share); a band that stays empty after many draws (a task with
+    very few distinct questions) is an error."""
+    test, validation = params.test_fraction, params.validation_fraction
+    share = {"test": test, "validation": validation, "train": 1 - test - validation}[wanted]
     start = int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:4], "big") % SEED_SPAN
-    start += SEED_SPAN if held_out else 0
+    start += 0 if wanted == "train" else SEED_SPAN
     if count == 0:  # a task whose weight rounds to no rows: its config is still checked
         _dataset(library, name, config, seed=start, size=1)
         return []
@@ -134,13 +135,13 @@ def _entries(library, name: str, config: dict, count: int, held_out: bool, fract
     while len(found) < count and drawn < budget:
         size = min(budget - drawn, math.ceil((count - len(found)) / share * 1.2) + 8)
         dataset = _dataset(library, name, config, seed=start + drawn, size=size)
-        found += [e for e in (dataset[i] for i in range(size)) if _is_held_out(e["question"], fraction) == held_out]
+        found += [e for e in (dataset[i] for i in range(size)) if band(e["question"], test, validation) == wanted]
         drawn += size
     if len(found) < count:
-        side = "held-out" if held_out else "training"
         raise UserError(
-            f"Task reasoning_gym: '{name}' gave only {len(found)} of {count} {side} questions in {drawn} "
-            f"draws: its config yields too few distinct questions for test_fraction {fraction}."
+            f"Task reasoning_gym: '{name}' gave only {len(found)} of {count} {wanted} questions in {drawn} "
+            f"draws: its config yields too few distinct questions for test_fraction {test} and "
+            f"validation_fraction {validation}."
         )
     return found[:count]
 

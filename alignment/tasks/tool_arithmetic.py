@@ -19,7 +19,8 @@ import json
 import random
 
 from ..config.tasks import ToolArithmeticParams
-from .arithmetic import _is_test_problem, _operand, verify
+from .arithmetic import _operand, verify
+from .splits import band, band_of
 
 __all__ = ["build", "verify"]
 
@@ -35,7 +36,7 @@ def result_text(value: str) -> str:
 
 
 def build(params: ToolArithmeticParams, split: str, seed: int) -> list[dict]:
-    want_test = split in ("test", "validation", "eval", "heldout")
+    wanted = band_of(split, "tool_arithmetic", params.validation_fraction)
     rng = random.Random(f"{seed}-{split}-tools")
     rows: list[dict] = []
     problems = 0
@@ -43,7 +44,7 @@ def build(params: ToolArithmeticParams, split: str, seed: int) -> list[dict]:
         if problems == params.n:
             break
         a, b = _operand(rng, params.digits[0]), _operand(rng, params.digits[1])
-        if _is_test_problem(a, "*", b, params.test_fraction) != want_test:
+        if band(f"{a}*{b}", params.test_fraction, params.validation_fraction) != wanted:
             continue
         problems += 1
         rows += _rows(a, b, params, rng)
