@@ -13,7 +13,7 @@ from conftest import TINY_MODEL, run_cli, run_cli_here, write_recipe
 
 from alignment.config.evaluate import SuiteSpec
 from alignment.errors import UserError
-from alignment.evaluation.evaluate import evaluate_checkpoints, sequence_kl
+from alignment.evaluation.evaluate import evaluate_checkpoints, load_suites, sequence_kl
 from alignment.evaluation.metrics import mean, pass_at_k, reward_hacking, win_rate
 from alignment.tasks.arithmetic import agrees_with_stated
 
@@ -541,3 +541,14 @@ def test_align_eval_passes_its_sampling_options_on(tiny_model, tmp_path, monkeyp
     suite = caught.value.args[0][0]
     assert (suite.sampling.max_new_tokens, suite.sampling.temperature) == (48, 0.5)
     assert (suite.pass_k.max_new_tokens, suite.pass_k.temperature) == (48, 1.0)
+
+
+def test_a_suite_that_repeats_prompts_is_logged_with_its_distinct_count(logged):
+    # One-digit sums: 100 problems, about 10 of them in the test band, so 40 test rows repeat them.
+    data = {"task": "arithmetic", "split": "test", "n": 40, "digits": 1}
+    (suite,) = load_suites([SuiteSpec(name="small", data=data, verifier="arithmetic")], 1, None)
+    distinct = len(set(suite.prompts))
+    assert distinct < 40
+    assert f"[evaluate.suites.0 (small).data] 40 prompts, {distinct} distinct" in logged()
+    load_suites([SuiteSpec(name="large", data={**data, "digits": 3}, verifier="arithmetic")], 1, None)
+    assert "distinct" not in logged()  # 40 of about 81,000 three-digit sums: no repeat, nothing to say

@@ -16,6 +16,7 @@ scores it again. Suites with tools sample multi-turn rollouts (`tool_suites.py`)
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -187,7 +188,11 @@ def load_suites(suites: list[SuiteSpec], seed: int, base_dir: Path | None) -> li
             if spec.uses_tools
             else None
         )
-        loaded.append(Suite(spec, rows, [prompt_of(r) for r in rows], verifier, toolbox, gold))
+        prompts = [prompt_of(r) for r in rows]
+        distinct = len({json.dumps(p, sort_keys=True) for p in prompts})
+        if distinct < len(prompts):  # a generator drawing with replacement: pass@1 weighs a prompt as often as asked
+            log.info(f"[{where}] {len(prompts)} prompts, {distinct} distinct: a repeated prompt counts each time")
+        loaded.append(Suite(spec, rows, prompts, verifier, toolbox, gold))
     return loaded
 
 
