@@ -21,7 +21,7 @@ from alignment.config.recipe import load_recipe
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 INSTALL = 'pip install torch==2.13.0 && pip install -e ".[dev]" && align run recipes/quickstart.yaml --jobs 2'
-TESTS = "python -m pytest -q"
+TESTS = "python -m pytest -q -n 2"
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 # [text](target): text may wrap across lines, the target holds no spaces; images and bare URLs alike.
