@@ -13,8 +13,15 @@ from .base import Strict, did_you_mean
 
 
 class SplitBands(Strict):
-    """The validation band shared by the generated tasks (alignment/tasks/splits.py)."""
+    """The test and validation bands of the generated tasks (alignment/tasks/splits.py)."""
 
+    test_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="share of all problems (by a hash of the problem's text; for reasoning_gym, of each task's "
+        "questions) reserved for the test split",
+    )
     validation_fraction: float = Field(
         0.0,
         ge=0,
@@ -60,7 +67,6 @@ class ArithmeticParams(SplitBands):
     sycophancy_fraction: float = Field(
         0.0, ge=0, le=1, description="share of plain-style rows asked the sycophancy way"
     )
-    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
     carry_mistake_rate: float = Field(
         0.0,
         ge=0,
@@ -93,7 +99,6 @@ class ToolArithmeticParams(SplitBands):
     phrasing: Literal["compact", "chat"] = Field(
         "compact", description="compact: 'What is 123*45?'; chat: 'What is 123 * 45? Answer with just the number.'"
     )
-    test_fraction: float = Field(0.1, gt=0, lt=1, description="share of all problems reserved for the test split")
 
 
 # reasoning-gym's instructions to answer inside <answer></answer> tags (reasoning_gym.utils.SYSTEM_PROMPTS), by
@@ -145,12 +150,6 @@ class ReasoningGymParams(SplitBands):
         "answer inside <answer></answer> tags, by its name in "
         "reasoning_gym.utils.SYSTEM_PROMPTS; none: the question "
         "alone",
-    )
-    test_fraction: float = Field(
-        0.1,
-        gt=0,
-        lt=1,
-        description="share of each task's questions (by a hash of the question text) reserved for the held-out splits",
     )
 
     @field_validator("tasks", mode="before")

@@ -6,8 +6,9 @@ problems from the same bands.
                            [test_fraction, + validation_fraction)     validation
                            the rest                                   train (any other split name)
 
-`validation_fraction` is 0 by default, which leaves the train and test bands as they were before the band existed;
-asking for the `validation` split without it is an error, since the only held-out problems are then the test ones.
+`validation_fraction` is 0 by default: every problem outside the test band is then a training one, and asking for the
+`validation` split is an error, since the only held-out problems are the test ones. Setting it moves problems from
+the training band only: the test band is the same whatever it is.
 Settings chosen on the validation band and reported on the test band are chosen on problems the report never
 scores (docs/tuning.md).
 """
